@@ -1,0 +1,393 @@
+/*
+ * automagic.h — the Automagic3 optimizer as a C library.
+ *
+ * Automagic3 is an Adafactor-style optimizer with one learning rate per output
+ * row that tunes itself from the sign agreement of successive updates, and
+ * stochastic rounding for bfloat16/float16 weights. The exact math is in
+ * SPEC.md (section numbers below refer to it).
+ *
+ * Two layers:
+ *   1. Kernels over caller-owned buffers (am_state_*, am_update*): the caller
+ *      owns the parameter, the gradient, every state buffer and a workspace
+ *      sized by am_state_get_sizes(). Nothing is allocated on the hot path. The
+ *      PyTorch front end and the CUDA path use this layer.
+ *   2. An optimizer object for C programs (am_optimizer_*): owns the state of
+ *      every registered parameter and updates one parameter the moment its
+ *      gradient is ready (the fused-backward pattern), or all of them.
+ *
+ * Conventions
+ *   - Every function returns an am_status. AM_OK and the AM_SKIPPED_* values
+ *     are successes; negative values are errors (am_status_is_error()).
+ *   - An error never modifies any caller buffer, parameter or state.
+ *   - Tensors are dense, row-major (C-contiguous). Shapes have 0 to 8 dims,
+ *     sizes are int64_t. A parameter with zero elements is a no-op.
+ *   - Nothing here exits, aborts or prints. Messages go to the optional log
+ *     callback (am_set_log_callback()).
+ *
+ * Thread safety: am_update() on different parameters (different buffers) may
+ * run concurrently from several threads. One am_optimizer may be used from
+ * several threads at once as long as no two threads update the same parameter
+ * concurrently and no thread adds parameters or destroys it meanwhile.
+ */
+#ifndef AUTOMAGIC_H
+#define AUTOMAGIC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32) && defined(AM_BUILDING_SHARED)
+#define AM_API __declspec(dllexport)
+#elif defined(__GNUC__)
+#define AM_API __attribute__((visibility("default")))
+#else
+#define AM_API
+#endif
+
+/* ------------------------------------------------------------- version --- */
+
+#define AM_VERSION_MAJOR 0
+#define AM_VERSION_MINOR 1
+#define AM_VERSION_PATCH 0
+#define AM_VERSION_NUMBER \
+    (AM_VERSION_MAJOR * 10000 + AM_VERSION_MINOR * 100 + AM_VERSION_PATCH)
+
+/* The library's version as AM_VERSION_NUMBER, for comparing the header one
+ * was compiled against with the library one runs against. */
+AM_API int am_version_number(void);
+/* The library's version as "MAJOR.MINOR.PATCH". Static string, never NULL. */
+AM_API const char *am_version_string(void);
+
+/* -------------------------------------------------------------- status --- */
+
+/* Values are fixed forever; new ones are only appended. */
+typedef enum am_status {
+    AM_OK = 0,
+    /* The gradient held a NaN or an infinity: parameter and state are
+     * exactly as they were (SPEC 6.2). */
+    AM_SKIPPED_NONFINITE_GRAD = 1,
+    /* The gradient was finite but the update was not (a float32 overflow of
+     * g*g, or eps = 0 with an all-zero row): nothing was changed. */
+    AM_SKIPPED_NONFINITE_UPDATE = 2,
+
+    AM_ERR_NULL_POINTER = -1,    /* a required pointer argument is NULL */
+    AM_ERR_INVALID_DTYPE = -2,   /* dtype is not one of am_dtype */
+    AM_ERR_INVALID_SHAPE = -3,   /* ndim out of [0, 8], a negative size,
+                                    or the element count overflows int64 */
+    AM_ERR_INVALID_HPARAM = -4,  /* a hyperparameter outside SPEC 1 */
+    AM_ERR_BUFFER_SIZE = -5,     /* a caller buffer is smaller than needed */
+    AM_ERR_OUT_OF_MEMORY = -6,
+    AM_ERR_NOT_FOUND = -7,       /* no parameter with that id */
+    AM_ERR_INVALID_ARGUMENT = -8,/* another argument is out of range */
+    AM_ERR_IO = -9,              /* reading or writing a file failed */
+    AM_ERR_FORMAT = -10,         /* a file is not a valid checkpoint */
+    AM_ERR_MISMATCH = -11,       /* a checkpoint does not match the
+                                    registered parameters */
+    AM_ERR_UNSUPPORTED = -12,    /* not available in this build */
+    AM_ERR_DEVICE = -13          /* the GPU runtime reported an error */
+} am_status;
+
+/* Nonzero when s is an error (negative). */
+AM_API int am_status_is_error(am_status s);
+/* A short English description of s ("invalid hyperparameter", ...). Static
+ * string, never NULL; unknown values give "unknown status". */
+AM_API const char *am_status_string(am_status s);
+
+/* --------------------------------------------------------------- dtype --- */
+
+typedef enum am_dtype {
+    AM_DTYPE_FLOAT32 = 0,
+    AM_DTYPE_BFLOAT16 = 1,
+    AM_DTYPE_FLOAT16 = 2
+} am_dtype;
+
+/* Size in bytes of one element of dtype (4, 2, 2), or 0 for an invalid one. */
+AM_API size_t am_dtype_size(am_dtype dtype);
+/* "float32", "bfloat16", "float16", or "invalid". Static string. */
+AM_API const char *am_dtype_name(am_dtype dtype);
+
+/* ------------------------------------------------------------- logging --- */
+
+typedef enum am_log_level {
+    AM_LOG_DEBUG = 0,
+    AM_LOG_INFO = 1,
+    AM_LOG_WARNING = 2,
+    AM_LOG_ERROR = 3
+} am_log_level;
+
+/* Receives a message. msg is valid only during the call. */
+typedef void (*am_log_fn)(am_log_level level, const char *msg, void *user);
+
+/* Installs a process-wide log callback (NULL: messages are dropped, the
+ * default). Error messages describe why a call failed, naming the argument;
+ * warnings report things the SPEC says to warn about (an initial lr above 1e-3
+ * forced to 1e-6). Not thread-safe with respect to concurrent logging: set it
+ * once at start-up. Returns AM_OK. */
+AM_API am_status am_set_log_callback(am_log_fn fn, void *user);
+
+/* --------------------------------------------------------- hyperparams --- */
+
+/* SPEC 1. Values are double; the kernels compute in float32. */
+typedef struct am_hparams {
+    double lr;             /* initial lr of every row; 0 < lr */
+    double min_lr;         /* 0 <= min_lr <= max_lr */
+    double max_lr;         /* finite */
+    double lr_bump_rate;   /* >= 0, finite */
+    double beta2;          /* 0 <= beta2 < 1 */
+    double eps;            /* >= 0, finite */
+    double clip_threshold; /* > 0, finite */
+    double weight_decay;   /* >= 0, finite */
+} am_hparams;
+
+/* The reference's defaults: lr 1e-6, min_lr 1e-8, max_lr 1e-2,
+ * lr_bump_rate 0.1, beta2 0.999, eps 1e-30, clip_threshold 1, weight_decay 0. */
+AM_API am_hparams am_hparams_default(void);
+
+/* AM_OK when every field is in its SPEC 1 range, else AM_ERR_INVALID_HPARAM
+ * (the log callback names the field) or AM_ERR_NULL_POINTER. An lr above 1e-3
+ * is valid here; creating state with it forces 1e-6 (see am_optimizer_create
+ * and am_state_init). */
+AM_API am_status am_hparams_validate(const am_hparams *hp);
+
+/* -------------------------------------------------------------- shapes --- */
+
+#define AM_MAX_DIMS 8
+
+/* A dense row-major shape. dims[0] is the output dimension (one lr per
+ * dims[0] for ndim >= 2); the last two dims are factored (SPEC 2). */
+typedef struct am_shape {
+    int32_t ndim;                /* 0..AM_MAX_DIMS */
+    int64_t dims[AM_MAX_DIMS];   /* each >= 0; dims[ndim..] ignored */
+} am_shape;
+
+/* Sizes, in elements unless named bytes, of one parameter's state and of the
+ * workspace one update needs. Filled by am_state_get_sizes(). */
+typedef struct am_state_sizes {
+    int64_t numel;           /* elements of the parameter */
+    int64_t lr_count;        /* float32 per-row lrs: dims[0] (ndim>=2), numel */
+    int64_t polarity_bytes;  /* packed sign bits, see am_state */
+    int64_t row_count;       /* float32 second-moment rows: prod(dims[:-1]) or 0 */
+    int64_t col_count;       /* float32 second-moment cols: prod(dims[:-2])*dims[-1] or 0 */
+    int64_t sq_count;        /* float32 unfactored moment (ndim<=1): numel, else 0 */
+    int64_t workspace_bytes; /* scratch for one am_update() on the CPU */
+} am_state_sizes;
+
+/* Computes the sizes for shape. Returns AM_ERR_NULL_POINTER or
+ * AM_ERR_INVALID_SHAPE (out untouched) on bad input. */
+AM_API am_status am_state_get_sizes(const am_shape *shape, am_state_sizes *out);
+
+/* ---------------------------------------------------- kernel layer ------ */
+
+/* One parameter's state, in caller-owned buffers sized by am_state_get_sizes().
+ *
+ * polarity layout: ndim <= 1: bit (i % 8) of byte i / 8 is element i.
+ * ndim >= 2: each lr-row (the numel/dims[0] contiguous elements of one output
+ * channel) starts on a byte: bit (q % 8) of byte k*ceil(m/8) + q/8 is element
+ * q of lr-row k, m = numel/dims[0]. Padding bits are zero. A set bit means the
+ * previous update of that element was strictly positive.
+ *
+ * row/col are NULL for ndim <= 1, sq is NULL for ndim >= 2. */
+typedef struct am_state {
+    float *lr;          /* [lr_count] */
+    uint8_t *polarity;  /* [polarity_bytes] */
+    float *row;         /* [row_count]  shape (*B, R) */
+    float *col;         /* [col_count]  shape (*B, C) */
+    float *sq;          /* [sq_count]   shape S */
+    int64_t step;       /* updates applied so far; am_update increments it */
+} am_state;
+
+/* Initialises state for a fresh parameter: every lr to initial_lr, polarity,
+ * row, col and sq to zero, step to 0. initial_lr must be > 0 and finite (the
+ * SPEC's 1e-3 rule is applied by the caller or by am_optimizer_create; this
+ * function stores what it is given). Errors: AM_ERR_NULL_POINTER (a buffer the
+ * shape needs is NULL), AM_ERR_INVALID_SHAPE, AM_ERR_INVALID_HPARAM. */
+AM_API am_status am_state_init(const am_shape *shape, am_state *state,
+                               double initial_lr);
+
+/* A parameter (or its gradient): data pointer, dtype and shape. */
+typedef struct am_tensor {
+    void *data;      /* may be NULL only when numel == 0 */
+    am_dtype dtype;
+    am_shape shape;
+} am_tensor;
+
+/* Randomness of one update (SPEC 5): stochastic rounding noise is a function
+ * of (seed, param_id, state step, element index) only. */
+typedef struct am_rng_key {
+    uint64_t seed;
+    uint32_t param_id;
+} am_rng_key;
+
+/* What one update did. */
+typedef struct am_report {
+    am_status status;        /* same as the return value of the update */
+    float clip_scale;        /* the divisor of SPEC 3.2 (>= 1), 0 if skipped */
+    float mean_agreement;    /* mean over lr-rows of the agreement fraction;
+                                0 if skipped */
+    int64_t nonfinite_count; /* non-finite elements seen in the gradient */
+} am_report;
+
+/* One whole update of one parameter (SPEC 3): am_update_stats, then
+ * am_update_moments, then am_update_finish.
+ *
+ * param  : the parameter, updated in place (float32, bfloat16 or float16).
+ * grad   : its gradient, same shape, any of the three dtypes. Not modified.
+ * state  : the parameter's state from am_state_init; step is incremented.
+ * hp     : validated hyperparameters (lr is not used here: the state holds the
+ *          per-row lrs).
+ * key    : randomness key.
+ * workspace, workspace_bytes : scratch of at least sizes.workspace_bytes.
+ * report : may be NULL.
+ *
+ * Returns AM_OK; AM_SKIPPED_NONFINITE_GRAD or AM_SKIPPED_NONFINITE_UPDATE
+ * (nothing modified); or AM_ERR_NULL_POINTER, AM_ERR_INVALID_DTYPE,
+ * AM_ERR_INVALID_SHAPE (param and grad shapes differ, or bad shape),
+ * AM_ERR_INVALID_HPARAM, AM_ERR_BUFFER_SIZE (workspace too small),
+ * AM_ERR_INVALID_ARGUMENT (state.step < 0). On any status but AM_OK nothing
+ * the caller owns is modified except the workspace and the report. */
+AM_API am_status am_update(const am_tensor *param, const am_tensor *grad,
+                           am_state *state, const am_hparams *hp,
+                           am_rng_key key, void *workspace,
+                           size_t workspace_bytes, am_report *report);
+
+/* The phases of am_update, for data-parallel engines that shard a parameter
+ * and must reduce the small vectors across processes between phases. Each
+ * takes the same arguments as am_update and the same workspace, untouched by
+ * the caller between calls except through am_workspace_view.
+ *
+ * am_update_stats   : one pass over grad. Fills the view's row_sumsq and
+ *                     col_sumsq (sums of g*g over C and over R, ndim >= 2) and
+ *                     nonfinite count; for ndim <= 1 (unfactored) it also
+ *                     fills u2_sum, and am_update_moments has nothing to do.
+ *                     Returns AM_SKIPPED_NONFINITE_GRAD when the (local)
+ *                     gradient has a non-finite element.
+ * (all-reduce row_sumsq, col_sumsq, nonfinite here)
+ * am_update_moments : from the (reduced) sums and the state, the new second
+ *                     moments and scale factors (kept in the workspace, state
+ *                     untouched), then one pass over grad for the sum of u*u
+ *                     into the view's u2_sum.
+ * (all-reduce u2_sum here)
+ * am_update_finish  : clip, agreement, lr bump, parameter update; commits the
+ *                     new moments, polarity, lrs and step to state. Returns
+ *                     AM_SKIPPED_NONFINITE_UPDATE if u2_sum is not finite.
+ * The sums are over the tensor the caller passes; a sharded engine passes its
+ * shard and reduces. The clip's rms divides u2_sum by the numel of the tensor
+ * passed, so an engine with k equal shards divides the reduced u2_sum by k. */
+AM_API am_status am_update_stats(const am_tensor *param, const am_tensor *grad,
+                                 const am_state *state, const am_hparams *hp,
+                                 void *workspace, size_t workspace_bytes);
+AM_API am_status am_update_moments(const am_tensor *param,
+                                   const am_tensor *grad,
+                                   const am_state *state, const am_hparams *hp,
+                                   void *workspace, size_t workspace_bytes);
+AM_API am_status am_update_finish(const am_tensor *param,
+                                  const am_tensor *grad, am_state *state,
+                                  const am_hparams *hp, am_rng_key key,
+                                  void *workspace, size_t workspace_bytes,
+                                  am_report *report);
+
+/* Pointers into a workspace for the between-phase reductions. */
+typedef struct am_workspace_view {
+    float *row_sumsq;           /* [row_count]: sum over C of g*g */
+    float *col_sumsq;           /* [col_count]: sum over R of g*g */
+    double *u2_sum;             /* [1]: sum of u*u before clipping */
+    int64_t *nonfinite;         /* [1]: non-finite gradient elements */
+} am_workspace_view;
+
+/* Fills view with pointers into workspace for shape. Errors as
+ * am_state_get_sizes, plus AM_ERR_BUFFER_SIZE. */
+AM_API am_status am_workspace_view_get(const am_shape *shape, void *workspace,
+                                       size_t workspace_bytes,
+                                       am_workspace_view *view);
+
+/* -------------------------------------------------------- threading ----- */
+
+/* Sets the number of threads the CPU kernels may use (1 = single-threaded;
+ * 0 = the number of online processors). Results are bit-identical for every
+ * value. Process-wide. Errors: AM_ERR_INVALID_ARGUMENT (n < 0). */
+AM_API am_status am_set_num_threads(int n);
+/* The current thread count (>= 1). */
+AM_API int am_get_num_threads(void);
+/* The name of the CPU kernel set in use: "scalar", "avx2", ... Static. */
+AM_API const char *am_kernel_name(void);
+
+/* ---------------------------------------------------- optimizer object -- */
+
+typedef struct am_optimizer am_optimizer;
+
+/* Creates an optimizer. hp is validated (AM_ERR_INVALID_HPARAM); an lr above
+ * 1e-3 is forced to 1e-6 with a warning through the log callback, as the
+ * reference does. seed keys the stochastic rounding. *out is set only on
+ * success. Errors: AM_ERR_NULL_POINTER, AM_ERR_INVALID_HPARAM,
+ * AM_ERR_OUT_OF_MEMORY. */
+AM_API am_status am_optimizer_create(const am_hparams *hp, uint64_t seed,
+                                     am_optimizer **out);
+
+/* Frees the optimizer and all the state it owns (not the parameters).
+ * NULL is a no-op. */
+AM_API void am_optimizer_destroy(am_optimizer *opt);
+
+/* Registers a parameter: data (updated in place, owned by the caller, must
+ * outlive the optimizer or until it is destroyed), its dtype, ndim and shape
+ * (int64_t[ndim]; may be NULL when ndim == 0). Its state is allocated and
+ * initialised. *out_id receives the parameter id (0, 1, 2, ... in order of
+ * registration), which also keys its randomness. Errors: AM_ERR_NULL_POINTER,
+ * AM_ERR_INVALID_DTYPE, AM_ERR_INVALID_SHAPE, AM_ERR_OUT_OF_MEMORY. */
+AM_API am_status am_optimizer_add_param(am_optimizer *opt, void *data,
+                                        am_dtype dtype, int32_t ndim,
+                                        const int64_t *shape, int32_t *out_id);
+
+/* Number of registered parameters, or 0 for NULL. */
+AM_API int32_t am_optimizer_num_params(const am_optimizer *opt);
+
+/* Updates parameter id with grad (same shape, dtype grad_dtype): call it the
+ * moment the gradient is ready, then reuse the gradient buffer. report may be
+ * NULL. Returns what am_update returns, or AM_ERR_NOT_FOUND. */
+AM_API am_status am_optimizer_update_param(am_optimizer *opt, int32_t id,
+                                           const void *grad,
+                                           am_dtype grad_dtype,
+                                           am_report *report);
+
+/* Updates every parameter: grads[i] and grad_dtypes[i] for parameter i
+ * (grads[i] == NULL skips parameter i). reports: NULL or an array of
+ * am_optimizer_num_params() entries. Arguments are all checked before any
+ * update. Returns AM_OK when every update was applied, the first AM_SKIPPED_*
+ * seen otherwise (the other parameters are still updated), or an error
+ * (nothing updated). */
+AM_API am_status am_optimizer_update_all(am_optimizer *opt,
+                                         const void *const *grads,
+                                         const am_dtype *grad_dtypes,
+                                         am_report *reports);
+
+/* Copies parameter id's per-row lrs into out (capacity count floats; needs
+ * am_optimizer_lr_count()). Errors: AM_ERR_NULL_POINTER, AM_ERR_NOT_FOUND,
+ * AM_ERR_BUFFER_SIZE. */
+AM_API am_status am_optimizer_get_lrs(const am_optimizer *opt, int32_t id,
+                                      float *out, int64_t count);
+/* Number of per-row lrs of parameter id, or -1 if there is none. */
+AM_API int64_t am_optimizer_lr_count(const am_optimizer *opt, int32_t id);
+
+/* The mean lr of parameter id (id >= 0), or, with id == -1, the mean over all
+ * parameters of each parameter's mean lr (the reference's
+ * get_avg_learning_rate for one group; the initial lr when there are no
+ * parameters). Errors: AM_ERR_NULL_POINTER, AM_ERR_NOT_FOUND. */
+AM_API am_status am_optimizer_lr_mean(const am_optimizer *opt, int32_t id,
+                                      double *out);
+
+/* Number of updates skipped for a non-finite gradient or update since
+ * creation, summed over parameters. 0 for NULL. */
+AM_API int64_t am_optimizer_skipped_count(const am_optimizer *opt);
+
+/* Read-only access to parameter id's state (pointers owned by the optimizer,
+ * valid until it is destroyed). Errors: AM_ERR_NULL_POINTER, AM_ERR_NOT_FOUND. */
+AM_API am_status am_optimizer_get_state(const am_optimizer *opt, int32_t id,
+                                        am_state *out, am_shape *shape);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* AUTOMAGIC_H */

@@ -1,0 +1,240 @@
+/*
+ * am_math.h — per-element math shared by the CPU kernels and the CUDA
+ * kernels, so that both compute the same bits (SPEC 3, 5).
+ *
+ * Everything here is a static inline function on plain integers and floats:
+ * dtype conversion, Philox4x32-10, stochastic rounding, the SPEC 3 formulas.
+ * The CPU build compiles it without fast-math and with -ffp-contract=off, and
+ * the canonical math never uses fused multiply-add, so every path (scalar,
+ * SIMD, CUDA with --fmad=false) rounds the same way.
+ */
+#ifndef AM_MATH_H
+#define AM_MATH_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __CUDACC__
+#define AM_HD static __host__ __device__ __forceinline__
+#else
+#define AM_HD static inline
+#endif
+
+/* ------------------------------------------------------- bit casts ------ */
+
+AM_HD uint32_t am_f32_bits(float x) {
+#ifdef __CUDA_ARCH__
+    return (uint32_t)__float_as_uint(x);
+#else
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return u;
+#endif
+}
+
+AM_HD float am_bits_f32(uint32_t u) {
+#ifdef __CUDA_ARCH__
+    return __uint_as_float(u);
+#else
+    float x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+#endif
+}
+
+/* Finite test on the bits, immune to -ffast-math style assumptions. */
+AM_HD int am_isfinite_f32(float x) {
+    return (am_f32_bits(x) & 0x7f800000u) != 0x7f800000u;
+}
+
+/* ------------------------------------------------- dtype conversion ----- */
+
+/* bfloat16 is the high half of a float32: widening is exact. */
+AM_HD float am_bf16_to_f32(uint16_t h) { return am_bits_f32((uint32_t)h << 16); }
+
+/* IEEE half -> float32, exact for every input (subnormals, inf, NaN). */
+AM_HD float am_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu;
+    if (exp == 0x1fu) return am_bits_f32(sign | 0x7f800000u | (man << 13));
+    if (exp != 0) return am_bits_f32(sign | ((exp + 112u) << 23) | (man << 13));
+    /* subnormal: man * 2^-24, exact in float32 */
+    float v = (float)man * 5.9604644775390625e-8f;
+    return sign ? -v : v;
+}
+
+/* float32 -> IEEE half, round to nearest even (used for values already on
+ * the half grid after stochastic rounding, and by tests and demos). */
+AM_HD uint16_t am_f32_to_f16_rne(float x) {
+    uint32_t b = am_f32_bits(x);
+    uint16_t sign = (uint16_t)((b >> 16) & 0x8000u);
+    uint32_t ab = b & 0x7fffffffu;
+    if (ab >= 0x7f800000u) /* inf or NaN */
+        return (uint16_t)(sign | 0x7c00u | (ab > 0x7f800000u ? 0x200u : 0u));
+    if (ab >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* >= 65520 */
+    if (ab >= 0x38800000u) { /* normal half: |x| >= 2^-14 */
+        uint32_t r = ab + 0xfffu + ((ab >> 13) & 1u) - (112u << 23);
+        return (uint16_t)(sign | (r >> 13));
+    }
+    /* subnormal half: round |x| * 2^24 to nearest even integer */
+    {
+        float y = am_bits_f32(ab) * 16777216.0f; /* exact */
+        uint32_t k = (uint32_t)y;                /* floor, y < 1024 */
+        float frac = y - (float)k;
+        if (frac > 0.5f || (frac == 0.5f && (k & 1u))) k++;
+        return (uint16_t)(sign | k);
+    }
+}
+
+/* float32 -> bfloat16, round to nearest even (NaN stays NaN). */
+AM_HD uint16_t am_f32_to_bf16_rne(float x) {
+    uint32_t b = am_f32_bits(x);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b >> 16) | 0x40u);
+    b += 0x7fffu + ((b >> 16) & 1u);
+    return (uint16_t)(b >> 16);
+}
+
+/* --------------------------------------------------- Philox4x32-10 ------ */
+/* Salmon et al., "Parallel random numbers: as easy as 1, 2, 3" (SC11);
+ * constants as in Random123. */
+
+typedef struct am_u32x4 { uint32_t v[4]; } am_u32x4;
+
+AM_HD am_u32x4 am_philox4x32_10(am_u32x4 c, uint32_t k0, uint32_t k1) {
+    int r;
+    for (r = 0; r < 10; r++) {
+        uint64_t p0 = (uint64_t)0xD2511F53u * c.v[0];
+        uint64_t p1 = (uint64_t)0xCD9E8D57u * c.v[2];
+        uint32_t hi0 = (uint32_t)(p0 >> 32), lo0 = (uint32_t)p0;
+        uint32_t hi1 = (uint32_t)(p1 >> 32), lo1 = (uint32_t)p1;
+        am_u32x4 n;
+        n.v[0] = hi1 ^ c.v[1] ^ k0;
+        n.v[1] = lo1;
+        n.v[2] = hi0 ^ c.v[3] ^ k1;
+        n.v[3] = lo0;
+        c = n;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    return c;
+}
+
+/* The four random words for elements 4q..4q+3 of one update (SPEC 5):
+ * counter (q lo, q hi, param id, step), key = seed. Element e uses word e%4. */
+AM_HD am_u32x4 am_rng_quad(uint64_t seed, uint32_t param_id, int64_t step,
+                           int64_t q) {
+    am_u32x4 c;
+    c.v[0] = (uint32_t)(uint64_t)q;
+    c.v[1] = (uint32_t)((uint64_t)q >> 32);
+    c.v[2] = param_id;
+    c.v[3] = (uint32_t)(uint64_t)step;
+    return am_philox4x32_10(c, (uint32_t)seed, (uint32_t)(seed >> 32));
+}
+
+/* ---------------------------------------------- stochastic rounding ----- */
+
+/* bfloat16 <- x, rounding up (away from zero in magnitude order of the bit
+ * pattern) with probability equal to the dropped fraction. bfloat16 shares
+ * float32's exponent range, so adding 16 random bits below the kept mantissa
+ * and truncating is exact and unbiased everywhere, subnormals included. */
+AM_HD uint16_t am_sr_bf16(float x, uint32_t rnd) {
+    uint32_t b = am_f32_bits(x);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b >> 16) | 0x40u);
+    if ((b & 0x7fffffffu) == 0x7f800000u) return (uint16_t)(b >> 16);
+    b += rnd & 0xffffu;
+    return (uint16_t)(b >> 16);
+}
+
+/* IEEE half <- x, unbiased. Normal half range (|x| >= 2^-14): add 13 random
+ * bits below the kept mantissa and truncate (the reference's trick). Half
+ * subnormal range: the half grid is uniform with spacing 2^-24 while float32's
+ * spacing shrinks, so the trick is biased there; instead round |x|*2^24 up
+ * with probability equal to its fractional part, compared against 32 random
+ * bits (exact for |x| >= 2^-32; below that the probability is quantised to
+ * 2^-32). Values past the largest half round up to infinity like IEEE. */
+AM_HD uint16_t am_sr_f16(float x, uint32_t rnd) {
+    uint32_t b = am_f32_bits(x);
+    uint32_t ab = b & 0x7fffffffu;
+    uint16_t sign = (uint16_t)((b >> 16) & 0x8000u);
+    if (ab >= 0x7f800000u) return am_f32_to_f16_rne(x);
+    if (ab >= 0x38800000u) {
+        uint32_t t = (ab + (rnd & 0x1fffu)) & ~0x1fffu;
+        return (uint16_t)(sign | am_f32_to_f16_rne(am_bits_f32(t)));
+    }
+    {
+        float y = am_bits_f32(ab) * 16777216.0f; /* exact: |x| * 2^24 < 1024 */
+        uint32_t k = (uint32_t)y;                /* floor */
+        float frac = y - (float)k;               /* exact, in [0, 1) */
+        uint32_t thr = (uint32_t)(frac * 4294967296.0f); /* floor(frac*2^32) */
+        if (rnd < thr) k++;
+        return (uint16_t)(sign | k); /* k == 1024 is 2^-14, the smallest normal */
+    }
+}
+
+/* ------------------------------------------------ SPEC 3 formulas ------- */
+
+/* The float32 constants of one update, derived once from the double
+ * hyperparameters the same way on every path. */
+typedef struct am_consts {
+    float beta2;       /* (float)beta2 */
+    float one_m_beta2; /* (float)(1 - beta2) */
+    float eps;
+    float clip;
+    float wd;
+    float min_lr, max_lr;
+    float bump;        /* lr_bump_rate */
+    float bump_up;     /* am_expf(bump): the factor for agreement 1 */
+    float bump_down;   /* am_expf(-bump): the factor for agreement 0 */
+} am_consts;
+
+/* EMA of SPEC 3.1: beta2*old + (1-beta2)*x, rounded after each operation. */
+AM_HD float am_ema(float old, float x, const am_consts *k) {
+    float t = old * k->beta2;
+    float s = x * k->one_m_beta2;
+    return t + s;
+}
+
+AM_HD float am_rsqrt(float x) { return 1.0f / sqrtf(x); }
+
+/* SPEC 3.5 in float32: p - lr * (u + wd * p). */
+AM_HD float am_apply(float p, float u, float lr, float wd) {
+    float t = (wd != 0.0f) ? u + wd * p : u;
+    return p - lr * t;
+}
+
+/* exp for the lr bump, computed in double and rounded once: correctly
+ * rounded in practice on every platform, so CPU and GPU agree. */
+AM_HD float am_expf(float x) { return (float)exp((double)x); }
+
+/* SPEC 3.4: lr * exp((2a - 1) * bump), clamped to [min_lr, max_lr], where
+ * a = matches / m is the agreement fraction of the lr-row. */
+AM_HD float am_lr_scale(float lr, float factor, const am_consts *k) {
+    float v = lr * factor;
+    if (v < k->min_lr) v = k->min_lr;
+    if (v > k->max_lr) v = k->max_lr;
+    return v;
+}
+
+AM_HD float am_lr_bump(float lr, float agreement, const am_consts *k) {
+    float d = agreement * 2.0f - 1.0f;
+    return am_lr_scale(lr, am_expf(d * k->bump), k);
+}
+
+/* Loads element i of a float32/bfloat16/float16 buffer as float32. dtype is
+ * 0, 1 or 2 as in am_dtype. */
+AM_HD float am_load(const void *base, int dtype, int64_t i) {
+    if (dtype == 0) return ((const float *)base)[i];
+    if (dtype == 1) return am_bf16_to_f32(((const uint16_t *)base)[i]);
+    return am_f16_to_f32(((const uint16_t *)base)[i]);
+}
+
+/* Stores v into element i, stochastically rounded with rnd for 16-bit types. */
+AM_HD void am_store_sr(void *base, int dtype, int64_t i, float v, uint32_t rnd) {
+    if (dtype == 0) ((float *)base)[i] = v;
+    else if (dtype == 1) ((uint16_t *)base)[i] = am_sr_bf16(v, rnd);
+    else ((uint16_t *)base)[i] = am_sr_f16(v, rnd);
+}
+
+#endif /* AM_MATH_H */

@@ -1,0 +1,131 @@
+/* core.c — version, status strings, dtypes, logging, hyperparameters. */
+#include "internal.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+
+int am_version_number(void) { return AM_VERSION_NUMBER; }
+
+#define AM_STR2(x) #x
+#define AM_STR(x) AM_STR2(x)
+const char *am_version_string(void) {
+    return AM_STR(AM_VERSION_MAJOR) "." AM_STR(AM_VERSION_MINOR) "." AM_STR(
+        AM_VERSION_PATCH);
+}
+
+int am_status_is_error(am_status s) { return (int)s < 0; }
+
+const char *am_status_string(am_status s) {
+    switch (s) {
+    case AM_OK: return "ok";
+    case AM_SKIPPED_NONFINITE_GRAD: return "skipped: non-finite gradient";
+    case AM_SKIPPED_NONFINITE_UPDATE: return "skipped: non-finite update";
+    case AM_ERR_NULL_POINTER: return "null pointer argument";
+    case AM_ERR_INVALID_DTYPE: return "invalid dtype";
+    case AM_ERR_INVALID_SHAPE: return "invalid shape";
+    case AM_ERR_INVALID_HPARAM: return "invalid hyperparameter";
+    case AM_ERR_BUFFER_SIZE: return "buffer too small";
+    case AM_ERR_OUT_OF_MEMORY: return "out of memory";
+    case AM_ERR_NOT_FOUND: return "no such parameter";
+    case AM_ERR_INVALID_ARGUMENT: return "invalid argument";
+    case AM_ERR_IO: return "input/output error";
+    case AM_ERR_FORMAT: return "invalid checkpoint format";
+    case AM_ERR_MISMATCH: return "checkpoint does not match the parameters";
+    case AM_ERR_UNSUPPORTED: return "not supported by this build";
+    case AM_ERR_DEVICE: return "device error";
+    }
+    return "unknown status";
+}
+
+size_t am_dtype_size(am_dtype dtype) {
+    switch (dtype) {
+    case AM_DTYPE_FLOAT32: return 4;
+    case AM_DTYPE_BFLOAT16:
+    case AM_DTYPE_FLOAT16: return 2;
+    }
+    return 0;
+}
+
+const char *am_dtype_name(am_dtype dtype) {
+    switch (dtype) {
+    case AM_DTYPE_FLOAT32: return "float32";
+    case AM_DTYPE_BFLOAT16: return "bfloat16";
+    case AM_DTYPE_FLOAT16: return "float16";
+    }
+    return "invalid";
+}
+
+static am_log_fn g_log_fn;
+static void *g_log_user;
+
+am_status am_set_log_callback(am_log_fn fn, void *user) {
+    g_log_fn = fn;
+    g_log_user = user;
+    return AM_OK;
+}
+
+void am_log(am_log_level level, const char *fmt, ...) {
+    char buf[512];
+    va_list ap;
+    am_log_fn fn = g_log_fn;
+    if (!fn) return;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    fn(level, buf, g_log_user);
+}
+
+am_hparams am_hparams_default(void) {
+    am_hparams hp;
+    hp.lr = 1e-6;
+    hp.min_lr = 1e-8;
+    hp.max_lr = 1e-2;
+    hp.lr_bump_rate = 0.1;
+    hp.beta2 = 0.999;
+    hp.eps = 1e-30;
+    hp.clip_threshold = 1.0;
+    hp.weight_decay = 0.0;
+    return hp;
+}
+
+#define AM_HP_CHECK(ok, name, val, rule)                                      \
+    AM_RETURN_IF(!(ok), AM_ERR_INVALID_HPARAM,                                \
+                 "invalid hyperparameter %s = %g: must be %s", name, val, rule)
+
+am_status am_hparams_validate(const am_hparams *hp) {
+    AM_RETURN_IF(!hp, AM_ERR_NULL_POINTER, "hparams is NULL");
+    /* Written so that NaN fails every test. */
+    AM_HP_CHECK(hp->lr > 0 && isfinite(hp->lr), "lr", hp->lr, "> 0 and finite");
+    AM_HP_CHECK(hp->max_lr >= 0 && isfinite(hp->max_lr), "max_lr", hp->max_lr,
+                ">= 0 and finite");
+    AM_HP_CHECK(hp->min_lr >= 0 && hp->min_lr <= hp->max_lr, "min_lr",
+                hp->min_lr, ">= 0 and <= max_lr");
+    AM_HP_CHECK(hp->lr_bump_rate >= 0 && isfinite(hp->lr_bump_rate),
+                "lr_bump_rate", hp->lr_bump_rate, ">= 0 and finite");
+    AM_HP_CHECK(hp->beta2 >= 0 && hp->beta2 < 1, "beta2", hp->beta2,
+                "in [0, 1)");
+    AM_HP_CHECK(hp->eps >= 0 && isfinite(hp->eps), "eps", hp->eps,
+                ">= 0 and finite");
+    /* +inf is allowed: it disables clipping. */
+    AM_HP_CHECK(hp->clip_threshold > 0, "clip_threshold", hp->clip_threshold,
+                "> 0");
+    AM_HP_CHECK(hp->weight_decay >= 0 && isfinite(hp->weight_decay),
+                "weight_decay", hp->weight_decay, ">= 0 and finite");
+    return AM_OK;
+}
+
+am_consts am_consts_from(const am_hparams *hp) {
+    am_consts k;
+    k.beta2 = (float)hp->beta2;
+    k.one_m_beta2 = (float)(1.0 - hp->beta2);
+    k.eps = (float)hp->eps;
+    k.clip = (float)hp->clip_threshold;
+    k.wd = (float)hp->weight_decay;
+    k.min_lr = (float)hp->min_lr;
+    k.max_lr = (float)hp->max_lr;
+    k.bump = (float)hp->lr_bump_rate;
+    k.bump_up = am_expf(1.0f * k.bump);
+    k.bump_down = am_expf(-1.0f * k.bump);
+    return k;
+}

@@ -1,0 +1,161 @@
+/*
+ * internal.h — what the library's C files share and nothing else sees:
+ * the geometry of a parameter (lr-rows, factored matrices, the tile grid that
+ * fixes the reduction order), the workspace layout, the kernel table, the
+ * parallel-for seam and the error helpers.
+ */
+#ifndef AM_INTERNAL_H
+#define AM_INTERNAL_H
+
+#include "automagic.h"
+#include "am_math.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* ----------------------------------------------------------- errors ---- */
+
+/* Logs through the user's callback (printf-style); no-op without one. */
+void am_log(am_log_level level, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+/* Returns status err with a message naming the problem when cond holds. */
+#define AM_RETURN_IF(cond, err, ...)                                          \
+    do {                                                                      \
+        if (cond) {                                                           \
+            am_log(AM_LOG_ERROR, __VA_ARGS__);                                \
+            return (err);                                                     \
+        }                                                                     \
+    } while (0)
+
+#define AM_CHECK(expr)                                                        \
+    do {                                                                      \
+        am_status am_check_s_ = (expr);                                       \
+        if (am_status_is_error(am_check_s_)) return am_check_s_;              \
+    } while (0)
+
+/* --------------------------------------------------------- geometry ---- */
+
+/* Fixed reduction blocking. The order of every floating-point reduction is a
+ * function of the shape only (never of threads or SIMD width), so every path
+ * gives the same bits. Changing these changes results: they are part of the
+ * format of the computation. */
+#define AM_LANES 8           /* lane sums: element j goes to lane j % 8 */
+#define AM_COL_BLOCK 16384   /* columns per tile */
+#define AM_ROW_BLOCK_MIN 64  /* rows per tile: max(64, ceil(R / 64)) */
+#define AM_FLAT_CHUNK 16384  /* elements per tile when ndim <= 1 */
+
+typedef struct am_geom {
+    int32_t ndim;
+    int64_t numel;
+    int64_t lr_rows;      /* dims[0] (ndim >= 2) or numel */
+    int64_t m;            /* elements per lr-row (1 when ndim <= 1) */
+    int64_t B, R, C;      /* factored view (*B, R, C); ndim >= 2 */
+    int64_t RB, nrb;      /* rows per tile, row blocks */
+    int64_t CB, ncb;      /* cols per tile, col blocks */
+    int64_t ntiles;       /* B*nrb*ncb, or ceil(numel / AM_FLAT_CHUNK) */
+    int64_t pol_row_bytes;/* bytes of polarity per lr-row (ndim >= 2) */
+    am_state_sizes sizes;
+    /* workspace layout: byte offsets from the 64-aligned base */
+    size_t off_row_sumsq, off_col_sumsq, off_rowpart, off_colpart;
+    size_t off_new_row, off_new_col, off_rf, off_cf, off_rmean;
+    size_t off_tile_u2, off_tile_count, off_agree;
+} am_geom;
+
+/* Fills g from shape; AM_ERR_NULL_POINTER / AM_ERR_INVALID_SHAPE. */
+am_status am_geom_init(const am_shape *shape, am_geom *g);
+
+/* The header at the start of the workspace. */
+typedef struct am_ws_header {
+    double u2_sum;
+    int64_t nonfinite;
+    int64_t stage;      /* AM_STAGE_*: guards against phases out of order */
+    int64_t numel;      /* shape check between phases */
+} am_ws_header;
+
+enum { AM_STAGE_NONE = 0, AM_STAGE_STATS = 0x5157A7, AM_STAGE_MOMENTS = 0x5157A8 };
+
+/* The workspace base aligned up to 64 bytes, or NULL if the buffer is too
+ * small for g. */
+unsigned char *am_ws_base(const am_geom *g, void *ws, size_t bytes);
+
+/* ------------------------------------------------------ kernel table ---- */
+
+/* The per-tile work of an update. Every slot always holds a valid function:
+ * the table is filled with the scalar reference first, then optimised
+ * kernels override the slots they implement (am_kernels_init). An override
+ * must return bit-identical results. g/p point at element 0 of the tensor;
+ * dtypes are am_dtype values. */
+typedef struct am_kernels {
+    const char *name;
+
+    /* Factored stats for one tile of matrix b (rows [i0,i1), cols [j0,j1)),
+     * g_mat pointing at that matrix's element (0,0), C its row length:
+     * rowpart[i-i0] = lanesum(g[i,j0:j1]^2); colpart[j-j0] = sum over i
+     * ascending of g[i,j]^2. */
+    void (*stats_tile)(const void *g_mat, int gdt, int64_t C, int64_t i0,
+                       int64_t i1, int64_t j0, int64_t j1, float *rowpart,
+                       float *colpart);
+
+    /* Sum of u^2 over one tile, u = (rf[i]*cf[j]) * g: over rows ascending,
+     * (double) lanesum over the row's columns. rf/cf are the matrix's
+     * factors (indexed by i and j). */
+    double (*u2_tile)(const void *g_mat, int gdt, int64_t C, int64_t i0,
+                      int64_t i1, int64_t j0, int64_t j1, const float *rf,
+                      const float *cf);
+
+    /* Unfactored (ndim <= 1) sum of u^2 over elements [e0, e1):
+     * (double) lanesum of u^2, u = rsqrt(ema(sq, g*g) + eps) * g. */
+    double (*u2_flat)(const void *g, int gdt, const float *sq, int64_t e0,
+                      int64_t e1, const am_consts *k);
+
+    /* Agreement of one lr-row of a factored parameter: its elements are
+     * matrix rows [r0, r1) (global row index r = b*R + i); compares
+     * pol = (u/scale > 0) with the stored bits starting at pol_row (bit 0 is
+     * the lr-row's first element), writes the new bits, returns matches. */
+    int64_t (*agree_rows)(const void *g, int gdt, int64_t R, int64_t C,
+                          int64_t r0, int64_t r1, const float *rf,
+                          const float *cf, float scale, uint8_t *pol_row);
+
+    /* Applies p -= lr*(u/scale + wd*p) over matrix rows [r0, r1) of one
+     * lr-row, stochastic rounding keyed by flat element index. */
+    void (*apply_rows)(void *p, int pdt, const void *g, int gdt, int64_t R,
+                       int64_t C, int64_t r0, int64_t r1, const float *rf,
+                       const float *cf, float scale, float lr,
+                       const am_consts *k, uint64_t seed, uint32_t param_id,
+                       int64_t step);
+
+    /* Unfactored finish over elements [e0, e1) (e0 % 8 == 0): new sq,
+     * polarity, per-element lr (bumped when step > 0 by up/down factor
+     * semantics of am_lr_bump), parameter. Returns matches. */
+    int64_t (*finish_flat)(void *p, int pdt, const void *g, int gdt,
+                           float *sq, float *lr, uint8_t *pol, int64_t e0,
+                           int64_t e1, float scale, const am_consts *k,
+                           uint64_t seed, uint32_t param_id, int64_t step);
+} am_kernels;
+
+/* The scalar reference table (always available). */
+extern const am_kernels am_kernels_ref;
+/* The table in use; chosen once, thread-safely, on first call. */
+const am_kernels *am_kernels_get(void);
+
+/* Scalar canonical lane sum helpers shared by reference kernels and tests. */
+float am_lanesum_finish(const float acc[AM_LANES]);
+
+/* -------------------------------------------------------- parallel ---- */
+
+/* Runs fn(ctx, t) for every t in [0, ntasks). Tasks must write disjoint
+ * memory. Serial or threaded depending on am_set_num_threads; the result of
+ * the program must not depend on which. cost_per_task: approximate bytes
+ * touched per task, to decide whether threads are worth it. */
+typedef void (*am_task_fn)(void *ctx, int64_t task);
+void am_parallel_for(int64_t ntasks, double cost_per_task, am_task_fn fn,
+                     void *ctx);
+
+/* Derived float32 constants of hp. */
+am_consts am_consts_from(const am_hparams *hp);
+
+#endif /* AM_INTERNAL_H */

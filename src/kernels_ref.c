@@ -1,0 +1,143 @@
+/*
+ * kernels_ref.c — the scalar reference kernels. Plain loops, no
+ * processor-specific instructions, compiled without fast-math and without
+ * floating-point contraction. They define the canonical order of every
+ * reduction (see AM_LANES in internal.h): optimised kernels must reproduce
+ * their bits exactly. Kept readable forever.
+ */
+#include "internal.h"
+
+/* Lane combine of an 8-lane sum: ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)),
+ * the order an AVX 256-bit horizontal add produces. */
+float am_lanesum_finish(const float a[AM_LANES]) {
+    float s04 = a[0] + a[4], s26 = a[2] + a[6];
+    float s15 = a[1] + a[5], s37 = a[3] + a[7];
+    return (s04 + s26) + (s15 + s37);
+}
+
+/* g_mat is (R, C); rowpart is [i1-i0], colpart is [j1-j0]. */
+static void ref_stats_tile(const void *g_mat, int gdt, int64_t C, int64_t i0,
+                           int64_t i1, int64_t j0, int64_t j1, float *rowpart,
+                           float *colpart) {
+    int64_t i, j;
+    for (j = j0; j < j1; j++) colpart[j - j0] = 0.0f;
+    for (i = i0; i < i1; i++) {
+        float acc[AM_LANES] = {0};
+        for (j = j0; j < j1; j++) {
+            float x = am_load(g_mat, gdt, i * C + j);
+            float x2 = x * x;
+            acc[(j - j0) % AM_LANES] += x2;
+            colpart[j - j0] += x2;
+        }
+        rowpart[i - i0] = am_lanesum_finish(acc);
+    }
+}
+
+/* u = (rf[i] * cf[j]) * g, as the reference's _approx_sq_grad(...).mul_(g). */
+static double ref_u2_tile(const void *g_mat, int gdt, int64_t C, int64_t i0,
+                          int64_t i1, int64_t j0, int64_t j1, const float *rf,
+                          const float *cf) {
+    double total = 0.0;
+    int64_t i, j;
+    for (i = i0; i < i1; i++) {
+        float acc[AM_LANES] = {0};
+        for (j = j0; j < j1; j++) {
+            float u = (rf[i] * cf[j]) * am_load(g_mat, gdt, i * C + j);
+            acc[(j - j0) % AM_LANES] += u * u;
+        }
+        total += (double)am_lanesum_finish(acc);
+    }
+    return total;
+}
+
+/* u = rsqrt(ema(sq, g*g) + eps) * g, as the reference's unfactored branch. */
+static double ref_u2_flat(const void *g, int gdt, const float *sq, int64_t e0,
+                          int64_t e1, const am_consts *k) {
+    float acc[AM_LANES] = {0};
+    int64_t e;
+    for (e = e0; e < e1; e++) {
+        float x = am_load(g, gdt, e);
+        float v = am_ema(sq[e], x * x, k);
+        float u = am_rsqrt(v + k->eps) * x;
+        acc[(e - e0) % AM_LANES] += u * u;
+    }
+    return (double)am_lanesum_finish(acc);
+}
+
+static int get_bit(const uint8_t *bits, int64_t q) {
+    return (bits[q >> 3] >> (q & 7)) & 1;
+}
+
+static void put_bit(uint8_t *bits, int64_t q, int v) {
+    uint8_t mask = (uint8_t)(1u << (q & 7));
+    if (v) bits[q >> 3] = (uint8_t)(bits[q >> 3] | mask);
+    else bits[q >> 3] = (uint8_t)(bits[q >> 3] & ~mask);
+}
+
+/* Rows [r0, r1) of the (B*R, C) view; r = b*R + i indexes rf, b*C + j cf. */
+static int64_t ref_agree_rows(const void *g, int gdt, int64_t R, int64_t C,
+                              int64_t r0, int64_t r1, const float *rf,
+                              const float *cf, float scale, uint8_t *pol_row) {
+    int64_t r, j, matches = 0;
+    for (r = r0; r < r1; r++) {
+        const float *cfb = cf + (r / R) * C;
+        for (j = 0; j < C; j++) {
+            float u = ((rf[r] * cfb[j]) * am_load(g, gdt, r * C + j)) / scale;
+            int pol = u > 0.0f;
+            int64_t q = (r - r0) * C + j;
+            matches += pol == get_bit(pol_row, q);
+            put_bit(pol_row, q, pol);
+        }
+    }
+    return matches;
+}
+
+static void ref_apply_rows(void *p, int pdt, const void *g, int gdt,
+                           int64_t R, int64_t C, int64_t r0, int64_t r1,
+                           const float *rf, const float *cf, float scale,
+                           float lr, const am_consts *k, uint64_t seed,
+                           uint32_t param_id, int64_t step) {
+    int64_t r, j;
+    for (r = r0; r < r1; r++) {
+        const float *cfb = cf + (r / R) * C;
+        for (j = 0; j < C; j++) {
+            int64_t f = r * C + j;
+            float u = ((rf[r] * cfb[j]) * am_load(g, gdt, f)) / scale;
+            float v = am_apply(am_load(p, pdt, f), u, lr, k->wd);
+            uint32_t rnd = 0;
+            if (pdt != AM_DTYPE_FLOAT32)
+                rnd = am_rng_quad(seed, param_id, step, f >> 2).v[f & 3];
+            am_store_sr(p, pdt, f, v, rnd);
+        }
+    }
+}
+
+static int64_t ref_finish_flat(void *p, int pdt, const void *g, int gdt,
+                               float *sq, float *lr, uint8_t *pol, int64_t e0,
+                               int64_t e1, float scale, const am_consts *k,
+                               uint64_t seed, uint32_t param_id, int64_t step) {
+    int64_t e, matches = 0;
+    for (e = e0; e < e1; e++) {
+        float x = am_load(g, gdt, e);
+        float v = am_ema(sq[e], x * x, k);
+        float u = (am_rsqrt(v + k->eps) * x) / scale;
+        int polv = u > 0.0f;
+        int match = polv == get_bit(pol, e);
+        float w;
+        uint32_t rnd = 0;
+        sq[e] = v;
+        matches += match;
+        put_bit(pol, e, polv);
+        if (step > 0) lr[e] = am_lr_scale(lr[e], match ? k->bump_up : k->bump_down, k);
+        w = am_apply(am_load(p, pdt, e), u, lr[e], k->wd);
+        if (pdt != AM_DTYPE_FLOAT32)
+            rnd = am_rng_quad(seed, param_id, step, e >> 2).v[e & 3];
+        am_store_sr(p, pdt, e, w, rnd);
+    }
+    return matches;
+}
+
+const am_kernels am_kernels_ref = {
+    "scalar",         ref_stats_tile, ref_u2_tile,    ref_u2_flat,
+    ref_agree_rows,   ref_apply_rows, ref_finish_flat,
+};

@@ -1,0 +1,246 @@
+/* optimizer.c — the optimizer object for C programs: owns every registered
+ * parameter's state and one shared workspace per parameter. */
+#include "internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct am_param_slot {
+    am_tensor t;          /* data, dtype, shape of the caller's parameter */
+    am_state st;          /* buffers below, owned */
+    void *state_mem;      /* one allocation for lr, polarity, row, col, sq */
+    void *ws;             /* workspace for this parameter (threads may update
+                             different parameters at once) */
+    size_t ws_bytes;
+    int64_t skipped;
+} am_param_slot;
+
+struct am_optimizer {
+    am_hparams hp;
+    uint64_t seed;
+    am_param_slot *params;
+    int32_t count, cap;
+};
+
+am_status am_optimizer_create(const am_hparams *hp, uint64_t seed,
+                              am_optimizer **out) {
+    am_optimizer *o;
+    AM_RETURN_IF(!out, AM_ERR_NULL_POINTER, "am_optimizer_create: out is NULL");
+    AM_CHECK(am_hparams_validate(hp));
+    o = (am_optimizer *)calloc(1, sizeof *o);
+    AM_RETURN_IF(!o, AM_ERR_OUT_OF_MEMORY, "am_optimizer_create: out of memory");
+    o->hp = *hp;
+    if (o->hp.lr > 1e-3) {
+        am_log(AM_LOG_WARNING,
+               "initial lr %g is very high; forcing to 1e-6 (as the reference)",
+               o->hp.lr);
+        o->hp.lr = 1e-6;
+    }
+    o->seed = seed;
+    *out = o;
+    return AM_OK;
+}
+
+void am_optimizer_destroy(am_optimizer *o) {
+    int32_t i;
+    if (!o) return;
+    for (i = 0; i < o->count; i++) {
+        free(o->params[i].state_mem);
+        free(o->params[i].ws);
+    }
+    free(o->params);
+    free(o);
+}
+
+static size_t al64(int64_t bytes) { return ((size_t)bytes + 63u) & ~(size_t)63u; }
+
+am_status am_optimizer_add_param(am_optimizer *o, void *data, am_dtype dtype,
+                                 int32_t ndim, const int64_t *shape,
+                                 int32_t *out_id) {
+    am_param_slot s;
+    am_geom g;
+    size_t off_pol, off_row, off_col, off_sq, total;
+    unsigned char *mem;
+    int32_t d;
+    AM_RETURN_IF(!o, AM_ERR_NULL_POINTER, "am_optimizer_add_param: opt is NULL");
+    AM_RETURN_IF(!out_id, AM_ERR_NULL_POINTER, "am_optimizer_add_param: out_id is NULL");
+    AM_RETURN_IF(ndim > 0 && !shape, AM_ERR_NULL_POINTER,
+                 "am_optimizer_add_param: shape is NULL with ndim = %d", (int)ndim);
+    AM_RETURN_IF(am_dtype_size(dtype) == 0, AM_ERR_INVALID_DTYPE,
+                 "am_optimizer_add_param: dtype %d is not float32, bfloat16 or float16",
+                 (int)dtype);
+    memset(&s, 0, sizeof s);
+    AM_RETURN_IF(ndim < 0 || ndim > AM_MAX_DIMS, AM_ERR_INVALID_SHAPE,
+                 "am_optimizer_add_param: ndim = %d, must be in [0, %d]",
+                 (int)ndim, AM_MAX_DIMS);
+    s.t.shape.ndim = ndim;
+    for (d = 0; d < ndim; d++) s.t.shape.dims[d] = shape[d];
+    AM_CHECK(am_geom_init(&s.t.shape, &g));
+    AM_RETURN_IF(g.numel > 0 && !data, AM_ERR_NULL_POINTER,
+                 "am_optimizer_add_param: data is NULL");
+    AM_RETURN_IF(o->count == INT32_MAX, AM_ERR_INVALID_ARGUMENT,
+                 "am_optimizer_add_param: too many parameters");
+    s.t.data = data;
+    s.t.dtype = dtype;
+    off_pol = al64(g.sizes.lr_count * 4);
+    off_row = off_pol + al64(g.sizes.polarity_bytes);
+    off_col = off_row + al64(g.sizes.row_count * 4);
+    off_sq = off_col + al64(g.sizes.col_count * 4);
+    total = off_sq + al64(g.sizes.sq_count * 4);
+    if (o->count == o->cap) {
+        int32_t ncap = o->cap ? (o->cap > INT32_MAX / 2 ? INT32_MAX : o->cap * 2) : 16;
+        am_param_slot *np = (am_param_slot *)realloc(o->params, (size_t)ncap * sizeof *np);
+        AM_RETURN_IF(!np, AM_ERR_OUT_OF_MEMORY, "am_optimizer_add_param: out of memory");
+        o->params = np;
+        o->cap = ncap;
+    }
+    mem = (unsigned char *)calloc(1, total ? total : 1);
+    s.ws_bytes = (size_t)g.sizes.workspace_bytes;
+    s.ws = malloc(s.ws_bytes);
+    if (!mem || !s.ws) {
+        free(mem);
+        free(s.ws);
+        AM_RETURN_IF(1, AM_ERR_OUT_OF_MEMORY,
+                     "am_optimizer_add_param: out of memory for %lld elements",
+                     (long long)g.numel);
+    }
+    s.state_mem = mem;
+    s.st.lr = (float *)mem;
+    s.st.polarity = mem + off_pol;
+    s.st.row = g.ndim >= 2 ? (float *)(mem + off_row) : NULL;
+    s.st.col = g.ndim >= 2 ? (float *)(mem + off_col) : NULL;
+    s.st.sq = g.ndim >= 2 ? NULL : (float *)(mem + off_sq);
+    {
+        am_status st = am_state_init(&s.t.shape, &s.st, o->hp.lr);
+        if (am_status_is_error(st)) {
+            free(mem);
+            free(s.ws);
+            return st;
+        }
+    }
+    o->params[o->count] = s;
+    *out_id = o->count++;
+    return AM_OK;
+}
+
+int32_t am_optimizer_num_params(const am_optimizer *o) { return o ? o->count : 0; }
+
+static am_status find(const am_optimizer *o, int32_t id, const char *fn) {
+    AM_RETURN_IF(!o, AM_ERR_NULL_POINTER, "%s: opt is NULL", fn);
+    AM_RETURN_IF(id < 0 || id >= o->count, AM_ERR_NOT_FOUND,
+                 "%s: no parameter with id %d (%d registered)", fn, (int)id,
+                 (int)o->count);
+    return AM_OK;
+}
+
+static am_status update_slot(am_optimizer *o, int32_t id, const void *grad,
+                             am_dtype gd, am_report *rep) {
+    am_param_slot *s = &o->params[id];
+    am_tensor gt = s->t;
+    am_rng_key key;
+    am_status st;
+    gt.data = (void *)grad;
+    gt.dtype = gd;
+    key.seed = o->seed;
+    key.param_id = (uint32_t)id;
+    st = am_update(&s->t, &gt, &s->st, &o->hp, key, s->ws, s->ws_bytes, rep);
+    if (st == AM_SKIPPED_NONFINITE_GRAD || st == AM_SKIPPED_NONFINITE_UPDATE)
+        s->skipped++;
+    return st;
+}
+
+am_status am_optimizer_update_param(am_optimizer *o, int32_t id,
+                                    const void *grad, am_dtype gd,
+                                    am_report *rep) {
+    AM_CHECK(find(o, id, "am_optimizer_update_param"));
+    return update_slot(o, id, grad, gd, rep);
+}
+
+am_status am_optimizer_update_all(am_optimizer *o, const void *const *grads,
+                                  const am_dtype *gds, am_report *reps) {
+    int32_t i;
+    am_status first_skip = AM_OK;
+    AM_RETURN_IF(!o, AM_ERR_NULL_POINTER, "am_optimizer_update_all: opt is NULL");
+    AM_RETURN_IF(!grads, AM_ERR_NULL_POINTER, "am_optimizer_update_all: grads is NULL");
+    AM_RETURN_IF(!gds, AM_ERR_NULL_POINTER,
+                 "am_optimizer_update_all: grad_dtypes is NULL");
+    for (i = 0; i < o->count; i++)
+        AM_RETURN_IF(grads[i] && am_dtype_size(gds[i]) == 0, AM_ERR_INVALID_DTYPE,
+                     "am_optimizer_update_all: grad_dtypes[%d] = %d is invalid",
+                     (int)i, (int)gds[i]);
+    for (i = 0; i < o->count; i++) {
+        am_status st;
+        if (!grads[i]) {
+            if (reps) memset(&reps[i], 0, sizeof reps[i]);
+            continue;
+        }
+        st = update_slot(o, i, grads[i], gds[i], reps ? &reps[i] : NULL);
+        if (am_status_is_error(st)) return st; /* cannot happen: checked */
+        if (st != AM_OK && first_skip == AM_OK) first_skip = st;
+    }
+    return first_skip;
+}
+
+int64_t am_optimizer_lr_count(const am_optimizer *o, int32_t id) {
+    am_state_sizes sz;
+    if (!o || id < 0 || id >= o->count) return -1;
+    if (am_state_get_sizes(&o->params[id].t.shape, &sz) != AM_OK) return -1;
+    return sz.lr_count;
+}
+
+am_status am_optimizer_get_lrs(const am_optimizer *o, int32_t id, float *out,
+                               int64_t count) {
+    int64_t n;
+    AM_CHECK(find(o, id, "am_optimizer_get_lrs"));
+    AM_RETURN_IF(!out, AM_ERR_NULL_POINTER, "am_optimizer_get_lrs: out is NULL");
+    n = am_optimizer_lr_count(o, id);
+    AM_RETURN_IF(count < n, AM_ERR_BUFFER_SIZE,
+                 "am_optimizer_get_lrs: count = %lld, need %lld",
+                 (long long)count, (long long)n);
+    if (n > 0) memcpy(out, o->params[id].st.lr, (size_t)n * sizeof(float));
+    return AM_OK;
+}
+
+static double param_lr_mean(const am_optimizer *o, int32_t id) {
+    int64_t n = am_optimizer_lr_count(o, id), i;
+    double s = 0.0;
+    if (n <= 0) return o->hp.lr;
+    for (i = 0; i < n; i++) s += o->params[id].st.lr[i];
+    return s / (double)n;
+}
+
+am_status am_optimizer_lr_mean(const am_optimizer *o, int32_t id, double *out) {
+    AM_RETURN_IF(!o, AM_ERR_NULL_POINTER, "am_optimizer_lr_mean: opt is NULL");
+    AM_RETURN_IF(!out, AM_ERR_NULL_POINTER, "am_optimizer_lr_mean: out is NULL");
+    if (id == -1) {
+        double s = 0.0;
+        int32_t i;
+        if (o->count == 0) {
+            *out = o->hp.lr;
+            return AM_OK;
+        }
+        for (i = 0; i < o->count; i++) s += param_lr_mean(o, i);
+        *out = s / (double)o->count;
+        return AM_OK;
+    }
+    AM_CHECK(find(o, id, "am_optimizer_lr_mean"));
+    *out = param_lr_mean(o, id);
+    return AM_OK;
+}
+
+int64_t am_optimizer_skipped_count(const am_optimizer *o) {
+    int64_t s = 0;
+    int32_t i;
+    if (!o) return 0;
+    for (i = 0; i < o->count; i++) s += o->params[i].skipped;
+    return s;
+}
+
+am_status am_optimizer_get_state(const am_optimizer *o, int32_t id,
+                                 am_state *out, am_shape *shape) {
+    AM_CHECK(find(o, id, "am_optimizer_get_state"));
+    AM_RETURN_IF(!out, AM_ERR_NULL_POINTER, "am_optimizer_get_state: out is NULL");
+    *out = o->params[id].st;
+    if (shape) *shape = o->params[id].t.shape;
+    return AM_OK;
+}

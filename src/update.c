@@ -1,0 +1,380 @@
+/*
+ * update.c — one update of one parameter over caller-owned buffers (SPEC 3),
+ * in three phases so that sharded engines can reduce between them:
+ *   stats   : pass 1 over g — row/col sums of g*g (factored) or, unfactored,
+ *             the sum of u*u; non-finite detection.
+ *   moments : new second moments and scale factors in the workspace; pass 2
+ *             over g — the sum of u*u (factored only).
+ *   finish  : pass 3 — clip, agreement, lr bump, parameter update; the state
+ *             is written only here, after every check has passed.
+ * Work is split into tiles whose results are combined in a fixed order, so
+ * the bits never depend on the thread count (internal.h, AM_LANES).
+ */
+#include "internal.h"
+
+#include <math.h>
+#include <string.h>
+
+typedef struct upd {
+    am_geom g;
+    const am_tensor *param, *grad;
+    const am_state *state;
+    unsigned char *ws;
+    am_ws_header *h;
+    am_consts k;
+    const am_kernels *kt;
+    float scale;
+    am_rng_key key;
+} upd;
+
+#define WS(u, off, T) ((T *)((u)->ws + (u)->g.off))
+
+static am_status check_state(const am_geom *g, const am_state *s) {
+    AM_RETURN_IF(!s, AM_ERR_NULL_POINTER, "state is NULL");
+    if (g->numel == 0) return AM_OK;
+    AM_RETURN_IF(!s->lr, AM_ERR_NULL_POINTER, "state.lr is NULL");
+    AM_RETURN_IF(!s->polarity, AM_ERR_NULL_POINTER, "state.polarity is NULL");
+    if (g->ndim >= 2) {
+        AM_RETURN_IF(!s->row, AM_ERR_NULL_POINTER, "state.row is NULL");
+        AM_RETURN_IF(!s->col, AM_ERR_NULL_POINTER, "state.col is NULL");
+    } else {
+        AM_RETURN_IF(!s->sq, AM_ERR_NULL_POINTER, "state.sq is NULL");
+    }
+    AM_RETURN_IF(s->step < 0, AM_ERR_INVALID_ARGUMENT,
+                 "state.step = %lld is negative", (long long)s->step);
+    return AM_OK;
+}
+
+/* Every argument check of every phase; fills u. Modifies nothing. */
+static am_status prepare(upd *u, const am_tensor *param, const am_tensor *grad,
+                         const am_state *state, const am_hparams *hp,
+                         void *workspace, size_t workspace_bytes) {
+    int32_t d;
+    AM_RETURN_IF(!param, AM_ERR_NULL_POINTER, "param is NULL");
+    AM_RETURN_IF(!grad, AM_ERR_NULL_POINTER, "grad is NULL");
+    AM_CHECK(am_geom_init(&param->shape, &u->g));
+    AM_RETURN_IF(am_dtype_size(param->dtype) == 0, AM_ERR_INVALID_DTYPE,
+                 "param dtype %d is not float32, bfloat16 or float16",
+                 (int)param->dtype);
+    AM_RETURN_IF(am_dtype_size(grad->dtype) == 0, AM_ERR_INVALID_DTYPE,
+                 "grad dtype %d is not float32, bfloat16 or float16",
+                 (int)grad->dtype);
+    AM_RETURN_IF(grad->shape.ndim != param->shape.ndim, AM_ERR_INVALID_SHAPE,
+                 "grad has %d dims, param has %d", (int)grad->shape.ndim,
+                 (int)param->shape.ndim);
+    for (d = 0; d < param->shape.ndim; d++)
+        AM_RETURN_IF(grad->shape.dims[d] != param->shape.dims[d],
+                     AM_ERR_INVALID_SHAPE,
+                     "grad dims[%d] = %lld differs from param's %lld", (int)d,
+                     (long long)grad->shape.dims[d],
+                     (long long)param->shape.dims[d]);
+    AM_CHECK(am_hparams_validate(hp));
+    AM_CHECK(check_state(&u->g, state));
+    if (u->g.numel > 0) {
+        AM_RETURN_IF(!param->data, AM_ERR_NULL_POINTER, "param data is NULL");
+        AM_RETURN_IF(!grad->data, AM_ERR_NULL_POINTER, "grad data is NULL");
+    }
+    AM_RETURN_IF(!workspace, AM_ERR_NULL_POINTER, "workspace is NULL");
+    u->ws = am_ws_base(&u->g, workspace, workspace_bytes);
+    AM_RETURN_IF(!u->ws, AM_ERR_BUFFER_SIZE,
+                 "workspace: %zu bytes given, %lld needed", workspace_bytes,
+                 (long long)u->g.sizes.workspace_bytes);
+    u->h = (am_ws_header *)u->ws;
+    u->param = param;
+    u->grad = grad;
+    u->state = state;
+    u->k = am_consts_from(hp);
+    u->kt = am_kernels_get();
+    return AM_OK;
+}
+
+static size_t esize(am_dtype d) { return am_dtype_size(d); }
+
+/* Element (b, 0, 0) of a factored tensor. */
+static const void *mat_ptr(const am_tensor *t, const am_geom *g, int64_t b) {
+    return (const char *)t->data + (size_t)(b * g->R * g->C) * esize(t->dtype);
+}
+
+static int64_t count_nonfinite(const am_tensor *t, int64_t n) {
+    int64_t i, c = 0;
+    for (i = 0; i < n; i++) c += !am_isfinite_f32(am_load(t->data, t->dtype, i));
+    return c;
+}
+
+/* ------------------------------------------------------------ stats ---- */
+
+static void stats_task(void *ctx, int64_t t) {
+    upd *u = (upd *)ctx;
+    const am_geom *g = &u->g;
+    int64_t cb = t % g->ncb, rb = (t / g->ncb) % g->nrb, b = t / (g->ncb * g->nrb);
+    int64_t i0 = rb * g->RB, i1 = i0 + g->RB < g->R ? i0 + g->RB : g->R;
+    int64_t j0 = cb * g->CB, j1 = j0 + g->CB < g->C ? j0 + g->CB : g->C;
+    float *rowdst = g->ncb > 1 ? WS(u, off_rowpart, float) + cb * g->B * g->R
+                               : WS(u, off_row_sumsq, float);
+    float *coldst = g->nrb > 1 ? WS(u, off_colpart, float) + rb * g->B * g->C
+                               : WS(u, off_col_sumsq, float);
+    u->kt->stats_tile(mat_ptr(u->grad, g, b), u->grad->dtype, g->C, i0, i1, j0,
+                      j1, rowdst + b * g->R + i0, coldst + b * g->C + j0);
+}
+
+static void flat_u2_task(void *ctx, int64_t t) {
+    upd *u = (upd *)ctx;
+    int64_t e0 = t * AM_FLAT_CHUNK, e1 = e0 + AM_FLAT_CHUNK;
+    if (e1 > u->g.numel) e1 = u->g.numel;
+    WS(u, off_tile_u2, double)[t] = u->kt->u2_flat(
+        u->grad->data, u->grad->dtype, u->state->sq, e0, e1, &u->k);
+}
+
+/* dst[x] = sum over p ascending of parts[p][x], parts of stride n. */
+static void combine_parts(float *dst, const float *parts, int64_t nparts,
+                          int64_t n) {
+    int64_t x, p;
+    for (x = 0; x < n; x++) {
+        float s = parts[x];
+        for (p = 1; p < nparts; p++) s += parts[p * n + x];
+        dst[x] = s;
+    }
+}
+
+static double sum_doubles(const double *v, int64_t n) {
+    double s = 0.0;
+    int64_t i;
+    for (i = 0; i < n; i++) s += v[i];
+    return s;
+}
+
+static am_status run_stats(upd *u) {
+    const am_geom *g = &u->g;
+    int finite = 1;
+    u->h->nonfinite = 0;
+    u->h->u2_sum = 0.0;
+    u->h->numel = g->numel;
+    if (g->ndim >= 2) {
+        int64_t BR = g->B * g->R, x;
+        float *rs = WS(u, off_row_sumsq, float);
+        am_parallel_for(g->ntiles, (double)g->RB * (double)g->CB * 4.0, stats_task, u);
+        if (g->ncb > 1) combine_parts(rs, WS(u, off_rowpart, float), g->ncb, BR);
+        if (g->nrb > 1)
+            combine_parts(WS(u, off_col_sumsq, float), WS(u, off_colpart, float),
+                          g->nrb, g->B * g->C);
+        /* A non-finite g makes its row's sum non-finite. */
+        for (x = 0; x < BR; x++) finite &= am_isfinite_f32(rs[x]);
+    } else {
+        am_parallel_for(g->ntiles, AM_FLAT_CHUNK * 12.0, flat_u2_task, u);
+        u->h->u2_sum = sum_doubles(WS(u, off_tile_u2, double), g->ntiles);
+        finite = isfinite(u->h->u2_sum);
+    }
+    /* Rare path: tell a non-finite gradient from an overflow of g*g. */
+    if (!finite) u->h->nonfinite = count_nonfinite(u->grad, g->numel);
+    u->h->stage = AM_STAGE_STATS;
+    return u->h->nonfinite ? AM_SKIPPED_NONFINITE_GRAD : AM_OK;
+}
+
+/* ---------------------------------------------------------- moments ---- */
+
+static void u2_task(void *ctx, int64_t t) {
+    upd *u = (upd *)ctx;
+    const am_geom *g = &u->g;
+    int64_t cb = t % g->ncb, rb = (t / g->ncb) % g->nrb, b = t / (g->ncb * g->nrb);
+    int64_t i0 = rb * g->RB, i1 = i0 + g->RB < g->R ? i0 + g->RB : g->R;
+    int64_t j0 = cb * g->CB, j1 = j0 + g->CB < g->C ? j0 + g->CB : g->C;
+    WS(u, off_tile_u2, double)[t] = u->kt->u2_tile(
+        mat_ptr(u->grad, g, b), u->grad->dtype, g->C, i0, i1, j0, j1,
+        WS(u, off_rf, float) + b * g->R, WS(u, off_cf, float) + b * g->C);
+}
+
+static am_status run_moments(upd *u) {
+    const am_geom *g = &u->g;
+    const am_consts *k = &u->k;
+    int64_t b, i, j;
+    AM_RETURN_IF(u->h->stage != AM_STAGE_STATS || u->h->numel != g->numel,
+                 AM_ERR_INVALID_ARGUMENT,
+                 "am_update_moments: workspace does not hold am_update_stats "
+                 "results for this parameter");
+    if (u->h->nonfinite) return AM_SKIPPED_NONFINITE_GRAD;
+    if (g->ndim >= 2) {
+        const float *rs = WS(u, off_row_sumsq, float), *cs = WS(u, off_col_sumsq, float);
+        float *nr = WS(u, off_new_row, float), *nc = WS(u, off_new_col, float);
+        float *rf = WS(u, off_rf, float), *cf = WS(u, off_cf, float);
+        float *rmean = WS(u, off_rmean, float);
+        const float Cf = (float)g->C, Rf = (float)g->R;
+        for (b = 0; b < g->B; b++) {
+            float s = 0.0f;
+            for (i = 0; i < g->R; i++) {
+                int64_t x = b * g->R + i;
+                nr[x] = am_ema(u->state->row[x], rs[x] / Cf + k->eps, k);
+                s += nr[x];
+            }
+            rmean[b] = s / Rf;
+            for (i = 0; i < g->R; i++) {
+                int64_t x = b * g->R + i;
+                rf[x] = am_rsqrt(nr[x] / rmean[b]);
+            }
+            for (j = 0; j < g->C; j++) {
+                int64_t y = b * g->C + j;
+                nc[y] = am_ema(u->state->col[y], cs[y] / Rf + k->eps, k);
+                cf[y] = am_rsqrt(nc[y]);
+            }
+        }
+        am_parallel_for(g->ntiles, (double)g->RB * (double)g->CB * 4.0, u2_task, u);
+        u->h->u2_sum = sum_doubles(WS(u, off_tile_u2, double), g->ntiles);
+    }
+    u->h->stage = AM_STAGE_MOMENTS;
+    return AM_OK;
+}
+
+/* ----------------------------------------------------------- finish ---- */
+
+typedef struct fin {
+    upd *u;
+    am_state *state;
+} fin;
+
+static void finish_lr_row_task(void *ctx, int64_t kr) {
+    fin *f = (fin *)ctx;
+    upd *u = f->u;
+    const am_geom *g = &u->g;
+    int64_t rows = g->m / g->C, r0 = kr * rows;
+    const float *rf = WS(u, off_rf, float), *cf = WS(u, off_cf, float);
+    int64_t matches = u->kt->agree_rows(
+        u->grad->data, u->grad->dtype, g->R, g->C, r0, r0 + rows, rf, cf,
+        u->scale, f->state->polarity + kr * g->pol_row_bytes);
+    float a = (float)matches / (float)g->m;
+    WS(u, off_agree, float)[kr] = a;
+    if (f->state->step > 0) f->state->lr[kr] = am_lr_bump(f->state->lr[kr], a, &u->k);
+    u->kt->apply_rows(u->param->data, u->param->dtype, u->grad->data,
+                      u->grad->dtype, g->R, g->C, r0, r0 + rows, rf, cf,
+                      u->scale, f->state->lr[kr], &u->k, u->key.seed,
+                      u->key.param_id, f->state->step);
+}
+
+static void finish_flat_task(void *ctx, int64_t t) {
+    fin *f = (fin *)ctx;
+    upd *u = f->u;
+    int64_t e0 = t * AM_FLAT_CHUNK, e1 = e0 + AM_FLAT_CHUNK;
+    if (e1 > u->g.numel) e1 = u->g.numel;
+    WS(u, off_tile_count, int64_t)[t] = u->kt->finish_flat(
+        u->param->data, u->param->dtype, u->grad->data, u->grad->dtype,
+        f->state->sq, f->state->lr, f->state->polarity, e0, e1, u->scale,
+        &u->k, u->key.seed, u->key.param_id, f->state->step);
+}
+
+static am_status run_finish(upd *u, am_state *state, am_report *rep) {
+    const am_geom *g = &u->g;
+    fin f;
+    float norm, rms;
+    double mean_agree = 0.0;
+    int64_t t;
+    AM_RETURN_IF(u->h->stage != AM_STAGE_MOMENTS || u->h->numel != g->numel,
+                 AM_ERR_INVALID_ARGUMENT,
+                 "am_update_finish: workspace does not hold am_update_moments "
+                 "results for this parameter");
+    if (u->h->nonfinite) return AM_SKIPPED_NONFINITE_GRAD;
+    if (g->numel == 0) return AM_OK;
+    if (!isfinite(u->h->u2_sum)) return AM_SKIPPED_NONFINITE_UPDATE;
+    /* SPEC 3.2, in the reference's order: norm / sqrt(n) / clip, >= 1. */
+    norm = (float)sqrt(u->h->u2_sum);
+    rms = norm / (float)sqrt((double)g->numel);
+    u->scale = rms / u->k.clip;
+    if (!(u->scale >= 1.0f)) u->scale = 1.0f;
+    f.u = u;
+    f.state = state;
+    if (g->ndim >= 2) {
+        const float *agree = WS(u, off_agree, float);
+        am_parallel_for(g->lr_rows, (double)g->m * 12.0, finish_lr_row_task, &f);
+        memcpy(state->row, WS(u, off_new_row, float), (size_t)(g->B * g->R) * sizeof(float));
+        memcpy(state->col, WS(u, off_new_col, float), (size_t)(g->B * g->C) * sizeof(float));
+        for (t = 0; t < g->lr_rows; t++) mean_agree += agree[t];
+        mean_agree /= (double)g->lr_rows;
+    } else {
+        const int64_t *cnt = WS(u, off_tile_count, int64_t);
+        int64_t total = 0;
+        am_parallel_for(g->ntiles, AM_FLAT_CHUNK * 20.0, finish_flat_task, &f);
+        for (t = 0; t < g->ntiles; t++) total += cnt[t];
+        mean_agree = (double)total / (double)g->numel;
+    }
+    state->step++;
+    u->h->stage = AM_STAGE_NONE;
+    if (rep) {
+        rep->clip_scale = u->scale;
+        rep->mean_agreement = (float)mean_agree;
+    }
+    return AM_OK;
+}
+
+/* ------------------------------------------------------------ API ------ */
+
+static void report_init(am_report *rep) {
+    if (!rep) return;
+    memset(rep, 0, sizeof *rep);
+}
+
+static void report_end(am_report *rep, am_status s, const upd *u) {
+    if (!rep) return;
+    rep->status = s;
+    if (u->ws && !am_status_is_error(s)) rep->nonfinite_count = u->h->nonfinite;
+    if (s != AM_OK) {
+        rep->clip_scale = 0.0f;
+        rep->mean_agreement = 0.0f;
+    }
+}
+
+am_status am_update_stats(const am_tensor *param, const am_tensor *grad,
+                          const am_state *state, const am_hparams *hp,
+                          void *workspace, size_t workspace_bytes) {
+    upd u;
+    memset(&u, 0, sizeof u);
+    AM_CHECK(prepare(&u, param, grad, state, hp, workspace, workspace_bytes));
+    return run_stats(&u);
+}
+
+am_status am_update_moments(const am_tensor *param, const am_tensor *grad,
+                            const am_state *state, const am_hparams *hp,
+                            void *workspace, size_t workspace_bytes) {
+    upd u;
+    memset(&u, 0, sizeof u);
+    AM_CHECK(prepare(&u, param, grad, state, hp, workspace, workspace_bytes));
+    return run_moments(&u);
+}
+
+am_status am_update_finish(const am_tensor *param, const am_tensor *grad,
+                           am_state *state, const am_hparams *hp,
+                           am_rng_key key, void *workspace,
+                           size_t workspace_bytes, am_report *report) {
+    upd u;
+    am_status s;
+    memset(&u, 0, sizeof u);
+    report_init(report);
+    s = prepare(&u, param, grad, state, hp, workspace, workspace_bytes);
+    if (!am_status_is_error(s)) {
+        u.key = key;
+        s = run_finish(&u, state, report);
+    }
+    report_end(report, s, &u);
+    return s;
+}
+
+am_status am_update(const am_tensor *param, const am_tensor *grad,
+                    am_state *state, const am_hparams *hp, am_rng_key key,
+                    void *workspace, size_t workspace_bytes,
+                    am_report *report) {
+    upd u;
+    am_status s;
+    memset(&u, 0, sizeof u);
+    report_init(report);
+    s = prepare(&u, param, grad, state, hp, workspace, workspace_bytes);
+    if (s == AM_OK && u.g.numel == 0) {
+        /* numel 0: nothing to do, nothing changes. */
+        if (report) report->status = AM_OK;
+        return AM_OK;
+    }
+    if (s == AM_OK) s = run_stats(&u);
+    if (s == AM_OK) s = run_moments(&u);
+    if (s == AM_OK) {
+        u.key = key;
+        s = run_finish(&u, state, report);
+    }
+    if (!am_status_is_error(s)) u.h->stage = AM_STAGE_NONE;
+    report_end(report, s, &u);
+    return s;
+}
