@@ -1,0 +1,127 @@
+"""ctypes bindings to libautomagic (the C library shipped inside this package).
+
+Only the kernel layer is bound: the PyTorch front end keeps every state buffer
+in torch tensors and hands their data pointers to C.
+"""
+import ctypes
+import os
+import threading
+
+AM_MAX_DIMS = 8
+
+DTYPE_FLOAT32, DTYPE_BFLOAT16, DTYPE_FLOAT16 = 0, 1, 2
+
+OK, SKIPPED_NONFINITE_GRAD, SKIPPED_NONFINITE_UPDATE = 0, 1, 2
+
+
+class Shape(ctypes.Structure):
+    _fields_ = [("ndim", ctypes.c_int32), ("dims", ctypes.c_int64 * AM_MAX_DIMS)]
+
+
+class Tensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("dtype", ctypes.c_int), ("shape", Shape)]
+
+
+class State(ctypes.Structure):
+    _fields_ = [
+        ("lr", ctypes.c_void_p),
+        ("polarity", ctypes.c_void_p),
+        ("row", ctypes.c_void_p),
+        ("col", ctypes.c_void_p),
+        ("sq", ctypes.c_void_p),
+        ("step", ctypes.c_int64),
+    ]
+
+
+class StateSizes(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_int64)
+        for name in ("numel", "lr_count", "polarity_bytes", "row_count",
+                     "col_count", "sq_count", "workspace_bytes")
+    ]
+
+
+HPARAM_NAMES = ("lr", "min_lr", "max_lr", "lr_bump_rate", "beta2", "eps",
+                "clip_threshold", "weight_decay")
+
+
+class HParams(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_double) for name in HPARAM_NAMES]
+
+
+class RngKey(ctypes.Structure):
+    _fields_ = [("seed", ctypes.c_uint64), ("param_id", ctypes.c_uint32)]
+
+
+class Report(ctypes.Structure):
+    _fields_ = [
+        ("status", ctypes.c_int),
+        ("clip_scale", ctypes.c_float),
+        ("mean_agreement", ctypes.c_float),
+        ("nonfinite_count", ctypes.c_int64),
+    ]
+
+
+LOG_FN = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+
+
+def _find_library():
+    env = os.environ.get("AUTOMAGIC_LIBRARY")
+    if env:
+        return env
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.join(here, "libautomagic.so")
+    if os.path.exists(path):
+        return path
+    raise ImportError(
+        "automagic: libautomagic.so is not in %s; install the package with "
+        "'pip install .' from the repository root, or point AUTOMAGIC_LIBRARY "
+        "at a built libautomagic.so" % here)
+
+
+lib = ctypes.CDLL(_find_library())
+
+_P = ctypes.POINTER
+lib.am_status_string.restype = ctypes.c_char_p
+lib.am_status_string.argtypes = [ctypes.c_int]
+lib.am_version_string.restype = ctypes.c_char_p
+lib.am_kernel_name.restype = ctypes.c_char_p
+lib.am_hparams_validate.argtypes = [_P(HParams)]
+lib.am_state_get_sizes.argtypes = [_P(Shape), _P(StateSizes)]
+lib.am_state_init.argtypes = [_P(Shape), _P(State), ctypes.c_double]
+lib.am_update.argtypes = [_P(Tensor), _P(Tensor), _P(State), _P(HParams), RngKey,
+                          ctypes.c_void_p, ctypes.c_size_t, _P(Report)]
+lib.am_set_num_threads.argtypes = [ctypes.c_int]
+lib.am_set_log_callback.argtypes = [LOG_FN, ctypes.c_void_p]
+
+# Error messages from C arrive through the log callback; keep the last one of
+# each thread so that exceptions can quote it.
+_tls = threading.local()
+
+
+def _on_log(level, msg, user):
+    _tls.last = msg.decode("utf-8", "replace")
+
+
+_log_cb = LOG_FN(_on_log)  # kept alive for the life of the module
+lib.am_set_log_callback(_log_cb, None)
+
+
+def last_message():
+    return getattr(_tls, "last", "")
+
+
+def clear_message():
+    _tls.last = ""
+
+
+def status_string(status):
+    return lib.am_status_string(status).decode()
+
+
+def version():
+    return lib.am_version_string().decode()
+
+
+def kernel_name():
+    return lib.am_kernel_name().decode()

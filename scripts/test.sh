@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The whole test suite: C library (CTest), then the PyTorch front end (pytest).
+# Usage: scripts/test.sh      (from the repository root; installs what it needs)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+PY=${PYTHON:-python3}
+WERROR=${AM_WERROR:-ON}
+
+echo "== C library: configure, build, test"
+cmake -S . -B build/test -DCMAKE_BUILD_TYPE=RelWithDebInfo -DAM_WERROR="$WERROR" >/dev/null
+cmake --build build/test -j"$(nproc)"
+ctest --test-dir build/test --output-on-failure
+
+echo "== Python package: install, test"
+$PY -m pip install -q --disable-pip-version-check . 2>&1 | grep -v "as the 'root' user" || true
+$PY -m pytest -q tests/python
