@@ -138,7 +138,7 @@ typedef struct am_hparams {
     double lr_bump_rate;   /* >= 0, finite */
     double beta2;          /* 0 <= beta2 < 1 */
     double eps;            /* >= 0, finite */
-    double clip_threshold; /* > 0, finite */
+    double clip_threshold; /* > 0 (+inf disables the clip, SPEC 1) */
     double weight_decay;   /* >= 0, finite */
 } am_hparams;
 
