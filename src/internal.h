@@ -108,7 +108,8 @@ typedef struct am_kernels {
                       const float *cf);
 
     /* Unfactored (ndim <= 1) sum of u^2 over elements [e0, e1):
-     * (double) lanesum of u^2, u = rsqrt(ema(sq, g*g) + eps) * g. */
+     * (double) lanesum of u^2, u = rsqrt(ema(sq, g*g) + eps) * g; NaN when
+     * a new ema(sq, g*g) is not finite (the update is then skipped). */
     double (*u2_flat)(const void *g, int gdt, const float *sq, int64_t e0,
                       int64_t e1, const am_consts *k);
 

@@ -50,18 +50,23 @@ static double ref_u2_tile(const void *g_mat, int gdt, int64_t C, int64_t i0,
     return total;
 }
 
-/* u = rsqrt(ema(sq, g*g) + eps) * g, as the reference's unfactored branch. */
+/* u = rsqrt(ema(sq, g*g) + eps) * g, as the reference's unfactored branch.
+ * A new sq that overflows (g*g past FLT_MAX) would give u = 0 and store inf
+ * in the state forever; the sum is then NaN, so that the update is skipped as
+ * AM_SKIPPED_NONFINITE_UPDATE like the factored path skips it. */
 static double ref_u2_flat(const void *g, int gdt, const float *sq, int64_t e0,
                           int64_t e1, const am_consts *k) {
     float acc[AM_LANES] = {0};
     int64_t e;
+    int overflow = 0;
     for (e = e0; e < e1; e++) {
         float x = am_load(g, gdt, e);
         float v = am_ema(sq[e], x * x, k);
         float u = am_rsqrt(v + k->eps) * x;
+        overflow |= !am_isfinite_f32(v);
         acc[(e - e0) % AM_LANES] += u * u;
     }
-    return (double)am_lanesum_finish(acc);
+    return overflow ? (double)NAN : (double)am_lanesum_finish(acc);
 }
 
 static int get_bit(const uint8_t *bits, int64_t q) {
