@@ -227,17 +227,18 @@ static void test_nonfinite_grad_optimizer(void **unused) {
 /* A finite gradient whose update is not finite: g*g overflows float32 in a
  * factored parameter (the row mean becomes inf/inf), and eps = 0 with an
  * all-zero gradient (0/0). Both are AM_SKIPPED_NONFINITE_UPDATE with nothing
- * changed; nonfinite_count is 0 (the gradient itself was finite). The
- * eps = 0 case is checked factored and unfactored. */
+ * changed; nonfinite_count is 0 (the gradient itself was finite). Both
+ * cases factored and unfactored. */
 static void test_nonfinite_update(void **unused) {
     const int64_t d2[2] = {3, 5}, d1[1] = {9};
     am_hparams hp = am_hparams_default(), hp0 = am_hparams_default();
     int which;
     (void)unused;
     hp0.eps = 0.0;
-    for (which = 0; which < 3; which++) {
-        am_shape sh = which == 0 ? t_shape(2, d2) : t_shape(which == 1 ? 2 : 1,
-                                                            which == 1 ? d2 : d1);
+    /* which: 0 overflow factored, 1 eps = 0 factored, 2 eps = 0 unfactored,
+     * 3 overflow unfactored (1-D), 4 overflow 0-D */
+    for (which = 0; which < 5; which++) {
+        am_shape sh = which <= 1 ? t_shape(2, d2) : t_shape(which == 4 ? 0 : 1, d1);
         int64_t n = t_numel(&sh), i;
         float p[15], g[15];
         am_tensor pt = t_tensor(p, AM_DTYPE_FLOAT32, &sh), gt = t_tensor(g, AM_DTYPE_FLOAT32, &sh);
@@ -245,17 +246,20 @@ static void test_nonfinite_update(void **unused) {
         am_report rep;
         t_snap snap;
         t_fix f;
+        int overflow = which == 0 || which >= 3;
         t_fix_init(&f, &sh, 1e-3);
         for (i = 0; i < n; i++) {
             p[i] = 0.25f * (float)(i + 1);
             g[i] = 0.5f - 0.1f * (float)i;
         }
         /* overflow: after one ordinary step; eps = 0: from fresh (zero) state */
-        if (which == 0)
+        if (overflow)
             assert_int_equal(am_update(&pt, &gt, &f.st, &hp, key, f.ws, f.ws_bytes, NULL), AM_OK);
-        for (i = 0; i < n; i++) g[i] = which == 0 ? ((i & 1) ? 3e38f : -2e30f) : 0.0f;
+        for (i = 0; i < n; i++) g[i] = overflow ? ((i & 1) ? 3e38f : -2e30f) : 0.0f;
+        if (which == 3) /* one element overflows, the rest are ordinary */
+            for (i = 0; i < n; i++) g[i] = i == 4 ? 3e38f : 0.1f;
         t_snap_take(&snap, &f, p, sizeof(float) * (size_t)n, g, sizeof(float) * (size_t)n);
-        assert_int_equal(am_update(&pt, &gt, &f.st, which ? &hp0 : &hp, key, f.ws, f.ws_bytes, &rep),
+        assert_int_equal(am_update(&pt, &gt, &f.st, overflow ? &hp : &hp0, key, f.ws, f.ws_bytes, &rep),
                          AM_SKIPPED_NONFINITE_UPDATE);
         assert_int_equal(rep.status, AM_SKIPPED_NONFINITE_UPDATE);
         assert_int_equal(rep.nonfinite_count, 0);
