@@ -426,11 +426,125 @@ static void test_lr_rails(void **unused) {
     t_fix_free(&f);
 }
 
+/* Free-running: the reference keeps its own state (moments and lrs in
+ * double, the float32 parameter rounded to float32 after each step, as SPEC
+ * 3.5 stores it) for 40 steps, never re-synchronised with the library. The
+ * lr/polarity decisions must stay identical (polarity bytes equal at every
+ * step); the parameters, lrs and moments drift apart only by accumulated
+ * rounding: we require 1e-5 relative for lrs and moments, and for p
+ * |p_lib - p_ref| <= 1e-5 * (|p_ref| + sum of |step| so far). */
+static void test_free_running(void **unused) {
+    static const t_case shapes[] = {
+        {0, {0}}, {1, {33}}, {2, {17, 9}}, {3, {3, 1, 7}}, {4, {10, 5, 4, 3}},
+    };
+    uint64_t rs = t_seed() ^ 0xfeedu;
+    double worst_p = 0, worst_lr = 0, worst_mom = 0;
+    size_t c;
+    int w;
+    (void)unused;
+    for (c = 0; c < sizeof shapes / sizeof shapes[0]; c++)
+        for (w = 0; w < 2; w++) {
+            am_shape sh = t_shape(shapes[c].ndim, shapes[c].d);
+            int64_t n = t_numel(&sh), i;
+            double lr0;
+            am_hparams hp = hp_set(w, &lr0);
+            t_fix f;
+            am_state_sizes sz;
+            float *p = (float *)t_calloc(n * 4), *g = (float *)t_calloc(n * 4);
+            double *rp = calloc((size_t)n, 8), *gd = calloc((size_t)n, 8), *travel = calloc((size_t)n, 8);
+            ref_in in;
+            ref_out a, b;
+            uint8_t *pol;
+            int s;
+            t_fix_init(&f, &sh, lr0);
+            sz = f.sz;
+            memset(&a, 0, sizeof a);
+            memset(&b, 0, sizeof b);
+#define ALLOC_OUT(o)                                                           \
+    o.p = calloc((size_t)n, 8);                                                \
+    o.row = calloc((size_t)sz.row_count + 1, 8);                               \
+    o.col = calloc((size_t)sz.col_count + 1, 8);                               \
+    o.sq = calloc((size_t)sz.sq_count + 1, 8);                                 \
+    o.lr = calloc((size_t)sz.lr_count + 1, 8);                                 \
+    o.pol = calloc((size_t)sz.polarity_bytes + 1, 1);                          \
+    assert_true(o.p && o.row && o.col && o.sq && o.lr && o.pol);
+            ALLOC_OUT(a)
+            ALLOC_OUT(b)
+#undef ALLOC_OUT
+            pol = a.pol;
+            assert_true(rp && gd && travel);
+            for (i = 0; i < sz.lr_count; i++) a.lr[i] = (double)(float)lr0;
+            for (i = 0; i < n; i++) {
+                t_store_random(p, AM_DTYPE_FLOAT32, i, &rs, -2, 1);
+                rp[i] = p[i];
+            }
+            for (s = 0; s < 40; s++) {
+                am_tensor pt = t_tensor(p, AM_DTYPE_FLOAT32, &sh), gt = t_tensor(g, AM_DTYPE_FLOAT32, &sh);
+                am_rng_key key = {1, 0};
+                ref_out tmp;
+                for (i = 0; i < n; i++) {
+                    t_store_random(g, AM_DTYPE_FLOAT32, i, &rs, -6, 2);
+                    gd[i] = g[i];
+                }
+                in.shape = &sh;
+                in.p = rp;
+                in.g = gd;
+                in.row = a.row;
+                in.col = a.col;
+                in.sq = a.sq;
+                in.lr = a.lr;
+                in.pol = pol;
+                in.step = s;
+                in.hp = &hp;
+                ref_update(&in, &b, sz.polarity_bytes);
+                assert_int_equal(am_update(&pt, &gt, &f.st, &hp, key, f.ws, f.ws_bytes, NULL), AM_OK);
+                for (i = 0; i < n; i++) {
+                    travel[i] += fabs(b.p[i] - rp[i]);
+                    rp[i] = (double)(float)b.p[i]; /* float32 storage */
+                }
+                tmp = a; a = b; b = tmp; /* a is now the current state */
+                pol = a.pol;
+                if (sz.polarity_bytes && memcmp(pol, f.st.polarity, (size_t)sz.polarity_bytes))
+                    fail_msg("%s step %d: polarity differs", t_shape_str(&sh), s);
+                for (i = 0; i < sz.lr_count; i++) {
+                    double r = fabs(f.st.lr[i] - a.lr[i]) / a.lr[i];
+                    if (r > worst_lr) worst_lr = r;
+                    if (!(r <= 1e-5)) fail_msg("%s step %d: lr[%lld] %.9g vs %.9g", t_shape_str(&sh), s,
+                                               (long long)i, (double)f.st.lr[i], a.lr[i]);
+                }
+                for (i = 0; i < sz.row_count + sz.col_count + sz.sq_count; i++) {
+                    double lib, ref, r;
+                    if (i < sz.row_count) { lib = f.st.row[i]; ref = a.row[i]; }
+                    else if (i < sz.row_count + sz.col_count) {
+                        lib = f.st.col[i - sz.row_count]; ref = a.col[i - sz.row_count];
+                    } else { lib = f.st.sq[i - sz.row_count - sz.col_count]; ref = a.sq[i - sz.row_count - sz.col_count]; }
+                    r = fabs(lib - ref) / ref;
+                    if (r > worst_mom) worst_mom = r;
+                    if (!(r <= 1e-5)) fail_msg("%s step %d: moment %lld %.9g vs %.9g", t_shape_str(&sh), s,
+                                               (long long)i, lib, ref);
+                }
+                for (i = 0; i < n; i++) {
+                    double r = fabs(p[i] - rp[i]) / (fabs(rp[i]) + travel[i]);
+                    if (r > worst_p) worst_p = r;
+                    if (!(r <= 1e-5)) fail_msg("%s step %d: p[%lld] %.9g vs %.9g", t_shape_str(&sh), s,
+                                               (long long)i, (double)p[i], rp[i]);
+                }
+            }
+            free(a.p); free(a.row); free(a.col); free(a.sq); free(a.lr); free(a.pol);
+            free(b.p); free(b.row); free(b.col); free(b.sq); free(b.lr); free(b.pol);
+            free(rp); free(gd); free(travel); free(p); free(g);
+            t_fix_free(&f);
+        }
+    printf("[ measured ] free-running 40 steps: max p err %.3g (relative to |p| + travel), "
+           "max lr rel err %.3g, max moment rel err %.3g\n", worst_p, worst_lr, worst_mom);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_float32_all_shapes),
         cmocka_unit_test(test_all_dtype_pairs),
         cmocka_unit_test(test_lr_rails),
+        cmocka_unit_test(test_free_running),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
