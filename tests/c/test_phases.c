@@ -1,0 +1,227 @@
+/*
+ * test_phases.c — the three phases of the kernel layer (am_update_stats,
+ * am_update_moments, am_update_finish) and the workspace view:
+ *   - stats -> moments -> finish gives exactly the bits of am_update, for
+ *     every dtype pair;
+ *   - the view holds what the header says (row/col sums of g*g, the sum of
+ *     u*u before clipping, the non-finite count), checked against plain
+ *     double sums (1e-6 relative);
+ *   - the documented sharded protocol: a parameter split along dims[0] into
+ *     k equal shards (whole matrices per shard for ndim >= 3, element ranges
+ *     for ndim 1), with u2_sum all-reduced and divided by k, gives the
+ *     unsharded float32 result (lrs and polarity identical, parameters and
+ *     moments within 2 ulp).
+ */
+#include "test_common.h"
+
+static const am_dtype k_dtypes[3] = {AM_DTYPE_FLOAT32, AM_DTYPE_BFLOAT16,
+                                     AM_DTYPE_FLOAT16};
+
+static void test_phases_equal_update(void **unused) {
+    typedef struct { int32_t ndim; int64_t d[4]; } sc;
+    static const sc shapes[] = {{0, {0}}, {1, {37}}, {2, {9, 70}}, {3, {2, 65, 3}}, {4, {3, 1, 4, 5}}};
+    uint64_t rs = t_seed() ^ 0xabcu;
+    size_t c;
+    int a, b, s;
+    (void)unused;
+    for (c = 0; c < sizeof shapes / sizeof shapes[0]; c++)
+        for (a = 0; a < 3; a++)
+            for (b = 0; b < 3; b++) {
+                am_shape sh = t_shape(shapes[c].ndim, shapes[c].d);
+                int64_t n = t_numel(&sh), i;
+                size_t pb = (size_t)n * am_dtype_size(k_dtypes[a]);
+                void *p1 = t_calloc(n * 4), *p2 = t_calloc(n * 4), *g = t_calloc(n * 4);
+                am_tensor t1 = t_tensor(p1, k_dtypes[a], &sh), t2 = t_tensor(p2, k_dtypes[a], &sh);
+                am_tensor gt = t_tensor(g, k_dtypes[b], &sh);
+                am_hparams hp = am_hparams_default();
+                am_rng_key key = {31337, 4};
+                am_report r1, r2;
+                t_fix f1, f2;
+                t_fix_init(&f1, &sh, 1e-3);
+                t_fix_init(&f2, &sh, 1e-3);
+                for (i = 0; i < n; i++) t_store_random(p1, k_dtypes[a], i, &rs, -3, 1);
+                memcpy(p2, p1, pb);
+                for (s = 0; s < 3; s++) {
+                    for (i = 0; i < n; i++) t_store_random(g, k_dtypes[b], i, &rs, -5, 1);
+                    assert_int_equal(am_update(&t1, &gt, &f1.st, &hp, key, f1.ws, f1.ws_bytes, &r1), AM_OK);
+                    assert_int_equal(am_update_stats(&t2, &gt, &f2.st, &hp, f2.ws, f2.ws_bytes), AM_OK);
+                    assert_int_equal(am_update_moments(&t2, &gt, &f2.st, &hp, f2.ws, f2.ws_bytes), AM_OK);
+                    assert_int_equal(am_update_finish(&t2, &gt, &f2.st, &hp, key, f2.ws, f2.ws_bytes, &r2), AM_OK);
+                    assert_memory_equal(p1, p2, pb);
+                    assert_memory_equal(f1.st.lr, f2.st.lr, (size_t)f1.sz.lr_count * 4);
+                    assert_memory_equal(f1.st.polarity, f2.st.polarity, (size_t)f1.sz.polarity_bytes);
+                    if (sh.ndim >= 2) {
+                        assert_memory_equal(f1.st.row, f2.st.row, (size_t)f1.sz.row_count * 4);
+                        assert_memory_equal(f1.st.col, f2.st.col, (size_t)f1.sz.col_count * 4);
+                    } else {
+                        assert_memory_equal(f1.st.sq, f2.st.sq, (size_t)f1.sz.sq_count * 4);
+                    }
+                    assert_int_equal(f1.st.step, f2.st.step);
+                    assert_memory_equal(&r1, &r2, sizeof r1);
+                }
+                t_fix_free(&f1);
+                t_fix_free(&f2);
+                free(p1);
+                free(p2);
+                free(g);
+            }
+}
+
+/* The view after each phase, against plain double sums. */
+static void test_view_contents(void **unused) {
+    typedef struct { int32_t ndim; int64_t d[3]; } sc;
+    static const sc shapes[] = {{1, {100}}, {2, {7, 19}}, {3, {3, 70, 5}}};
+    uint64_t rs = t_seed() ^ 0x5eedu;
+    size_t c;
+    (void)unused;
+    for (c = 0; c < sizeof shapes / sizeof shapes[0]; c++) {
+        am_shape sh = t_shape(shapes[c].ndim, shapes[c].d);
+        int64_t n = t_numel(&sh), i, j, bb;
+        float *p = (float *)t_calloc(n * 4), *g = (float *)t_calloc(n * 4);
+        am_tensor pt = t_tensor(p, AM_DTYPE_FLOAT32, &sh), gt = t_tensor(g, AM_DTYPE_FLOAT32, &sh);
+        am_hparams hp = am_hparams_default();
+        am_workspace_view v;
+        double u2 = 0.0;
+        t_fix f;
+        t_fix_init(&f, &sh, 1e-3);
+        for (i = 0; i < n; i++) {
+            t_store_random(p, AM_DTYPE_FLOAT32, i, &rs, -2, 0);
+            t_store_random(g, AM_DTYPE_FLOAT32, i, &rs, -6, 0);
+        }
+        assert_int_equal(am_workspace_view_get(&sh, f.ws, f.ws_bytes, &v), AM_OK);
+        assert_int_equal(am_update_stats(&pt, &gt, &f.st, &hp, f.ws, f.ws_bytes), AM_OK);
+        assert_int_equal(*v.nonfinite, 0);
+        if (sh.ndim >= 2) {
+            int64_t B = sh.ndim == 3 ? sh.dims[0] : 1, R = sh.dims[sh.ndim - 2], C = sh.dims[sh.ndim - 1];
+            double *rowm = calloc((size_t)(B * R), 8), *colm = calloc((size_t)(B * C), 8), rmean;
+            assert_true(rowm && colm);
+            for (bb = 0; bb < B; bb++) {
+                for (i = 0; i < R; i++)
+                    for (j = 0; j < C; j++) {
+                        double x = g[(bb * R + i) * C + j];
+                        rowm[bb * R + i] += x * x;
+                        colm[bb * C + j] += x * x;
+                    }
+                for (i = 0; i < R; i++)
+                    assert_true(fabs(v.row_sumsq[bb * R + i] - rowm[bb * R + i]) <= 1e-6 * rowm[bb * R + i]);
+                for (j = 0; j < C; j++)
+                    assert_true(fabs(v.col_sumsq[bb * C + j] - colm[bb * C + j]) <= 1e-6 * colm[bb * C + j]);
+            }
+            assert_int_equal(am_update_moments(&pt, &gt, &f.st, &hp, f.ws, f.ws_bytes), AM_OK);
+            /* u2 from fresh state (row = col = 0): row = (1-b2)(mean + eps) */
+            for (bb = 0; bb < B; bb++) {
+                rmean = 0;
+                for (i = 0; i < R; i++) rmean += (1 - hp.beta2) * (rowm[bb * R + i] / C + hp.eps);
+                rmean /= R;
+                for (i = 0; i < R; i++)
+                    for (j = 0; j < C; j++) {
+                        double x = g[(bb * R + i) * C + j];
+                        double r = (1 - hp.beta2) * (rowm[bb * R + i] / C + hp.eps);
+                        double cc = (1 - hp.beta2) * (colm[bb * C + j] / R + hp.eps);
+                        double u = x / sqrt(r / rmean) / sqrt(cc);
+                        u2 += u * u;
+                    }
+            }
+            free(rowm);
+            free(colm);
+        } else {
+            for (i = 0; i < n; i++) {
+                double x = g[i], sq = (1 - hp.beta2) * x * x, u = x / sqrt(sq + hp.eps);
+                u2 += u * u;
+            }
+            assert_true(fabs(*v.u2_sum - u2) <= 1e-6 * u2); /* stats fills it for ndim <= 1 */
+            assert_int_equal(am_update_moments(&pt, &gt, &f.st, &hp, f.ws, f.ws_bytes), AM_OK);
+        }
+        if (!(fabs(*v.u2_sum - u2) <= 1e-6 * u2))
+            fail_msg("%s: u2_sum %.9g, reference %.9g", t_shape_str(&sh), *v.u2_sum, u2);
+        t_fix_free(&f);
+        free(p);
+        free(g);
+    }
+}
+
+/* k = 2 shards along dims[0]; the engine all-reduces u2_sum and divides by k
+ * (header: the rms divides by the numel of the tensor passed). */
+static void shard_case(const am_shape *sh) {
+    enum { K = 2 };
+    int64_t n = t_numel(sh), ns = n / K, i;
+    am_shape ssh = *sh;
+    float *p = (float *)t_calloc(n * 4), *ps = (float *)t_calloc(n * 4), *g = (float *)t_calloc(n * 4);
+    am_hparams hp = am_hparams_default();
+    am_rng_key key = {5, 0};
+    uint64_t rs = t_seed() ^ 0x5a5au;
+    t_fix full, part[K];
+    int s, k;
+    ssh.dims[0] /= K;
+    t_fix_init(&full, sh, 1e-3);
+    for (k = 0; k < K; k++) t_fix_init(&part[k], &ssh, 1e-3);
+    for (i = 0; i < n; i++) t_store_random(p, AM_DTYPE_FLOAT32, i, &rs, -2, 1);
+    memcpy(ps, p, (size_t)n * 4);
+    hp.clip_threshold = 0.5; /* make the clip bind, so the reduced u2 matters */
+    for (s = 0; s < 4; s++) {
+        am_tensor pt = t_tensor(p, AM_DTYPE_FLOAT32, sh), gt = t_tensor(g, AM_DTYPE_FLOAT32, sh);
+        am_tensor sp[K], sg[K];
+        double total = 0;
+        for (i = 0; i < n; i++) t_store_random(g, AM_DTYPE_FLOAT32, i, &rs, -6, 1);
+        assert_int_equal(am_update(&pt, &gt, &full.st, &hp, key, full.ws, full.ws_bytes, NULL), AM_OK);
+        for (k = 0; k < K; k++) {
+            sp[k] = t_tensor(ps + k * ns, AM_DTYPE_FLOAT32, &ssh);
+            sg[k] = t_tensor(g + k * ns, AM_DTYPE_FLOAT32, &ssh);
+            assert_int_equal(am_update_stats(&sp[k], &sg[k], &part[k].st, &hp, part[k].ws, part[k].ws_bytes), AM_OK);
+            assert_int_equal(am_update_moments(&sp[k], &sg[k], &part[k].st, &hp, part[k].ws, part[k].ws_bytes), AM_OK);
+        }
+        for (k = 0; k < K; k++) {
+            am_workspace_view v;
+            assert_int_equal(am_workspace_view_get(&ssh, part[k].ws, part[k].ws_bytes, &v), AM_OK);
+            total += *v.u2_sum;
+        }
+        for (k = 0; k < K; k++) {
+            am_workspace_view v;
+            assert_int_equal(am_workspace_view_get(&ssh, part[k].ws, part[k].ws_bytes, &v), AM_OK);
+            *v.u2_sum = total / K;
+            assert_int_equal(am_update_finish(&sp[k], &sg[k], &part[k].st, &hp, key, part[k].ws,
+                                              part[k].ws_bytes, NULL), AM_OK);
+        }
+        for (i = 0; i < n; i++) {
+            float ulp = nextafterf(fabsf(p[i]), INFINITY) - fabsf(p[i]);
+            if (!(fabsf(p[i] - ps[i]) <= 2 * ulp))
+                fail_msg("%s step %d: p[%lld] sharded %.9g, whole %.9g", t_shape_str(sh), s,
+                         (long long)i, (double)ps[i], (double)p[i]);
+        }
+        for (k = 0; k < K; k++) {
+            int64_t nl = part[k].sz.lr_count, np = part[k].sz.polarity_bytes;
+            assert_memory_equal(part[k].st.lr, full.st.lr + k * nl, (size_t)nl * 4);
+            assert_memory_equal(part[k].st.polarity, full.st.polarity + k * np, (size_t)np);
+            if (sh->ndim >= 2) {
+                int64_t nr = part[k].sz.row_count, nc = part[k].sz.col_count;
+                assert_memory_equal(part[k].st.row, full.st.row + k * nr, (size_t)nr * 4);
+                assert_memory_equal(part[k].st.col, full.st.col + k * nc, (size_t)nc * 4);
+            } else {
+                assert_memory_equal(part[k].st.sq, full.st.sq + k * ns, (size_t)ns * 4);
+            }
+        }
+    }
+    for (k = 0; k < K; k++) t_fix_free(&part[k]);
+    t_fix_free(&full);
+    free(p);
+    free(ps);
+    free(g);
+}
+
+static void test_sharded_protocol(void **unused) {
+    const int64_t d1[1] = {64}, d3[3] = {4, 9, 7}, d4[4] = {6, 2, 3, 5};
+    am_shape s1 = t_shape(1, d1), s3 = t_shape(3, d3), s4 = t_shape(4, d4);
+    (void)unused;
+    shard_case(&s1);
+    shard_case(&s3);
+    shard_case(&s4);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_phases_equal_update),
+        cmocka_unit_test(test_view_contents),
+        cmocka_unit_test(test_sharded_protocol),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
