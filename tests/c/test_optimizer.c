@@ -227,6 +227,16 @@ static void test_optimizer_invalid(void **unused) {
     EXPECT_ERR(am_optimizer_add_param(o.opt, buf, AM_DTYPE_FLOAT32, 2, dbig, &id), AM_ERR_INVALID_SHAPE);
     assert_int_equal(id, 1234);
     check_same(&s, &o);
+    /* out of memory: 2^46 float32 elements need 2^48 bytes of lrs alone,
+     * more than any 64-bit user address space (so no overcommit setting can
+     * grant it) */
+    {
+        const int64_t huge[1] = {(int64_t)1 << 46};
+        EXPECT_ERR(am_optimizer_add_param(o.opt, buf, AM_DTYPE_FLOAT32, 1, huge, &id),
+                   AM_ERR_OUT_OF_MEMORY);
+        assert_int_equal(id, 1234);
+        check_same(&s, &o);
+    }
     /* update_param: unknown ids, NULL grad, bad grad dtype */
     EXPECT_ERR(am_optimizer_update_param(NULL, 0, o.g, AM_DTYPE_FLOAT32, &rep), AM_ERR_NULL_POINTER);
     EXPECT_ERR(am_optimizer_update_param(o.opt, -1, o.g, AM_DTYPE_FLOAT32, &rep), AM_ERR_NOT_FOUND);
