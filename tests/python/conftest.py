@@ -9,8 +9,8 @@ message saying where it looked when the file is absent.
 reference prints a parameter count (and a warning for a high lr) on
 construction, which would only clutter the test output.
 
-``measured`` is a session-wide record of the largest errors the reference
-comparisons saw; they are printed at the end of the run so that a report can
+``measured`` is a session-wide record of the largest errors (and smallest
+margins) the reference comparisons saw; they are printed at the end of the run so that a report can
 quote measured figures instead of the tolerances.
 """
 import contextlib
@@ -28,11 +28,15 @@ _MEASURED = {}
 
 
 class Measured:
-    """Keeps the largest value of each named error (a session-wide maximum)."""
+    """Keeps the largest (or, with smallest=True, the smallest) value of each
+    named figure over the session."""
 
-    def record(self, name: str, value: float, where: str) -> None:
+    def record(self, name: str, value: float, where: str, smallest: bool = False) -> None:
         value = float(value)
-        if name not in _MEASURED or value > _MEASURED[name][0]:
+        if name not in _MEASURED:
+            _MEASURED[name] = (value, where)
+        old = _MEASURED[name][0]
+        if (value < old) if smallest else (value > old):
             _MEASURED[name] = (value, where)
 
 
@@ -67,7 +71,7 @@ def make_reference(reference):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not _MEASURED:
         return
-    terminalreporter.section("automagic vs reference: largest errors measured")
+    terminalreporter.section("automagic vs reference: figures measured")
     for name in sorted(_MEASURED):
         value, where = _MEASURED[name]
         terminalreporter.write_line("%-48s %.3e   (%s)" % (name, value, where))
