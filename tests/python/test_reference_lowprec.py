@@ -23,7 +23,7 @@ a false-alarm probability of about 1e-6 when the hypothesis holds:
    z-score (mean_ours - mean_ref) / sqrt(se_ours^2 + se_ref^2).
 3. ours and the reference have the same spread: the pooled variance ratio
    sum var_ours / sum var_ref is within [0.8, 1.25]; its own standard error
-   at N*M = 20480 samples is about 2%, so the window is ~10 standard errors
+   at N*M = 20480 samples is 1.5% (measured), so the window is ~15 standard errors
    wide, yet an SR that rounded at the wrong bit (x4 variance) or not at all
    (round to nearest: variance ~0) fails it.
 The tests are deterministic (fixed seeds): "1e-6" is the chance that a
