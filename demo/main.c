@@ -44,11 +44,11 @@ static void usage(FILE *f, const char *prog) {
             "usage: %s [options]\n"
             "Trains a character-level MLP language model on a word list with Automagic3\n"
             "(libautomagic) and with AdamW, in float32 and in bfloat16.\n\n"
-            "  -n, --steps N      training steps per run (default 3000)\n"
+            "  -n, --steps N      training steps per run (default 8000)\n"
             "  -d, --data FILE    word list, one word per line; lines of a-z only are used\n"
             "                     (default " DEFAULT_DATA ", Debian package wamerican)\n"
             "  -t, --threads N    threads for the model and libautomagic (0 = all cores;\n"
-            "                     default 0); results do not depend on it\n"
+            "                     default 1: the model is small); results do not depend on it\n"
             "  -s, --seed N       seed of the split, init, batches, rounding (default 1)\n"
             "  -o, --out DIR      output directory, created if absent (default demo_out)\n"
             "  -b, --batch N      minibatch size (default 128)\n"
@@ -111,9 +111,9 @@ static int parse_args(int argc, char **argv, args *a) {
         {NULL, 0, NULL, 0}};
     long long v;
     int c;
-    a->steps = 3000;
+    a->steps = 8000;
     a->batch = 128;
-    a->threads = 0;
+    a->threads = 1;
     a->ctx = 4;
     a->embed = 16;
     a->hidden = 192;
