@@ -181,13 +181,32 @@ static int select_runs(const char *list, const dm_run_spec *specs, int n, int *s
     return count ? count : -1;
 }
 
+/* mkdir -p: creates path and any missing parent. 0, or -1 with a message. */
 static int make_dir(const char *path) {
+    char buf[4096];
     struct stat st;
-    if (mkdir(path, 0777) == 0) return 0;
-    if (errno == EEXIST && stat(path, &st) == 0 && S_ISDIR(st.st_mode)) return 0;
-    fprintf(stderr, "amdemo: cannot create output directory '%s': %s\n", path,
-            errno == EEXIST ? "a file of that name exists" : strerror(errno));
-    return -1;
+    size_t i, n = strlen(path);
+    if (n == 0 || n >= sizeof buf) {
+        fprintf(stderr, "amdemo: --out: bad directory name '%s'\n", path);
+        return -1;
+    }
+    memcpy(buf, path, n + 1);
+    for (i = 1; i <= n; i++) {
+        if (buf[i] != '/' && buf[i] != '\0') continue;
+        buf[i] = '\0';
+        if (mkdir(buf, 0777) != 0 && errno != EEXIST) {
+            fprintf(stderr, "amdemo: cannot create output directory '%s': %s\n", buf,
+                    strerror(errno));
+            return -1;
+        }
+        buf[i] = path[i];
+    }
+    if (stat(path, &st) != 0 || !S_ISDIR(st.st_mode)) {
+        fprintf(stderr, "amdemo: cannot create output directory '%s': %s\n", path,
+                stat(path, &st) == 0 ? "a file of that name exists" : strerror(errno));
+        return -1;
+    }
+    return 0;
 }
 
 static void on_log(am_log_level level, const char *msg, void *user) {

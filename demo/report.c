@@ -47,7 +47,7 @@ void dm_progress_update(dm_progress *p, int step, double loss, double lr, double
     bar[WIDTH] = '\0';
     fmt_time(el, sizeof el, elapsed_s);
     fmt_time(eta, sizeof eta, step ? elapsed_s * (p->total - step) / step : -1.0);
-    fprintf(stderr, "%s%-16s [%s] %6d/%d  loss %.3f  mean lr %.2e  %s  ETA %s%s",
+    fprintf(stderr, "%s%-16s [%s] %6d/%d  avg loss %.3f  mean lr %.2e  %s  ETA %s%s",
             p->tty ? "\r" : "", p->name, bar, step, p->total, loss, lr, el, eta,
             p->tty ? "\033[K" : "\n");
     fflush(stderr);
@@ -100,10 +100,10 @@ void dm_print_summary(FILE *f, const dm_run_spec *specs, const dm_result *res, i
             ref_step = res[r].train_s;
             ref_opt = res[r].opt_s;
         }
-    fprintf(f, "\n| %-14s | %-10s | %-22s | %-13s | %-10s | %-8s | %-13s | %-15s |\n",
+    fprintf(f, "\n| %-14s | %-10s | %-22s | %-14s | %-10s | %-8s | %-13s | %-15s |\n",
             "run", "optimizer", "weights", "lr at end", "train loss", "val loss",
             "ms/step", "optimizer ms");
-    fprintf(f, "|----------------|------------|------------------------|---------------|"
+    fprintf(f, "|----------------|------------|------------------------|----------------|"
                "------------|----------|---------------|-----------------|\n");
     for (r = 0; r < nruns; r++) {
         char lr[32], st[32], ot[32];
@@ -115,7 +115,7 @@ void dm_print_summary(FILE *f, const dm_run_spec *specs, const dm_result *res, i
         else snprintf(st, sizeof st, "%.2f", ms);
         if (ref_opt > 0) snprintf(ot, sizeof ot, "%.3f (x%.2f)", oms, res[r].opt_s / ref_opt);
         else snprintf(ot, sizeof ot, "%.3f", oms);
-        fprintf(f, "| %-14s | %-10s | %-22s | %-13s | %10.4f | %8.4f | %13s | %15s |\n",
+        fprintf(f, "| %-14s | %-10s | %-22s | %-14s | %10.4f | %8.4f | %13s | %15s |\n",
                 specs[r].name, opt_name(&specs[r]), weights_name(&specs[r]), lr,
                 res[r].train_loss, res[r].val_loss, st, ot);
     }

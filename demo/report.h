@@ -21,6 +21,7 @@ typedef struct dm_progress {
 /* A bar redrawn in place (\r) at most 10 times a second when stderr is a
  * terminal; a plain line every 10% otherwise (logs, CI). enabled = 0: silent. */
 void dm_progress_begin(dm_progress *p, const char *name, int total, int enabled);
+/* loss: what to show (the caller passes a running mean); lr: the mean lr. */
 void dm_progress_update(dm_progress *p, int step, double loss, double lr, double elapsed_s);
 void dm_progress_end(dm_progress *p);
 

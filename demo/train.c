@@ -119,7 +119,7 @@ int dm_train(const dm_config *c, const dm_examples *train, const dm_examples *va
     const int bf16 = spec->weights != DM_W_F32;
     int64_t i, P;
     uint64_t batch_rng = o->seed ^ 0xB47C4ull, sample_rng = o->seed ^ 0x5A3913ull;
-    double window = 0.0, tail = 0.0, t_start;
+    double window = 0.0, tail = 0.0, ema = 0.0, t_start;
     int step, nwin = 0, ntail = 0, tail_from = o->steps - o->steps / 10, s, t, maxpts;
     int eval_b = B > 4096 ? B : 4096;
 
@@ -224,7 +224,9 @@ int dm_train(const dm_config *c, const dm_examples *train, const dm_examples *va
         {
             double lr = o->adamw_lr;
             if (b.am) am_optimizer_lr_mean(b.am, -1, &lr);
-            dm_progress_update(&bar, step + 1, loss, lr, res->train_s);
+            /* the bar shows a running mean (about the last 50 steps), not one noisy batch */
+            ema = step == 0 ? loss : 0.98 * ema + 0.02 * loss;
+            dm_progress_update(&bar, step + 1, ema, lr, res->train_s);
         }
     }
     dm_progress_end(&bar);
