@@ -37,8 +37,8 @@ typedef struct dm_examples {
 int dm_words_load(const char *path, dm_words *out, char *err, int errsz);
 void dm_words_free(dm_words *w);
 
-/* Shuffles the words with seed (Fisher-Yates), then the first
- * n - n_val become train, the last n_val validation (views into w). */
+/* Shuffles the words with seed (Fisher-Yates); the caller then takes the
+ * first words for training and the last ones for validation. */
 void dm_words_shuffle(dm_words *w, uint64_t seed);
 
 /* Builds the examples of words[begin, end). Returns 0 or -1 (out of memory). */

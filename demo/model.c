@@ -12,8 +12,11 @@
 
 #include "data.h"
 
+/* Threads only for loops worth it (a parallel region costs microseconds;
+ * sampling and the tests run batches of 1 to 6). */
+#define DM_MIN_PARALLEL_WORK 100000
 #ifdef _OPENMP
-#define DM_PARALLEL_FOR _Pragma("omp parallel for schedule(static)")
+#define DM_PARALLEL_FOR _Pragma("omp parallel for schedule(static) if(work >= DM_MIN_PARALLEL_WORK)")
 #else
 #define DM_PARALLEL_FOR
 #endif
@@ -105,7 +108,9 @@ static void embed_backward(float *demb, const float *dx, const uint8_t *X, int B
  * is allowed to the compiler: -fno-fast-math). */
 static void matmul_forward(float *out, const float *inp, const float *w, const float *bias,
                            int B, int C, int OC) {
+    const int64_t work = (int64_t)B * C * OC;
     int b;
+    (void)work; /* unused without OpenMP */
     DM_PARALLEL_FOR
     for (b = 0; b < B; b++) {
         const float *x = inp + (size_t)b * C;
@@ -130,7 +135,9 @@ static void matmul_forward(float *out, const float *inp, const float *w, const f
  * dw (OC, C) = dout^T @ inp, dbias (OC) = sum over B of dout. */
 static void matmul_backward(float *dinp, float *dw, float *dbias, const float *dout,
                             const float *inp, const float *w, int B, int C, int OC) {
+    const int64_t work = (int64_t)B * C * OC;
     int b, o;
+    (void)work;
     if (dinp) {
         DM_PARALLEL_FOR
         for (b = 0; b < B; b++) {
@@ -174,7 +181,9 @@ static void tanh_backward(float *dh, const float *h, int64_t n) {
 /* probs (B, V) = softmax(logits) in place (max subtracted for range);
  * nll[b] = -log probs[b, Y[b]] when Y is given. */
 static void softmax_nll_forward(float *probs, double *nll, const uint8_t *Y, int B, int V) {
+    const int64_t work = (int64_t)B * V * 20; /* expf is ~20 multiply-adds */
     int b;
+    (void)work;
     DM_PARALLEL_FOR
     for (b = 0; b < B; b++) {
         float *p = probs + (size_t)b * V, mx = p[0], sum = 0.0f;
