@@ -299,6 +299,7 @@ int main(int argc, char **argv) {
 
     memset(res, 0, sizeof res);
     for (r = 0; r < nrun; r++) {
+        if (!a.quiet) fprintf(stderr, "run %d of %d:\n", r + 1, nrun);
         if (dm_train(&cfg, &train, &val, &chosen[r], &o, &res[r], err, sizeof err) != 0) {
             fprintf(stderr, "amdemo: run %s: %s\n", chosen[r].name, err);
             rc = 1;
