@@ -24,6 +24,8 @@ LABELS = {
     "automagic3-rtn": "Automagic3, bf16 weights, round-to-nearest",
 }
 COLORS = {"automagic3": "C0", "adamw": "C1", "automagic3-sr": "C2", "automagic3-rtn": "C3"}
+# bf16 with stochastic rounding lies on top of float32: dashed, so both show.
+STYLES = {"automagic3-sr": "--"}
 
 
 def load(path):
@@ -57,8 +59,8 @@ def main(argv):
     (a_loss, a_bf16), (a_lr, a_tensor) = ax
 
     for name, rows in runs.items():
-        a_loss.plot(col(rows, "step"), col(rows, "val_loss"), color=COLORS.get(name),
-                    label=LABELS.get(name, name))
+        a_loss.plot(col(rows, "step"), col(rows, "val_loss"), COLORS.get(name, "k"),
+                    linestyle=STYLES.get(name, "-"), label=LABELS.get(name, name))
     a_loss.set_title("validation loss (4096 held-out examples)")
     a_loss.set_xlabel("step")
     a_loss.set_ylabel("cross-entropy (nats)")
