@@ -15,4 +15,9 @@ if [ -n "$missing" ]; then
 fi
 PY=${PYTHON:-python3}
 # torch==2.13.0 is a CPU build (a newer or unpinned torch is a multi-GB CUDA download).
-$PY -m pip install -q --disable-pip-version-check torch==2.13.0 pytest numpy matplotlib 2>&1 | grep -v "as the 'root' user" || true
+if ! out=$($PY -m pip install -q --disable-pip-version-check torch==2.13.0 pytest numpy matplotlib 2>&1); then
+  echo "$out" >&2
+  echo "setup_env.sh: pip install failed" >&2
+  exit 1
+fi
+echo "$out" | grep -v "as the 'root' user" || true
