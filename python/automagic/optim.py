@@ -60,13 +60,18 @@ def _hparams(group: dict) -> _lib.HParams:
     return hp
 
 
-def _validate_group(group: dict) -> None:
+def _validate_group(group: dict, check_lr: bool = True) -> None:
+    """check_lr=False once the group exists: then group["lr"] belongs to the
+    schedule (checked by _lr_scale), not to the C hyperparameters."""
     for name in _lib.HPARAM_NAMES:
         v = group[name]
+        if name == "lr" and not check_lr:
+            continue
         if isinstance(v, (bool, torch.Tensor)) or not isinstance(v, (int, float)):
             raise TypeError("Automagic3: %s must be a number, got %r" % (name, v))
     hp = _hparams(group)
-    hp.lr = float(group["lr"])
+    if check_lr:
+        hp.lr = float(group["lr"])
     _lib.clear_message()
     status = _lib.lib.am_hparams_validate(ctypes.byref(hp))
     if status != _lib.OK:
@@ -446,18 +451,25 @@ class Automagic3(torch.optim.Optimizer):
             self._steps.close()
             if self._micro != 0:
                 return loss  # mid-window: gradients keep accumulating
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                index = self._param_index[p]
-                if self.fused:
-                    if index in self._hooked:
-                        continue
-                    self._warn_once("nohook", "a parameter of shape %s has a gradient but "
-                                    "no backward hook (it did not require grad when it "
-                                    "was added); step() updates it" % (tuple(p.shape),))
-                self._update_param(p, group)
+        todo = [(p, group) for group in self.param_groups for p in group["params"]
+                if p.grad is not None
+                and not (self.fused and self._param_index[p] in self._hooked)]
+        # Everything is checked before anything is updated, so that a bad
+        # gradient or hyperparameter leaves every parameter as it was.
+        for group in {id(g): g for _, g in todo}.values():
+            try:
+                _validate_group(group, check_lr=False)
+            except (TypeError, ValueError) as e:
+                raise AutomagicError(str(e)) from None
+            self._lr_scale(group)
+        for p, _ in todo:
+            self._check(p, p.grad)
+        for p, group in todo:
+            if self.fused:
+                self._warn_once("nohook", "a parameter of shape %s has a gradient but "
+                                "no backward hook (it did not require grad when it "
+                                "was added); step() updates it" % (tuple(p.shape),))
+            self._update_param(p, group)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
