@@ -110,3 +110,47 @@ def convert_state(saved: dict, p: torch.Tensor, polarity_bytes: int, where: str)
     if unknown:
         raise CheckpointError("%s: unknown state keys %s" % (where, sorted(unknown)))
     return out
+
+
+def prepare_load(state_dict, groups, hparam_keys, polarity_bytes_of):
+    """Validates a whole optimizer state_dict against the optimizer's groups
+    and returns (new state by parameter, new group dicts) without changing
+    anything. Parameters are matched by position, as torch does.
+
+    Group keys in hparam_keys (and "lr") keep the optimizer's values (its
+    constructor wins); other saved keys (a scheduler's initial_lr) are
+    restored, and "lr" too when the saved group has an initial_lr."""
+    if not isinstance(state_dict, dict) or "state" not in state_dict \
+            or "param_groups" not in state_dict:
+        raise CheckpointError("Automagic3: not an optimizer state_dict (needs 'state' "
+                              "and 'param_groups')")
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(groups):
+        raise CheckpointError("Automagic3: state_dict has %d parameter groups, the "
+                              "optimizer %d" % (len(saved_groups), len(groups)))
+    id_map = {}
+    for gi, (sg, g) in enumerate(zip(saved_groups, groups)):
+        if len(sg["params"]) != len(g["params"]):
+            raise CheckpointError("Automagic3: group %d has %d parameters in the "
+                                  "state_dict, %d in the optimizer"
+                                  % (gi, len(sg["params"]), len(g["params"])))
+        for pid, p in zip(sg["params"], g["params"]):
+            id_map[pid] = p
+    new_state = {}
+    for pid, saved in state_dict["state"].items():
+        if pid not in id_map:
+            raise CheckpointError("Automagic3: state for unknown parameter id %r" % (pid,))
+        p = id_map[pid]
+        new_state[p] = convert_state(saved, p, polarity_bytes_of(p),
+                                     "Automagic3: state of parameter %r (shape %s)"
+                                     % (pid, tuple(p.shape)))
+    new_groups = []
+    for sg, g in zip(saved_groups, groups):
+        ng = dict(g)
+        for k, v in sg.items():
+            if k != "params" and k not in hparam_keys and k != "lr":
+                ng[k] = v
+        if "initial_lr" in sg:
+            ng["lr"] = sg["lr"]
+        new_groups.append(ng)
+    return new_state, new_groups

@@ -14,7 +14,7 @@ from typing import List, Optional
 import torch
 
 from . import _lib
-from ._checkpoint import CheckpointError, convert_state
+from ._checkpoint import CheckpointError, prepare_load
 from ._fused import BackwardSteps
 
 _DTYPES = {torch.float32: _lib.DTYPE_FLOAT32, torch.bfloat16: _lib.DTYPE_BFLOAT16,
@@ -50,6 +50,15 @@ def _shape(t: torch.Tensor) -> _lib.Shape:
     for i, d in enumerate(t.shape):
         s.dims[i] = d
     return s
+
+
+def _state_sizes(t: torch.Tensor) -> _lib.StateSizes:
+    sizes = _lib.StateSizes()
+    status = _lib.lib.am_state_get_sizes(ctypes.byref(_shape(t)), ctypes.byref(sizes))
+    if status != _lib.OK:
+        raise ValueError("Automagic3: parameter of shape %s: %s"
+                         % (tuple(t.shape), _lib.last_message() or _lib.status_string(status)))
+    return sizes
 
 
 def _hparams(group: dict) -> _lib.HParams:
@@ -279,12 +288,7 @@ class Automagic3(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ state
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
-        sizes = _lib.StateSizes()
-        shape = _shape(p)
-        status = _lib.lib.am_state_get_sizes(ctypes.byref(shape), ctypes.byref(sizes))
-        if status != _lib.OK:
-            raise ValueError("Automagic3: parameter of shape %s: %s"
-                             % (tuple(p.shape), _lib.last_message()))
+        sizes = _state_sizes(p)
         f32 = dict(dtype=torch.float32, device=p.device)
         state = self.state[p]
         state["step"] = 0
@@ -560,42 +564,10 @@ class Automagic3(torch.optim.Optimizer):
         as in the reference; saved non-hyperparameter group keys (a
         scheduler's initial_lr) are restored, and so is group["lr"] when the
         saved group has an initial_lr (a scheduler owns it)."""
-        if not isinstance(state_dict, dict) or "state" not in state_dict \
-                or "param_groups" not in state_dict:
-            raise CheckpointError("Automagic3: not an optimizer state_dict (needs 'state' "
-                                  "and 'param_groups')")
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise CheckpointError("Automagic3: state_dict has %d parameter groups, the "
-                                  "optimizer %d" % (len(saved_groups), len(self.param_groups)))
-        id_map = {}
-        for gi, (sg, g) in enumerate(zip(saved_groups, self.param_groups)):
-            if len(sg["params"]) != len(g["params"]):
-                raise CheckpointError("Automagic3: group %d has %d parameters in the "
-                                      "state_dict, %d in the optimizer"
-                                      % (gi, len(sg["params"]), len(g["params"])))
-            for pid, p in zip(sg["params"], g["params"]):
-                id_map[pid] = (p, g)
-        new_state = {}
-        for pid, saved in state_dict["state"].items():
-            if pid not in id_map:
-                raise CheckpointError("Automagic3: state for unknown parameter id %r" % (pid,))
-            p, g = id_map[pid]
-            sizes = _lib.StateSizes()
-            _lib.lib.am_state_get_sizes(ctypes.byref(_shape(p)), ctypes.byref(sizes))
-            new_state[p] = convert_state(saved, p, sizes.polarity_bytes,
-                                         "Automagic3: state of parameter %r (shape %s)"
-                                         % (pid, tuple(p.shape)))
+        new_state, new_groups = prepare_load(
+            state_dict, self.param_groups, _HPARAM_KEYS,
+            lambda p: _state_sizes(p).polarity_bytes)
         extra = state_dict.get("automagic", {})
-        new_groups = []
-        for sg, g in zip(saved_groups, self.param_groups):
-            ng = dict(g)
-            for k, v in sg.items():
-                if k != "params" and k not in _HPARAM_KEYS and k != "lr":
-                    ng[k] = v
-            if "initial_lr" in sg:
-                ng["lr"] = sg["lr"]
-            new_groups.append(ng)
         seed = extra.get("seed", self.seed)
         if seed != self.seed:
             warnings.warn("Automagic3: the state_dict was saved with seed %r, this optimizer "
