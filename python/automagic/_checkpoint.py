@@ -3,7 +3,7 @@
 Two formats are accepted for one parameter's state:
   ours       : step, lr (float32), polarity (uint8, packed bits as in
                include/automagic.h), exp_avg_sq_row/_col or exp_avg_sq
-               (float32), optionally skipped (int).
+               (float32).
   reference  : the original Automagic3 class: step, lr, last_polarity (bool,
                shape of p), exp_avg_sq_row/_col or exp_avg_sq in p.dtype.
 Either is turned into ours, on the parameter's device, without touching the
@@ -104,9 +104,7 @@ def convert_state(saved: dict, p: torch.Tensor, polarity_bytes: int, where: str)
             out[key] = t.to(device=p.device, dtype=torch.float32, copy=True).contiguous()
     if not torch.isfinite(out["lr"]).all() or (out["lr"] <= 0).any():
         raise CheckpointError("%s: lr holds a non-finite or non-positive value" % where)
-    skipped = saved.get("skipped", 0)
-    out["skipped"] = _step(skipped, where + " (skipped)")
-    unknown = set(saved) - set(shapes) - {"step", "skipped"}
+    unknown = set(saved) - set(shapes) - {"step"}
     if unknown:
         raise CheckpointError("%s: unknown state keys %s" % (where, sorted(unknown)))
     return out

@@ -185,6 +185,7 @@ class Automagic3(torch.optim.Optimizer):
         self._updated = set()          # indices updated in this window
         self._deferred = set()         # indices whose hook fires twice a step
         self._warned = set()           # one-time warnings already given
+        self._skipped = {}             # index -> non-finite updates skipped
 
     def _warn_once(self, key: str, msg: str, category=UserWarning) -> None:
         if key not in self._warned:
@@ -301,7 +302,6 @@ class Automagic3(torch.optim.Optimizer):
             state["exp_avg_sq_col"] = torch.zeros(p.shape[:-2] + p.shape[-1:], **f32)
         else:
             state["exp_avg_sq"] = torch.zeros(p.shape, **f32)
-        state["skipped"] = 0
         return state
 
     def _workspace(self, nbytes: int) -> torch.Tensor:
@@ -426,7 +426,10 @@ class Automagic3(torch.optim.Optimizer):
                     "elements); parameter and state are unchanged, p.grad kept"
                     % (_lib.status_string(status), tuple(p.shape), rep.nonfinite_count))
             self.nonfinite_skips += 1
-            state["skipped"] = state.get("skipped", 0) + 1
+            # Counted outside the state: SPEC 6.2 says a skipped update
+            # leaves the parameter's state exactly as it was.
+            index = self._param_index[p]
+            self._skipped[index] = self._skipped.get(index, 0) + 1
             self._warn_once("nonfinite", "%s for a parameter of shape %s; its update was "
                             "skipped and it is unchanged (counted in nonfinite_skips; "
                             "warned once)" % (_lib.status_string(status), tuple(p.shape)),
@@ -518,7 +521,8 @@ class Automagic3(torch.optim.Optimizer):
             return None
         out = self._summary([st["lr"]])
         if out is not None:
-            out.update(step=int(st["step"]), skipped=int(st.get("skipped", 0)))
+            out.update(step=int(st["step"]),
+                       skipped=self._skipped.get(self._param_index[p], 0))
         return out
 
     def lr_stats(self) -> List[Optional[dict]]:
@@ -527,11 +531,10 @@ class Automagic3(torch.optim.Optimizer):
         group with no state yet. O(number of rows), no pass over weights."""
         out = []
         for group in self.param_groups:
-            sts = [self.state[p] for p in group["params"] if p in self.state and
-                   "lr" in self.state[p]]
-            s = self._summary([st["lr"] for st in sts])
+            ps = [p for p in group["params"] if p in self.state and "lr" in self.state[p]]
+            s = self._summary([self.state[p]["lr"] for p in ps])
             if s is not None:
-                s["skipped"] = sum(int(st.get("skipped", 0)) for st in sts)
+                s["skipped"] = sum(self._skipped.get(self._param_index[p], 0) for p in ps)
             out.append(s)
         return out
 
@@ -551,7 +554,8 @@ class Automagic3(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         sd = super().state_dict()
         sd["automagic"] = dict(format=_STATE_DICT_FORMAT, seed=self.seed,
-                               nonfinite_skips=self.nonfinite_skips, micro_step=self._micro,
+                               nonfinite_skips=self.nonfinite_skips,
+                               skipped_by_param=dict(self._skipped), micro_step=self._micro,
                                deferred=sorted(self._deferred))
         return sd
 
@@ -584,6 +588,7 @@ class Automagic3(torch.optim.Optimizer):
             for p, st in new_state.items():
                 self.state[p] = st
             self.nonfinite_skips = int(extra.get("nonfinite_skips", 0))
+            self._skipped = {int(k): int(v) for k, v in extra.get("skipped_by_param", {}).items()}
             self._micro = int(extra.get("micro_step", 0)) % self.accumulation_steps
             self._deferred = set(int(i) for i in extra.get("deferred", ()))
             self._updated = set()
@@ -598,13 +603,13 @@ class Automagic3(torch.optim.Optimizer):
                     accumulation_steps=self.accumulation_steps, nonfinite=self.nonfinite,
                     lr_schedule=self.lr_schedule, nonfinite_skips=self.nonfinite_skips,
                     micro=self._micro, deferred=set(self._deferred),
-                    warned=set(self._warned))
+                    warned=set(self._warned), skipped=dict(self._skipped))
 
     def __setstate__(self, d: dict) -> None:
-        extra = {k: d.pop(k) for k in ("micro", "deferred", "warned")}
+        extra = {k: d.pop(k) for k in ("micro", "deferred", "warned", "skipped")}
         super().__setstate__(d)
         self._init_runtime()
-        self._micro, self._deferred, self._warned = (extra["micro"], extra["deferred"],
-                                                     extra["warned"])
+        self._micro, self._deferred = extra["micro"], extra["deferred"]
+        self._warned, self._skipped = extra["warned"], extra["skipped"]
         for group in self.param_groups:
             self._register_params(group)

@@ -133,7 +133,7 @@ def test_nonfinite_skip_counts_and_leaves_everything(fused):
             opt.step()
     p = m.emb.weight
     assert torch.equal(p, snap[0][0]) and opt.state[p]["step"] == 2
-    assert opt.nonfinite_skips == 1 and opt.state[p]["skipped"] == 1
+    assert opt.nonfinite_skips == 1 and opt.param_lr_stats(p)["skipped"] == 1
     assert opt.lr_stats()[0]["skipped"] == 1
     assert p.grad is None
     # the other parameters were updated
@@ -180,7 +180,6 @@ def test_periodic_faults_equal_clean_run_that_skips_the_same_steps():
             o2.step()
             o1.zero_grad()
             o2.zero_grad()
-    del o2.state[m2.fc.weight]["skipped"], o1.state[m1.fc.weight]["skipped"]
     assert o1.nonfinite_skips == 4
     assert all(torch.isfinite(p).all() for p in m1.parameters())
     assert_same(m1, o1, m2, o2)
