@@ -197,3 +197,14 @@ def test_torch_compile_fused():
         assert b.grad is None, n
         # Inductor may fuse differently from eager: equal within rounding.
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_fused_warns_under_data_parallel(monkeypatch):
+    # Simulated: torch.distributed initialised with two processes.
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 2)
+    with pytest.warns(UserWarning, match="before data-parallel gradient reduction"):
+        automagic.Automagic3(make().parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        automagic.Automagic3(make().parameters(), fused=False)
