@@ -160,10 +160,10 @@ def test_nonfinite_raise(fused):
 
 
 def test_periodic_faults_equal_clean_run_that_skips_the_same_steps():
-    # Every 25th step a NaN reaches fc.weight's gradient. The faulty run must
+    # Every 20th step a NaN reaches fc.weight's gradient. The faulty run must
     # equal a clean run in which fc.weight simply gets no gradient on those
     # steps (the other parameters train normally).
-    data = batches(100, seed=37)
+    data = batches(60, seed=37)
     m1 = make()
     m2 = copy.deepcopy(m1)
     o1 = automagic.Automagic3(m1.parameters(), fused=False)
@@ -173,14 +173,14 @@ def test_periodic_faults_equal_clean_run_that_skips_the_same_steps():
         for i, b in enumerate(data):
             loss_of(m1, b).backward()
             loss_of(m2, b).backward()
-            if i % 25 == 24:
+            if i % 20 == 19:
                 m1.fc.weight.grad[0, 0] = float("nan")
                 m2.fc.weight.grad = None
             o1.step()
             o2.step()
             o1.zero_grad()
             o2.zero_grad()
-    assert o1.nonfinite_skips == 4
+    assert o1.nonfinite_skips == 3
     assert all(torch.isfinite(p).all() for p in m1.parameters())
     assert_same(m1, o1, m2, o2)
 
