@@ -4,7 +4,9 @@
 class, with the differences listed in the project README.
 """
 from ._lib import version as _version
-from .optim import Automagic3, AutomagicError
+from ._checkpoint import CheckpointError
+from .optim import Automagic3, AutomagicError, NonFiniteGradientError
 
 __version__ = _version()
-__all__ = ["Automagic3", "AutomagicError", "__version__"]
+__all__ = ["Automagic3", "AutomagicError", "NonFiniteGradientError", "CheckpointError",
+           "__version__"]

@@ -3,26 +3,45 @@
 A drop-in for the reference ``Automagic3`` class (same constructor names and
 defaults, same state keys where the meaning is the same). Each update runs in
 C on the tensors' memory; state lives in ``opt.state[p]`` as torch tensors.
+docs/PYTORCH.md describes the options, fused mode and checkpoints.
 """
 import ctypes
+import math
 import threading
 import warnings
-from typing import List
+from typing import List, Optional
 
 import torch
 
 from . import _lib
+from ._checkpoint import CheckpointError, prepare_load
+from ._fused import BackwardSteps
 
 _DTYPES = {torch.float32: _lib.DTYPE_FLOAT32, torch.bfloat16: _lib.DTYPE_BFLOAT16,
            torch.float16: _lib.DTYPE_FLOAT16}
+
+# Device types _update_param can hand to libautomagic.
+_SUPPORTED_DEVICE_TYPES = ("cpu",)
 
 # hp.lr is validated by C but not used by an update (the per-row lrs live in
 # the state), so every call passes this valid constant.
 _PLACEHOLDER_LR = 1e-6
 
+# Group keys that are Automagic3 hyperparameters: on load_state_dict the
+# optimizer's own (constructor / add_param_group) values win over saved ones.
+_HPARAM_KEYS = _lib.HPARAM_NAMES + ("base_lr",)
+
+_STATE_DICT_FORMAT = 1
+
 
 class AutomagicError(RuntimeError):
     """Raised when libautomagic refuses an update (the message says why)."""
+
+
+class NonFiniteGradientError(AutomagicError):
+    """nonfinite="raise" and a gradient (or its update) was not finite.
+
+    The parameter and its state are unchanged; p.grad is left in place."""
 
 
 def _shape(t: torch.Tensor) -> _lib.Shape:
@@ -33,6 +52,15 @@ def _shape(t: torch.Tensor) -> _lib.Shape:
     return s
 
 
+def _state_sizes(t: torch.Tensor) -> _lib.StateSizes:
+    sizes = _lib.StateSizes()
+    status = _lib.lib.am_state_get_sizes(ctypes.byref(_shape(t)), ctypes.byref(sizes))
+    if status != _lib.OK:
+        raise ValueError("Automagic3: parameter of shape %s: %s"
+                         % (tuple(t.shape), _lib.last_message() or _lib.status_string(status)))
+    return sizes
+
+
 def _hparams(group: dict) -> _lib.HParams:
     hp = _lib.HParams()
     for name in _lib.HPARAM_NAMES:
@@ -41,85 +69,232 @@ def _hparams(group: dict) -> _lib.HParams:
     return hp
 
 
-def _validate_group(group: dict) -> None:
+def _validate_group(group: dict, check_lr: bool = True) -> None:
+    """check_lr=False once the group exists: then group["lr"] belongs to the
+    schedule (checked by _lr_scale), not to the C hyperparameters."""
     for name in _lib.HPARAM_NAMES:
         v = group[name]
-        if isinstance(v, torch.Tensor) or not isinstance(v, (int, float)):
+        if name == "lr" and not check_lr:
+            continue
+        if isinstance(v, (bool, torch.Tensor)) or not isinstance(v, (int, float)):
             raise TypeError("Automagic3: %s must be a number, got %r" % (name, v))
     hp = _hparams(group)
-    hp.lr = float(group["lr"])
+    if check_lr:
+        hp.lr = float(group["lr"])
     _lib.clear_message()
     status = _lib.lib.am_hparams_validate(ctypes.byref(hp))
     if status != _lib.OK:
         raise ValueError("Automagic3: " + (_lib.last_message() or _lib.status_string(status)))
 
 
+def _check_param(p, index: int) -> None:
+    """Refuses, at construction, a parameter no update could handle."""
+    where = "Automagic3: parameter %d (shape %s)" % (index, tuple(getattr(p, "shape", ())))
+    if not isinstance(p, torch.Tensor):
+        raise TypeError("%s is a %s, not a torch.Tensor" % (where, type(p).__name__))
+    if p.device.type not in _SUPPORTED_DEVICE_TYPES:
+        raise ValueError("%s is on device '%s'; this build updates %s tensors only"
+                         % (where, p.device, "/".join(_SUPPORTED_DEVICE_TYPES)))
+    if p.dtype not in _DTYPES:
+        raise TypeError("%s has dtype %s; supported: float32, bfloat16, float16 "
+                        "(float64 would be rounded to float32 every step)" % (where, p.dtype))
+    if p.dim() > _lib.AM_MAX_DIMS:
+        raise ValueError("%s has %d dims; at most %d are supported"
+                         % (where, p.dim(), _lib.AM_MAX_DIMS))
+    if p.is_sparse or p.layout != torch.strided:
+        raise ValueError("%s has layout %s; only dense (strided) parameters" % (where, p.layout))
+
+
 class Automagic3(torch.optim.Optimizer):
     """Automagic3 with the update computed by libautomagic.
 
-    Arguments as in the reference, plus:
+    Arguments as in the reference, plus (keyword-only):
       seed:  keys the stochastic rounding of bfloat16/float16 parameters
              (with the parameter's index and step: reproducible whatever the
              thread count).
       fused: True (default) updates each parameter inside backward the moment
-             its gradient is accumulated, like the reference, and ``step()``
-             does nothing; False leaves gradients to ``step()``.
+             its gradient is accumulated, like the reference; False leaves
+             gradients to ``step()`` (needed for clip_grad_norm_, GradScaler,
+             data-parallel reduction).
+      accumulation_steps: fused mode only: update once per this many backward
+             passes with the summed gradient (step mode: call step() once per
+             k backward passes instead).
+      nonfinite: "skip" (default): a gradient with a NaN/Inf leaves the
+             parameter and state as they were (counted, warned once);
+             "raise": raise NonFiniteGradientError instead.
+      lr_schedule: "ignore" (default, as the reference): group["lr"] is not
+             used (warned once if a scheduler changes it); "scale": each
+             row's applied lr is multiplied by group["lr"] / initial lr.
     """
 
     def __init__(self, params, lr: float = 1e-6, min_lr: float = 1e-8,
                  max_lr: float = 1e-2, lr_bump_rate: float = 0.1,
                  beta2: float = 0.999, eps: float = 1e-30,
                  clip_threshold: float = 1.0, weight_decay: float = 0.0, *,
-                 seed: int = 0, fused: bool = True):
-        if not isinstance(lr, (int, float)) or isinstance(lr, bool):
+                 seed: int = 0, fused: bool = True, accumulation_steps: int = 1,
+                 nonfinite: str = "skip", lr_schedule: str = "ignore"):
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)):
             raise TypeError("Automagic3: lr must be a number, got %r" % (lr,))
         if lr > 1e-3:
             warnings.warn("Automagic3: start lr %g is very high; forcing to 1e-6 "
                           "(as the reference does)" % lr, stacklevel=2)
             lr = 1e-6
-        if not isinstance(seed, int) or not 0 <= seed < 2 ** 64:
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64:
             raise ValueError("Automagic3: seed must be an int in [0, 2**64), got %r" % (seed,))
+        if not isinstance(fused, bool):
+            raise TypeError("Automagic3: fused must be True or False, got %r" % (fused,))
+        if (isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int)
+                or accumulation_steps < 1):
+            raise ValueError("Automagic3: accumulation_steps must be an int >= 1, got %r"
+                             % (accumulation_steps,))
+        if accumulation_steps > 1 and not fused:
+            raise ValueError("Automagic3: accumulation_steps applies to fused mode; in step "
+                             "mode call step() once every %d backward passes"
+                             % accumulation_steps)
+        if nonfinite not in ("skip", "raise"):
+            raise ValueError("Automagic3: nonfinite must be 'skip' or 'raise', got %r"
+                             % (nonfinite,))
+        if lr_schedule not in ("ignore", "scale"):
+            raise ValueError("Automagic3: lr_schedule must be 'ignore' or 'scale', got %r"
+                             % (lr_schedule,))
         self.seed = seed
-        self.fused = bool(fused)
+        self.fused = fused
+        self.accumulation_steps = accumulation_steps
+        self.nonfinite = nonfinite
+        self.lr_schedule = lr_schedule
         self.nonfinite_skips = 0
-        self._hook_handles = []
-        self._param_ids = {}
-        self._warned_nonfinite = False
-        self._tls = threading.local()
+        self._init_runtime()
         defaults = dict(lr=lr, min_lr=min_lr, max_lr=max_lr, lr_bump_rate=lr_bump_rate,
                         beta2=beta2, eps=eps, clip_threshold=clip_threshold,
                         weight_decay=weight_decay)
         super().__init__(params, defaults)
+        if fused and torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            warnings.warn("Automagic3: fused=True updates each parameter inside backward, "
+                          "before data-parallel gradient reduction; use fused=False and "
+                          "call step() after backward", UserWarning, stacklevel=2)
+
+    def _init_runtime(self) -> None:
+        """Attributes that are rebuilt, not copied, by pickle and deepcopy."""
+        self._hook_handles = []
+        self._hooked = set()           # indices of parameters with a hook
+        self._param_index = {}         # parameter -> index (its rng param_id)
+        self._tls = threading.local()  # per-thread workspace
+        self._steps = BackwardSteps(self._on_step_closed)
+        self._micro = 0                # backward passes done in this window
+        self._updated = set()          # indices updated in this window
+        self._deferred = set()         # indices whose hook fires twice a step
+        self._warned = set()           # one-time warnings already given
+        self._skipped = {}             # index -> non-finite updates skipped
+
+    def _warn_once(self, key: str, msg: str, category=UserWarning) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn("Automagic3: " + msg, category, stacklevel=3)
 
     # ----------------------------------------------------------- groups
     def add_param_group(self, param_group: dict) -> None:
+        # Everything is checked before the group is added, so a refused
+        # group leaves the optimizer as it was.
+        if not isinstance(param_group, dict):
+            raise TypeError("Automagic3: a parameter group must be a dict, got %s"
+                            % type(param_group).__name__)
+        param_group = dict(param_group)
+        params = param_group["params"]
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif isinstance(params, set):
+            raise TypeError("Automagic3: parameters must be an ordered collection (their "
+                            "order keys the randomness and the state_dict), not a set")
+        param_group["params"] = params = list(params)
+        probe = dict(param_group)
+        for k, v in self.defaults.items():
+            probe.setdefault(k, v)
+        _validate_group(probe)
+        if probe["lr"] > 1e-3:
+            warnings.warn("Automagic3: a group's start lr %g is very high; forcing to 1e-6 "
+                          "(as the constructor does)" % probe["lr"], stacklevel=2)
+            param_group["lr"] = 1e-6
+        for i, p in enumerate(params):
+            _check_param(p, len(self._param_index) + i)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        _validate_group(group)
+        group.setdefault("base_lr", float(group["lr"]))
+        self._register_params(group)
+
+    def _register_params(self, group: dict) -> None:
         for p in group["params"]:
-            self._param_ids[p] = len(self._param_ids)
+            index = len(self._param_index)
+            self._param_index[p] = index
             if self.fused and p.requires_grad:
+                self._hooked.add(index)
                 self._hook_handles.append(
                     p.register_post_accumulate_grad_hook(self._make_hook(group)))
 
     def _make_hook(self, group):
         def _hook(p: torch.Tensor) -> None:
-            self._update_param(p, group)
+            self._on_grad_ready(p, group)
         return _hook
+
+    # ----------------------------------------------------------- fused
+    def _on_grad_ready(self, p: torch.Tensor, group: dict) -> None:
+        """A hook fired: update now, or leave p.grad to accumulate."""
+        steps = self._steps
+        steps.enter()
+        index = self._param_index[p]
+        with steps.lock:
+            if index in steps.fired:
+                # Second hook in one step: a weight used on both sides of a
+                # reentrant checkpoint. From now on wait for the end of the
+                # backward pass to update it with the whole gradient.
+                self._deferred.add(index)
+                if index in self._updated:
+                    p.grad = None
+                    self._warn_once(
+                        "twice", "the gradient of a parameter of shape %s arrived in "
+                        "two parts in one backward pass (a weight shared across a "
+                        "reentrant checkpoint?). It was updated once, with the first "
+                        "part; the second was dropped. From the next step on it is "
+                        "updated at the end of backward with its whole gradient "
+                        "(warned once)" % (tuple(p.shape),))
+                    return
+            steps.fired.add(index)
+            if (self._micro + 1 < self.accumulation_steps or index in self._deferred
+                    or index in self._updated):
+                return  # applied by _flush when the window closes
+            self._updated.add(index)
+        self._update_param(p, group)
+
+    def _on_step_closed(self) -> None:
+        """A backward pass (fused step) ended; maybe the window too."""
+        self._micro += 1
+        if self._micro < self.accumulation_steps:
+            return
+        self._micro = 0
+        try:
+            self._flush()
+        finally:
+            self._updated.clear()
+
+    def _flush(self) -> None:
+        """Updates hooked parameters holding a gradient not yet applied in
+        this window (deferred ones, and those whose hook fired in an earlier
+        micro-batch of the window but not in the last)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                index = self._param_index[p]
+                if p.grad is not None and index in self._hooked and index not in self._updated:
+                    self._updated.add(index)
+                    self._update_param(p, group)
 
     # ------------------------------------------------------------ state
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
-        sizes = _lib.StateSizes()
-        shape = _shape(p)
-        status = _lib.lib.am_state_get_sizes(ctypes.byref(shape), ctypes.byref(sizes))
-        if status != _lib.OK:
-            raise ValueError("Automagic3: parameter of shape %s: %s"
-                             % (tuple(p.shape), _lib.last_message()))
+        sizes = _state_sizes(p)
         f32 = dict(dtype=torch.float32, device=p.device)
         state = self.state[p]
         state["step"] = 0
         lr_shape = (p.shape[0],) if p.dim() >= 2 else p.shape
-        state["lr"] = torch.full(lr_shape, float(group["lr"]), **f32)
+        state["lr"] = torch.full(lr_shape, float(group["base_lr"]), **f32)
         state["polarity"] = torch.zeros(sizes.polarity_bytes, dtype=torch.uint8,
                                         device=p.device)
         if p.dim() >= 2:
@@ -138,12 +313,18 @@ class Automagic3(torch.optim.Optimizer):
 
     # ----------------------------------------------------------- update
     def _check(self, p: torch.Tensor, grad: torch.Tensor) -> None:
-        if p.device.type != "cpu":
+        if p.device.type not in _SUPPORTED_DEVICE_TYPES:
             raise AutomagicError(
-                "Automagic3: parameter on device '%s' is not supported yet; "
-                "libautomagic's PyTorch front end takes CPU tensors" % p.device)
-        if grad.is_sparse:
-            raise AutomagicError("Automagic3 does not support sparse gradients.")
+                "Automagic3: parameter on device '%s' is not supported; this build "
+                "updates %s tensors" % (p.device, "/".join(_SUPPORTED_DEVICE_TYPES)))
+        if grad.is_sparse or grad.layout != torch.strided:
+            raise AutomagicError("Automagic3 does not support sparse gradients (got a %s "
+                                 "gradient for a parameter of shape %s; use a dense "
+                                 "gradient, e.g. nn.Embedding(sparse=False))"
+                                 % (grad.layout, tuple(p.shape)))
+        if grad.device != p.device:
+            raise AutomagicError("Automagic3: gradient on %s for a parameter on %s"
+                                 % (grad.device, p.device))
         if p.dtype not in _DTYPES:
             raise AutomagicError("Automagic3: parameter dtype %s is not supported "
                                  "(float32, bfloat16, float16)" % p.dtype)
@@ -157,17 +338,38 @@ class Automagic3(torch.optim.Optimizer):
             raise AutomagicError("Automagic3: %d-D parameters are not supported "
                                  "(at most %d dims)" % (p.dim(), _lib.AM_MAX_DIMS))
 
+    def _lr_scale(self, group: dict) -> float:
+        """The factor applied to every row's lr (1.0 unless lr_schedule="scale")."""
+        lr, base = group["lr"], group.get("initial_lr", group["base_lr"])
+        if isinstance(lr, torch.Tensor):
+            lr = float(lr)
+        if self.lr_schedule == "ignore":
+            if lr != group["base_lr"] and lr != base:
+                self._warn_once("schedule", "group['lr'] changed from %g to %g (an lr "
+                                "scheduler?) but it is ignored, as in the reference: each "
+                                "row tunes its own lr. Pass lr_schedule='scale' to apply "
+                                "the schedule (warned once)" % (base, lr))
+            return 1.0
+        scale = float(lr) / float(base)
+        if not math.isfinite(scale) or scale < 0:
+            raise AutomagicError("Automagic3: lr_schedule='scale' needs group['lr'] >= 0 and "
+                                 "a positive initial lr, got lr=%r, initial lr=%r" % (lr, base))
+        return scale
+
     @torch.no_grad()
     def _update_param(self, p: torch.Tensor, group: dict) -> None:
         if p.grad is None:
             return
         grad = p.grad
         self._check(p, grad)
+        scale = self._lr_scale(group)
         state = self.state[p]
         if len(state) == 0:
             state = self._init_state(p, group)
         grad = grad.contiguous()
-        target = p if p.is_contiguous() else p.contiguous()
+        # scale 0: the state advances but the parameter must not move, so the
+        # update is written to a copy that is then dropped.
+        target = p if p.is_contiguous() and scale != 0.0 else p.contiguous().clone()
 
         pt = _lib.Tensor(target.data_ptr(), _DTYPES[p.dtype], _shape(p))
         gt = _lib.Tensor(grad.data_ptr(), _DTYPES[grad.dtype], _shape(p))
@@ -184,46 +386,111 @@ class Automagic3(torch.optim.Optimizer):
         _lib.lib.am_state_get_sizes(ctypes.byref(pt.shape), ctypes.byref(sizes))
         ws = self._workspace(sizes.workspace_bytes)
         hp = _hparams(group)
-        key = _lib.RngKey(self.seed, self._param_ids[p] & 0xFFFFFFFF)
+        lr_before = None
+        if scale not in (0.0, 1.0):
+            # clamp(s*lr*e, s*min, s*max) == s*clamp(lr*e, min, max): the
+            # clamp keeps bounding the tuned rate, the schedule scales what
+            # is applied. The stored lr is divided back afterwards.
+            hp.min_lr *= scale
+            hp.max_lr *= scale
+            lr_before = state["lr"].clone()
+            state["lr"].mul_(scale)
+        key = _lib.RngKey(self.seed, self._param_index[p] & 0xFFFFFFFF)
         rep = _lib.Report()
         _lib.lib.am_set_num_threads(torch.get_num_threads())
         _lib.clear_message()
         status = _lib.lib.am_update(ctypes.byref(pt), ctypes.byref(gt), ctypes.byref(st),
                                     ctypes.byref(hp), key, ws.data_ptr(), ws.numel(),
                                     ctypes.byref(rep))
+        if lr_before is not None:
+            if status == _lib.OK:
+                state["lr"].div_(scale)
+            else:
+                state["lr"].copy_(lr_before)
         if status < 0:
             raise AutomagicError("Automagic3: update of a parameter of shape %s failed: %s"
                                  % (tuple(p.shape), _lib.last_message()
                                     or _lib.status_string(status)))
         if status == _lib.OK:
             state["step"] = st.step
-            if target is not p:
+            if target is not p and scale != 0.0:
                 p.copy_(target)
+            # The memory changed behind autograd's back: bump the version so
+            # a backward that still needs the old value raises, as it would
+            # after any in-place update.
+            torch.autograd.graph.increment_version(p)
         else:
+            if self.nonfinite == "raise":
+                raise NonFiniteGradientError(
+                    "Automagic3: %s for a parameter of shape %s (%d non-finite gradient "
+                    "elements); parameter and state are unchanged, p.grad kept"
+                    % (_lib.status_string(status), tuple(p.shape), rep.nonfinite_count))
             self.nonfinite_skips += 1
-            if not self._warned_nonfinite:
-                self._warned_nonfinite = True
-                warnings.warn("Automagic3: %s for a parameter of shape %s; its update "
-                              "was skipped and it is unchanged (counted in "
-                              "nonfinite_skips; warned once)"
-                              % (_lib.status_string(status), tuple(p.shape)),
-                              RuntimeWarning, stacklevel=2)
+            # Counted outside the state: SPEC 6.2 says a skipped update
+            # leaves the parameter's state exactly as it was.
+            index = self._param_index[p]
+            self._skipped[index] = self._skipped.get(index, 0) + 1
+            self._warn_once("nonfinite", "%s for a parameter of shape %s; its update was "
+                            "skipped and it is unchanged (counted in nonfinite_skips; "
+                            "warned once)" % (_lib.status_string(status), tuple(p.shape)),
+                            RuntimeWarning)
         p.grad = None
 
     # ------------------------------------------------------ optimizer API
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        # Makes GradScaler.step() call our step(grad_scaler=...) in fused mode
+        # so that we can say what is wrong instead of its "No inf checks".
+        return self.fused
+
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scaler=None):
+        if grad_scaler is not None:
+            raise AutomagicError(
+                "Automagic3: GradScaler cannot be used with fused=True: fused mode has "
+                "already applied the scaled gradients during backward, before the "
+                "scaler could unscale them or check them for inf. Use fused=False")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self.fused:
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        self._update_param(p, group)
+        if self.fused:
+            self._steps.close()
+            if self._micro != 0:
+                return loss  # mid-window: gradients keep accumulating
+        todo = [(p, group) for group in self.param_groups for p in group["params"]
+                if p.grad is not None
+                and not (self.fused and self._param_index[p] in self._hooked)]
+        # Everything is checked before anything is updated, so that a bad
+        # gradient or hyperparameter leaves every parameter as it was.
+        for group in {id(g): g for _, g in todo}.values():
+            try:
+                _validate_group(group, check_lr=False)
+            except (TypeError, ValueError) as e:
+                raise AutomagicError(str(e)) from None
+            self._lr_scale(group)
+        for p, _ in todo:
+            self._check(p, p.grad)
+        for p, group in todo:
+            if self.fused:
+                self._warn_once("nohook", "a parameter of shape %s has a gradient but "
+                                "no backward hook (it did not require grad when it "
+                                "was added); step() updates it" % (tuple(p.shape),))
+            self._update_param(p, group)
         return loss
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.fused:
+            self._steps.close()
+            if self._micro != 0 and any(
+                    p.grad is not None for g in self.param_groups for p in g["params"]):
+                self._warn_once("zero_grad", "zero_grad() in the middle of an "
+                                "accumulation window (accumulation_steps=%d, %d backward "
+                                "passes done) discards the gradients accumulated so far"
+                                % (self.accumulation_steps, self._micro))
+        super().zero_grad(set_to_none=set_to_none)
+
+    # ------------------------------------------------------- inspection
     def get_learning_rates(self) -> List[float]:
         out = []
         for group in self.param_groups:
@@ -236,8 +503,113 @@ class Automagic3(torch.optim.Optimizer):
         lrs = self.get_learning_rates()
         return sum(lrs) / len(lrs) if lrs else float(self.defaults["lr"])
 
+    @staticmethod
+    def _summary(lrs: List[torch.Tensor]) -> Optional[dict]:
+        if not lrs:
+            return None
+        v = torch.cat([t.reshape(-1) for t in lrs])
+        if v.numel() == 0:
+            return None
+        return dict(min=float(v.min()), median=float(v.median()), max=float(v.max()),
+                    mean=float(v.double().mean()), rows=v.numel())
+
+    def param_lr_stats(self, p: torch.Tensor) -> Optional[dict]:
+        """min/median/max/mean of p's per-row lrs (None before its first
+        update). The median is the lower one for an even count."""
+        st = self.state.get(p)
+        if not st or "lr" not in st:
+            return None
+        out = self._summary([st["lr"]])
+        if out is not None:
+            out.update(step=int(st["step"]),
+                       skipped=self._skipped.get(self._param_index[p], 0))
+        return out
+
+    def lr_stats(self) -> List[Optional[dict]]:
+        """Per group: min/median/max/mean over every row of every parameter
+        with state, rows, and skipped (non-finite updates skipped). None for a
+        group with no state yet. O(number of rows), no pass over weights."""
+        out = []
+        for group in self.param_groups:
+            ps = [p for p in group["params"] if p in self.state and "lr" in self.state[p]]
+            s = self._summary([self.state[p]["lr"] for p in ps])
+            if s is not None:
+                s["skipped"] = sum(self._skipped.get(self._param_index[p], 0) for p in ps)
+            out.append(s)
+        return out
+
     def remove_hooks(self) -> None:
-        """Removes the backward hooks (fused mode stops updating)."""
-        for h in self._hook_handles:
-            h.remove()
-        self._hook_handles = []
+        """Removes the backward hooks: fused mode stops, and the optimizer
+        works in step mode from now on (step() updates every gradient)."""
+        with self._steps.lock:
+            self._steps.close()
+            for h in self._hook_handles:
+                h.remove()
+            self._hook_handles = []
+            self._hooked = set()
+            self.fused = False
+            self.accumulation_steps = 1
+
+    # ----------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        sd["automagic"] = dict(format=_STATE_DICT_FORMAT, seed=self.seed,
+                               nonfinite_skips=self.nonfinite_skips,
+                               skipped_by_param=dict(self._skipped), micro_step=self._micro,
+                               deferred=sorted(self._deferred))
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Loads our state_dict or one saved by the reference class.
+
+        Everything is validated and converted before anything changes. State
+        stays float32 (no cast to the parameter's dtype). The optimizer's own
+        hyperparameters (constructor, add_param_group) win over saved ones,
+        as in the reference; saved non-hyperparameter group keys (a
+        scheduler's initial_lr) are restored, and so is group["lr"] when the
+        saved group has an initial_lr (a scheduler owns it)."""
+        new_state, new_groups = prepare_load(
+            state_dict, self.param_groups, _HPARAM_KEYS,
+            lambda p: _state_sizes(p).polarity_bytes)
+        extra = state_dict.get("automagic", {})
+        seed = extra.get("seed", self.seed)
+        if seed != self.seed:
+            warnings.warn("Automagic3: the state_dict was saved with seed %r, this optimizer "
+                          "has seed %r (kept: constructor arguments win); stochastic "
+                          "rounding will differ from the saved run" % (seed, self.seed),
+                          UserWarning, stacklevel=2)
+        # ---- commit (nothing above changed the optimizer)
+        with self._steps.lock:
+            self._steps.close()
+            for g, ng in zip(self.param_groups, new_groups):
+                g.clear()
+                g.update(ng)
+            self.state.clear()
+            for p, st in new_state.items():
+                self.state[p] = st
+            self.nonfinite_skips = int(extra.get("nonfinite_skips", 0))
+            self._skipped = {int(k): int(v) for k, v in extra.get("skipped_by_param", {}).items()}
+            self._micro = int(extra.get("micro_step", 0)) % self.accumulation_steps
+            self._deferred = set(int(i) for i in extra.get("deferred", ()))
+            self._updated = set()
+
+    # ---------------------------------------------- pickle and deepcopy
+    def __getstate__(self) -> dict:
+        # Hook handles, the thread-local workspace and locks cannot be
+        # pickled; they are rebuilt by __setstate__ (hooks re-registered on
+        # the unpickled parameters).
+        return dict(defaults=self.defaults, state=self.state, param_groups=self.param_groups,
+                    seed=self.seed, fused=self.fused,
+                    accumulation_steps=self.accumulation_steps, nonfinite=self.nonfinite,
+                    lr_schedule=self.lr_schedule, nonfinite_skips=self.nonfinite_skips,
+                    micro=self._micro, deferred=set(self._deferred),
+                    warned=set(self._warned), skipped=dict(self._skipped))
+
+    def __setstate__(self, d: dict) -> None:
+        extra = {k: d.pop(k) for k in ("micro", "deferred", "warned", "skipped")}
+        super().__setstate__(d)
+        self._init_runtime()
+        self._micro, self._deferred = extra["micro"], extra["deferred"]
+        self._warned, self._skipped = extra["warned"], extra["skipped"]
+        for group in self.param_groups:
+            self._register_params(group)

@@ -1,0 +1,154 @@
+"""Conversion and validation of optimizer state for load_state_dict.
+
+Two formats are accepted for one parameter's state:
+  ours       : step, lr (float32), polarity (uint8, packed bits as in
+               include/automagic.h), exp_avg_sq_row/_col or exp_avg_sq
+               (float32).
+  reference  : the original Automagic3 class: step, lr, last_polarity (bool,
+               shape of p), exp_avg_sq_row/_col or exp_avg_sq in p.dtype.
+Either is turned into ours, on the parameter's device, without touching the
+optimizer: the caller commits only when every parameter converted.
+"""
+import torch
+
+
+class CheckpointError(ValueError):
+    """A state_dict does not fit the parameters it is loaded for."""
+
+
+def pack_polarity(bits: torch.Tensor) -> torch.Tensor:
+    """bool tensor of p's shape -> uint8 bytes in the C polarity layout.
+
+    ndim <= 1: bit i % 8 of byte i // 8 is element i. ndim >= 2: each lr-row
+    (the numel/shape[0] elements of one output channel) starts on a byte.
+    """
+    rows = bits.shape[0] if bits.dim() >= 2 else 1
+    n = bits.numel()
+    m = n // rows if rows else 0
+    mb = (m + 7) // 8
+    b = bits.reshape(rows, m).to(torch.uint8)
+    padded = torch.zeros(rows, mb * 8, dtype=torch.uint8, device=bits.device)
+    padded[:, :m] = b
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.int32,
+                           device=bits.device)
+    packed = (padded.reshape(rows, mb, 8).to(torch.int32) * weights).sum(-1)
+    return packed.to(torch.uint8).reshape(-1)
+
+
+def unpack_polarity(packed: torch.Tensor, shape) -> torch.Tensor:
+    """Inverse of pack_polarity (used by tests and for inspection)."""
+    shape = torch.Size(shape)
+    rows = shape[0] if len(shape) >= 2 else 1
+    n = shape.numel()
+    m = n // rows if rows else 0
+    mb = (m + 7) // 8
+    bytes_ = packed.reshape(rows, mb).to(torch.int32)
+    bits = (bytes_.unsqueeze(-1) >> torch.arange(8, device=packed.device)) & 1
+    return bits.reshape(rows, mb * 8)[:, :m].reshape(shape).to(torch.bool)
+
+
+def expected_shapes(p: torch.Tensor, polarity_bytes: int) -> dict:
+    lr_shape = (p.shape[0],) if p.dim() >= 2 else tuple(p.shape)
+    out = {"lr": lr_shape, "polarity": (polarity_bytes,)}
+    if p.dim() >= 2:
+        out["exp_avg_sq_row"] = tuple(p.shape[:-1])
+        out["exp_avg_sq_col"] = tuple(p.shape[:-2] + p.shape[-1:])
+    else:
+        out["exp_avg_sq"] = tuple(p.shape)
+    return out
+
+
+def _step(value, where) -> int:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_floating_point() and value.item() != int(value.item()):
+            raise CheckpointError("%s: step must be one integer, got %r" % (where, value))
+        value = int(value.item())
+    if isinstance(value, float) and value == int(value):
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CheckpointError("%s: step must be an integer >= 0, got %r" % (where, value))
+    return value
+
+
+def convert_state(saved: dict, p: torch.Tensor, polarity_bytes: int, where: str) -> dict:
+    """One parameter's saved state -> a new dict in our format (copies)."""
+    if not isinstance(saved, dict):
+        raise CheckpointError("%s: state must be a dict, got %s" % (where, type(saved).__name__))
+    shapes = expected_shapes(p, polarity_bytes)
+    saved = dict(saved)
+    if "last_polarity" in saved:  # the reference class's format
+        lp = saved.pop("last_polarity")
+        if not isinstance(lp, torch.Tensor) or lp.dtype != torch.bool or lp.shape != p.shape:
+            raise CheckpointError("%s: last_polarity must be a bool tensor of shape %s"
+                                  % (where, tuple(p.shape)))
+        saved["polarity"] = pack_polarity(lp.to(p.device))
+    out = {"step": _step(saved.get("step"), where)}
+    for key, shape in shapes.items():
+        t = saved.get(key)
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointError("%s: missing tensor %r" % (where, key))
+        if tuple(t.shape) != shape:
+            raise CheckpointError("%s: %s has shape %s, expected %s"
+                                  % (where, key, tuple(t.shape), shape))
+        if key == "polarity":
+            if t.dtype != torch.uint8:
+                raise CheckpointError("%s: polarity must be uint8, got %s" % (where, t.dtype))
+            out[key] = t.to(device=p.device, copy=True).contiguous()
+        else:
+            if not t.is_floating_point():
+                raise CheckpointError("%s: %s must be floating point, got %s"
+                                      % (where, key, t.dtype))
+            if t.dtype == torch.float64:
+                raise CheckpointError("%s: %s is float64; the state is float32" % (where, key))
+            # Widening bf16/fp16 to float32 is exact; float32 is copied as is.
+            out[key] = t.to(device=p.device, dtype=torch.float32, copy=True).contiguous()
+    if not torch.isfinite(out["lr"]).all() or (out["lr"] <= 0).any():
+        raise CheckpointError("%s: lr holds a non-finite or non-positive value" % where)
+    unknown = set(saved) - set(shapes) - {"step"}
+    if unknown:
+        raise CheckpointError("%s: unknown state keys %s" % (where, sorted(unknown)))
+    return out
+
+
+def prepare_load(state_dict, groups, hparam_keys, polarity_bytes_of):
+    """Validates a whole optimizer state_dict against the optimizer's groups
+    and returns (new state by parameter, new group dicts) without changing
+    anything. Parameters are matched by position, as torch does.
+
+    Group keys in hparam_keys (and "lr") keep the optimizer's values (its
+    constructor wins); other saved keys (a scheduler's initial_lr) are
+    restored, and "lr" too when the saved group has an initial_lr."""
+    if not isinstance(state_dict, dict) or "state" not in state_dict \
+            or "param_groups" not in state_dict:
+        raise CheckpointError("Automagic3: not an optimizer state_dict (needs 'state' "
+                              "and 'param_groups')")
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(groups):
+        raise CheckpointError("Automagic3: state_dict has %d parameter groups, the "
+                              "optimizer %d" % (len(saved_groups), len(groups)))
+    id_map = {}
+    for gi, (sg, g) in enumerate(zip(saved_groups, groups)):
+        if len(sg["params"]) != len(g["params"]):
+            raise CheckpointError("Automagic3: group %d has %d parameters in the "
+                                  "state_dict, %d in the optimizer"
+                                  % (gi, len(sg["params"]), len(g["params"])))
+        for pid, p in zip(sg["params"], g["params"]):
+            id_map[pid] = p
+    new_state = {}
+    for pid, saved in state_dict["state"].items():
+        if pid not in id_map:
+            raise CheckpointError("Automagic3: state for unknown parameter id %r" % (pid,))
+        p = id_map[pid]
+        new_state[p] = convert_state(saved, p, polarity_bytes_of(p),
+                                     "Automagic3: state of parameter %r (shape %s)"
+                                     % (pid, tuple(p.shape)))
+    new_groups = []
+    for sg, g in zip(saved_groups, groups):
+        ng = dict(g)
+        for k, v in sg.items():
+            if k != "params" and k not in hparam_keys and k != "lr":
+                ng[k] = v
+        if "initial_lr" in sg:
+            ng["lr"] = sg["lr"]
+        new_groups.append(ng)
+    return new_state, new_groups

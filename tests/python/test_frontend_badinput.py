@@ -1,0 +1,232 @@
+"""The Python bad-input matrix: every case is a clear exception that leaves
+parameters and state as they were, or is handled correctly (and checked)."""
+import copy
+
+import pytest
+import torch
+
+import automagic
+from _frontend_models import batches, loss_of, make, snapshot, assert_unchanged
+
+
+def _param(*shape, dtype=torch.float32, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return torch.nn.Parameter(torch.randn(shape, generator=g).to(dtype).to(device))
+
+
+# ------------------------------------------------------ refused at construction
+@pytest.mark.parametrize("make_param, error, match", [
+    (lambda: _param(3, 4, device="meta"), ValueError, "device 'meta'"),
+    (lambda: _param(3, 4, dtype=torch.float64), TypeError, "float64"),
+    (lambda: torch.zeros(3, dtype=torch.int64), TypeError, "int64"),
+    (lambda: _param(3, 4, dtype=torch.complex64), TypeError, "complex64"),
+    (lambda: _param(*([1] * 9)), ValueError, "9 dims"),
+    (lambda: torch.nn.Parameter(torch.eye(3).to_sparse()), ValueError, "layout"),
+    (lambda: 3.0, TypeError, "float"),
+])
+def test_unsupported_parameters_are_refused(make_param, error, match):
+    good = _param(2, 2)
+    with pytest.raises(error, match=match):
+        automagic.Automagic3([good, make_param()])
+    # refused by add_param_group: the optimizer is left as it was
+    opt = automagic.Automagic3([good])
+    with pytest.raises(error, match=match):
+        opt.add_param_group({"params": [make_param()]})
+    assert len(opt.param_groups) == 1 and len(opt._hook_handles) == 1
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    (dict(beta2=1.0), ValueError, "beta2"),
+    (dict(beta2=float("nan")), ValueError, "beta2"),
+    (dict(min_lr=1e-3, max_lr=1e-4), ValueError, "min_lr"),
+    (dict(eps=-1.0), ValueError, "eps"),
+    (dict(clip_threshold=0.0), ValueError, "clip_threshold"),
+    (dict(weight_decay=float("inf")), ValueError, "weight_decay"),
+    (dict(lr_bump_rate=True), TypeError, "lr_bump_rate"),
+    (dict(weight_decay=torch.tensor(0.1)), TypeError, "weight_decay"),
+    (dict(lr="1e-6"), TypeError, "lr"),
+    (dict(lr=-1e-6), ValueError, "lr"),
+    (dict(seed=-1), ValueError, "seed"),
+    (dict(fused=1), TypeError, "fused"),
+    (dict(accumulation_steps=0), ValueError, "accumulation_steps"),
+    (dict(nonfinite="ignore"), ValueError, "nonfinite"),
+    (dict(lr_schedule="linear"), ValueError, "lr_schedule"),
+])
+def test_invalid_hyperparameters(kw, error, match):
+    with pytest.raises(error, match=match):
+        automagic.Automagic3([_param(2, 2)], **kw)
+    if kw.keys() & {"beta2", "min_lr", "max_lr", "eps", "clip_threshold", "weight_decay",
+                    "lr_bump_rate", "lr"}:
+        opt = automagic.Automagic3([_param(2, 2)])
+        with pytest.raises(error, match=match):
+            opt.add_param_group(dict(params=[_param(3)], **kw))
+        assert len(opt.param_groups) == 1
+
+
+def test_params_as_set_or_twice():
+    with pytest.raises(TypeError, match="not a set"):
+        automagic.Automagic3([{"params": {_param(2)}}])
+    p = _param(2)
+    with pytest.raises(ValueError, match="more than one"):
+        automagic.Automagic3([{"params": [p]}, {"params": [p]}])
+
+
+# ----------------------------------------------------- refused at update time
+@pytest.mark.parametrize("fused", [False, True])
+def test_sparse_gradient(fused):
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    lin = torch.nn.Linear(4, 2)
+    opt = automagic.Automagic3(list(emb.parameters()) + list(lin.parameters()), fused=fused)
+    w = emb.weight.detach().clone()
+    with pytest.raises(automagic.AutomagicError, match="sparse gradients"):
+        lin(emb(torch.tensor([1, 2, 3]))).sum().backward()
+        opt.step()
+    assert torch.equal(emb.weight, w) and emb.weight not in opt.state
+
+
+def test_changed_after_construction_is_refused_unchanged():
+    m = make()
+    opt = automagic.Automagic3(m.parameters(), fused=False)
+    loss_of(m, batches(1)[0]).backward()
+    opt.step()
+    cases = []
+    # an invalid hyperparameter set on the group after construction
+    cases.append(lambda: opt.param_groups[0].__setitem__("beta2", 2.0))
+    # a gradient in a dtype the library does not take (allowed by grad_dtype)
+    def f64_grad():
+        m.fc.bias.grad = None
+        m.fc.bias.grad_dtype = torch.float64
+        m.fc.bias.grad = torch.ones(m.fc.bias.shape, dtype=torch.float64)
+    cases.append(f64_grad)
+    # parameter data swapped to float64 / to another device behind our back
+    cases.append(lambda: setattr(m.ln.weight, "data", m.ln.weight.data.double()))
+    for i, break_it in enumerate(cases):
+        loss_of(m, batches(1, seed=i + 1)[0]).backward()
+        hp = dict(opt.param_groups[0])
+        break_it()
+        snap = snapshot(m, opt)
+        with pytest.raises(automagic.AutomagicError) as err:
+            opt.step()
+        assert any(w in str(err.value) for w in ("beta2", "float64")), err.value
+        # every gradient is checked before any update: nothing moved
+        assert_unchanged(m, opt, snap)
+        opt.param_groups[0].clear()
+        opt.param_groups[0].update(hp)
+        m.fc.bias.grad_dtype = None
+        m.ln.weight.data = m.ln.weight.data.float()
+        opt.zero_grad()
+
+
+def test_lr_schedule_scale_negative_lr_is_refused():
+    p = _param(3, 4)
+    opt = automagic.Automagic3([p], fused=False, lr_schedule="scale")
+    p.grad = torch.ones(3, 4)
+    opt.step()
+    snap = (p.detach().clone(), {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                                 for k, v in opt.state[p].items()})
+    opt.param_groups[0]["lr"] = -1.0
+    p.grad = torch.ones(3, 4)
+    with pytest.raises(automagic.AutomagicError, match="lr_schedule='scale'"):
+        opt.step()
+    assert torch.equal(p, snap[0])
+    assert all(torch.equal(opt.state[p][k], v) if isinstance(v, torch.Tensor)
+               else opt.state[p][k] == v for k, v in snap[1].items())
+
+
+# ------------------------------------------------------- handled correctly
+def test_noncontiguous_parameter_and_gradient():
+    base = _param(5, 7, seed=3)
+    p_t = torch.nn.Parameter(base.detach().t().contiguous().t())   # (5,7), strides (1,5)
+    p_c = torch.nn.Parameter(base.detach().clone())
+    assert not p_t.is_contiguous()
+    o_t = automagic.Automagic3([p_t], fused=False, lr=1e-3)
+    o_c = automagic.Automagic3([p_c], fused=False, lr=1e-3)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(5):
+        grad = torch.randn(5, 7, generator=g)
+        p_t.grad = grad.t().contiguous().t()       # non-contiguous gradient
+        p_c.grad = grad.clone()
+        o_t.step()
+        o_c.step()
+    assert torch.equal(p_t, p_c) and p_t.stride() == (1, 5)
+    for k, v in o_c.state[p_c].items():
+        assert torch.equal(o_t.state[p_t][k], v) if isinstance(v, torch.Tensor) else True
+
+
+def test_channels_last_conv_fused_equals_contiguous():
+    data = batches(3, seed=41)
+    m1 = make()
+    m2 = copy.deepcopy(m1)
+    m2.conv.to(memory_format=torch.channels_last)
+    assert not m2.conv.weight.is_contiguous()
+    o1 = automagic.Automagic3(m1.parameters())
+    o2 = automagic.Automagic3(m2.parameters())
+    for b in data:
+        loss_of(m1, b).backward()
+        loss_of(m2, b).backward()
+    assert m2.conv.weight.is_contiguous(memory_format=torch.channels_last)
+    for (n, p), q in zip(m1.named_parameters(), m2.parameters()):
+        # conv's gradient may be summed in another order in channels_last
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-8, msg=n)
+        assert o2.state[q]["step"] == 3
+
+
+@pytest.mark.parametrize("pdtype, gdtype", [(torch.bfloat16, torch.float32),
+                                            (torch.float32, torch.float16),
+                                            (torch.float16, torch.bfloat16)])
+def test_gradient_dtype_differs_from_parameter(pdtype, gdtype):
+    # torch allows it through Tensor.grad_dtype; the library converts any of
+    # its three dtypes to float32, so the result equals the same values given
+    # in the parameter's dtype.
+    p1, p2 = _param(4, 6, dtype=pdtype, seed=5), _param(4, 6, dtype=pdtype, seed=5)
+    p1.grad_dtype = gdtype
+    o1 = automagic.Automagic3([p1], fused=False, seed=2)
+    o2 = automagic.Automagic3([p2], fused=False, seed=2)
+    g = torch.Generator().manual_seed(6)
+    for _ in range(4):
+        grad = torch.randn(4, 6, generator=g).to(gdtype).to(pdtype).to(gdtype)
+        p1.grad = grad
+        p2.grad = grad.to(pdtype)
+        o1.step()
+        o2.step()
+    assert torch.equal(p1, p2)
+
+
+def test_mixed_parameter_dtypes_in_one_group():
+    p = [_param(3, 4, dtype=d, seed=i)
+         for i, d in enumerate((torch.float32, torch.bfloat16, torch.float16))]
+    opt = automagic.Automagic3(p, fused=False, lr=1e-3)
+    before = [q.detach().clone() for q in p]
+    for q in p:
+        q.grad = torch.ones_like(q)
+    opt.step()
+    for q, b in zip(p, before):
+        assert q.dtype == b.dtype and not torch.equal(q, b)
+        assert opt.state[q]["lr"].dtype == torch.float32
+
+
+def test_empty_and_scalar_parameters():
+    empty, scalar = _param(3, 0), _param()
+    opt = automagic.Automagic3([empty, scalar], fused=False, lr=1e-3)
+    empty.grad, scalar.grad = torch.zeros(3, 0), torch.tensor(2.0)
+    s0 = scalar.detach().clone()
+    opt.step()
+    assert empty.shape == (3, 0) and scalar.item() != s0.item()
+    assert opt.state[scalar]["step"] == 1
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_params_without_requires_grad_are_left_alone(fused):
+    m = make()
+    for p in m.conv.parameters():
+        p.requires_grad_(False)
+    opt = automagic.Automagic3(m.parameters(), fused=fused)
+    frozen = [p.detach().clone() for p in m.conv.parameters()]
+    for b in batches(2):
+        loss_of(m, b).backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(m.conv.parameters(), frozen))
+    assert all(p not in opt.state for p in m.conv.parameters())
+    assert opt.state[m.fc.weight]["step"] == 2

@@ -1,0 +1,223 @@
+"""state_dict round trips, the reference class's checkpoints, parameter
+groups, pickling and deepcopy."""
+import copy
+import importlib.util
+import io
+import os
+import pickle
+
+import pytest
+import torch
+
+import automagic
+from automagic._checkpoint import CheckpointError, pack_polarity, unpack_polarity
+from _frontend_models import (assert_same, assert_unchanged, batches, loss_of, make,
+                              snapshot)
+
+REF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "shared",
+                   "reference", "automagic3.py")
+
+
+def _reference_class():
+    if not os.path.exists(REF):
+        pytest.skip("reference implementation not found at %s (needs the shared/ "
+                    "checkout beside the repository)" % os.path.normpath(REF))
+    spec = importlib.util.spec_from_file_location("automagic3_reference", REF)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.Automagic3
+
+
+def _mixed_model():
+    m = make()
+    m.fc.to(torch.bfloat16)     # bf16 params: stochastic rounding keyed by step
+    m.shared.to(torch.float16)
+    return m
+
+
+def _mixed_loss(m, b):
+    tokens, images, target = b
+    h = m.emb(tokens).mean(1)
+    c = m.conv(images).mean((2, 3))
+    h = torch.tanh(m.fc(torch.cat([h, c], 1).bfloat16()).float())
+    h = m.ln(h)
+    h = h + 0.5 * m.shared(h.half()).float()
+    return torch.nn.functional.cross_entropy(m.head(h), target)
+
+
+def _train(m, opt, data, fused):
+    for b in data:
+        _mixed_loss(m, b).backward()
+        if not fused:
+            opt.step()
+            opt.zero_grad()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_save_load_continues_bit_identically(fused):
+    data = batches(8, seed=21)
+    m = _mixed_model()
+    opt = automagic.Automagic3(m.parameters(), fused=fused, seed=77, weight_decay=0.01)
+    _train(m, opt, data[:4], fused)
+    buf = io.BytesIO()
+    torch.save({"model": m.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    ck = torch.load(buf)
+
+    m2 = _mixed_model()
+    m2.load_state_dict(ck["model"])
+    o2 = automagic.Automagic3(m2.parameters(), fused=fused, seed=77, weight_decay=0.01)
+    o2.load_state_dict(ck["opt"])
+    for p in m2.parameters():
+        st = o2.state[p]
+        assert st["lr"].dtype == torch.float32 and st["polarity"].dtype == torch.uint8
+        for k in ("exp_avg_sq", "exp_avg_sq_row", "exp_avg_sq_col"):
+            if k in st:
+                assert st[k].dtype == torch.float32
+    assert_same(m, opt, m2, o2)
+    _train(m, opt, data[4:], fused)
+    _train(m2, o2, data[4:], fused)
+    assert_same(m, opt, m2, o2)
+
+
+def test_bad_state_dict_changes_nothing():
+    m = make()
+    opt = automagic.Automagic3(m.parameters())
+    loss_of(m, batches(1)[0]).backward()
+    sd = copy.deepcopy(opt.state_dict())
+    loss_of(m, batches(1, seed=3)[0]).backward()
+    snap = snapshot(m, opt)
+    bad = copy.deepcopy(sd)
+    bad["state"][3]["lr"] = torch.ones(99)
+    with pytest.raises(CheckpointError, match="lr has shape"):
+        opt.load_state_dict(bad)
+    bad = copy.deepcopy(sd)
+    bad["param_groups"][0]["params"] = bad["param_groups"][0]["params"][:-1]
+    with pytest.raises(CheckpointError, match="parameters in the state_dict"):
+        opt.load_state_dict(bad)
+    bad = copy.deepcopy(sd)
+    bad["state"][0]["polarity"] = bad["state"][0]["polarity"].float()
+    with pytest.raises(CheckpointError, match="polarity must be uint8"):
+        opt.load_state_dict(bad)
+    with pytest.raises(CheckpointError, match="not an optimizer state_dict"):
+        opt.load_state_dict({"state": {}})
+    assert_unchanged(m, opt, snap)
+
+
+def test_polarity_packing_layout():
+    g = torch.Generator().manual_seed(0)
+    for shape in [(), (1,), (9,), (3, 5), (2, 3, 3), (4, 0), (0, 3), (2, 1, 1, 9)]:
+        bits = torch.rand(shape, generator=g) > 0.5
+        packed = pack_polarity(bits)
+        assert torch.equal(unpack_polarity(packed, shape), bits), shape
+        if len(shape) >= 2 and bits.numel() > 0:
+            m = bits[0].numel()
+            assert packed.numel() == shape[0] * ((m + 7) // 8)
+            # element q of lr-row k is bit q % 8 of byte k*ceil(m/8) + q//8
+            flat = bits.reshape(shape[0], -1)
+            k, q = shape[0] - 1, m - 1
+            byte = packed[k * ((m + 7) // 8) + q // 8].item()
+            assert bool((byte >> (q % 8)) & 1) == bool(flat[k, q])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_checkpoint_loads_and_training_continues(dtype, capsys):
+    Ref = _reference_class()
+    data = batches(10, seed=22, dtype=dtype)
+    m_ref = make(dtype=dtype)
+    o_ref = Ref(m_ref.parameters(), weight_decay=0.1)
+    for b in data[:5]:
+        loss_of(m_ref, b).backward()
+    sd = o_ref.state_dict()
+    assert sd["state"][0]["last_polarity"].dtype == torch.bool
+
+    m = copy.deepcopy(m_ref)
+    # constructor hyperparameters win over saved ones, as in the reference
+    o = automagic.Automagic3(m.parameters(), weight_decay=0.05)
+    o.load_state_dict(torch.load(_roundtrip(sd)))
+    assert o.param_groups[0]["weight_decay"] == 0.05
+    for p, q in zip(m.parameters(), m_ref.parameters()):
+        st, rs = o.state[p], o_ref.state[q]
+        assert st["step"] == rs["step"] == 5
+        assert torch.equal(st["lr"], rs["lr"])
+        assert torch.equal(unpack_polarity(st["polarity"], p.shape), rs["last_polarity"])
+        for k in ("exp_avg_sq", "exp_avg_sq_row", "exp_avg_sq_col"):
+            if k in rs:
+                assert st[k].dtype == torch.float32
+                assert torch.equal(st[k], rs[k].float())
+    # Continue both; with weight_decay equal they follow the same math.
+    o.param_groups[0]["weight_decay"] = 0.1
+    for b in data[5:]:
+        loss_of(m, b).backward()
+        loss_of(m_ref, b).backward()
+    for (n, p), q in zip(m.named_parameters(), m_ref.parameters()):
+        assert o.state[p]["step"] == 10
+        if dtype == torch.float32:
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=n)
+            torch.testing.assert_close(o.state[p]["lr"], o_ref.state[q]["lr"],
+                                       rtol=1e-5, atol=0, msg=n)
+        else:  # different (both unbiased) rounding noise: close, not equal
+            torch.testing.assert_close(p.float(), q.float(), rtol=0.02, atol=1e-3, msg=n)
+    capsys.readouterr()
+
+
+def _roundtrip(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
+
+
+def test_param_groups_and_add_param_group():
+    data = batches(4, seed=23)
+    m = make()
+    m_a = copy.deepcopy(m)
+    body = [p for n, p in m.named_parameters() if not n.startswith("head")]
+    opt = automagic.Automagic3([{"params": body}], fused=False, weight_decay=0.0)
+    opt.add_param_group({"params": m.head.parameters(), "weight_decay": 0.3,
+                         "max_lr": 1e-4, "lr": 2e-6})
+    # the same as two separate optimizers (float32: no rounding noise)
+    body_a = [p for n, p in m_a.named_parameters() if not n.startswith("head")]
+    o_a1 = automagic.Automagic3(body_a, fused=False)
+    o_a2 = automagic.Automagic3(m_a.head.parameters(), fused=False, weight_decay=0.3,
+                                max_lr=1e-4, lr=2e-6)
+    for b in data:
+        loss_of(m, b).backward()
+        opt.step()
+        opt.zero_grad()
+        loss_of(m_a, b).backward()
+        o_a1.step()
+        o_a2.step()
+        o_a1.zero_grad()
+        o_a2.zero_grad()
+    for (n, p), q in zip(m.named_parameters(), m_a.parameters()):
+        assert torch.equal(p, q), n
+    assert opt.state[m.head.weight]["lr"].max() <= 1e-4
+    stats = opt.lr_stats()
+    assert len(stats) == 2 and stats[1]["max"] <= 1e-4
+
+
+def test_add_param_group_fused_registers_hooks():
+    m = make()
+    opt = automagic.Automagic3(m.emb.parameters())
+    opt.add_param_group({"params": [p for n, p in m.named_parameters()
+                                    if not n.startswith("emb")]})
+    loss_of(m, batches(1)[0]).backward()
+    assert all(opt.state[p]["step"] == 1 for p in m.parameters())
+
+
+def test_deepcopy_and_pickle():
+    data = batches(6, seed=24)
+    m = _mixed_model()
+    opt = automagic.Automagic3(m.parameters(), seed=5)
+    _train(m, opt, data[:3], True)
+    m2, o2 = copy.deepcopy((m, opt))
+    m3, o3 = pickle.loads(pickle.dumps((m, opt)))
+    assert o2.seed == o3.seed == 5 and o2.fused and o3.fused
+    for mm, oo in ((m, opt), (m2, o2), (m3, o3)):
+        _train(mm, oo, data[3:], True)   # the copies' hooks are live
+    assert_same(m, opt, m2, o2)
+    assert_same(m, opt, m3, o3)
+    # the copies are independent of the original
+    assert m2.fc.weight.data_ptr() != m.fc.weight.data_ptr()
+    assert o2.state[m2.fc.weight]["lr"].data_ptr() != opt.state[m.fc.weight]["lr"].data_ptr()

@@ -1,0 +1,197 @@
+"""Learning-rate statistics and schedules, non-finite gradients, warnings."""
+import copy
+import warnings
+
+import pytest
+import torch
+
+import automagic
+from _frontend_models import (assert_same, assert_unchanged, batches, loss_of, make,
+                              snapshot)
+
+
+def _step_train(m, opt, data, sched=None):
+    for b in data:
+        loss_of(m, b).backward()
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+
+
+def test_lr_stats_match_the_state():
+    m = make()
+    opt = automagic.Automagic3(m.parameters(), fused=False)
+    assert opt.lr_stats() == [None] and opt.param_lr_stats(m.fc.weight) is None
+    _step_train(m, opt, batches(5, seed=31))
+    all_lrs = torch.cat([opt.state[p]["lr"].reshape(-1) for p in m.parameters()])
+    s = opt.lr_stats()[0]
+    assert s["rows"] == all_lrs.numel() and s["skipped"] == 0
+    assert s["min"] == float(all_lrs.min()) and s["max"] == float(all_lrs.max())
+    assert s["median"] == float(all_lrs.median())
+    assert s["min"] < s["max"]  # the rows did tune themselves apart
+    ps = opt.param_lr_stats(m.fc.weight)
+    lrs = opt.state[m.fc.weight]["lr"]
+    assert ps["rows"] == m.fc.weight.shape[0] and ps["step"] == 5
+    assert ps["median"] == float(lrs.median()) and ps["min"] == float(lrs.min())
+    assert opt.get_learning_rates() == pytest.approx(
+        [sum(float(opt.state[p]["lr"].mean()) for p in m.parameters())
+         / len(list(m.parameters()))])
+
+
+def test_scheduler_ignored_by_default_and_warned_once():
+    data = batches(4, seed=32)
+    m1 = make()
+    m2 = copy.deepcopy(m1)
+    o1 = automagic.Automagic3(m1.parameters(), fused=False)
+    o2 = automagic.Automagic3(m2.parameters(), fused=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(o2, lambda s: 0.5 ** (s + 1))
+    with pytest.warns(UserWarning, match="ignored, as in the reference") as rec:
+        _step_train(m2, o2, data, sched)
+    assert sum("ignored, as in the reference" in str(w.message) for w in rec) == 1
+    _step_train(m1, o1, data)
+    assert_same(m1, o1, m2, o2)
+
+
+def test_scheduler_scale_mode():
+    data = batches(6, seed=33)
+    m1 = make()
+    m2 = copy.deepcopy(m1)
+    m0 = copy.deepcopy(m1)
+    # lr 1e-3 so that the first move is large against float32 rounding
+    o1 = automagic.Automagic3(m1.parameters(), lr=1e-3, fused=False)
+    o2 = automagic.Automagic3(m2.parameters(), lr=1e-3, fused=False, lr_schedule="scale")
+    o0 = automagic.Automagic3(m0.parameters(), lr=1e-3, fused=False, lr_schedule="scale")
+    sched = torch.optim.lr_scheduler.LambdaLR(o2, lambda s: 0.25)
+    sched0 = torch.optim.lr_scheduler.LambdaLR(o0, lambda s: 0.0)
+    before = [p.detach().clone() for p in m1.parameters()]
+    b = data[0]
+    for m, o in ((m1, o1), (m2, o2), (m0, o0)):
+        loss_of(m, b).backward()
+        o.step()
+        o.zero_grad()
+    # First update: no lr bump yet, so the move is exactly scaled (up to
+    # float32 rounding of the subtraction).
+    for p0, p1, p2, pz in zip(before, m1.parameters(), m2.parameters(), m0.parameters()):
+        torch.testing.assert_close(p0 - p2, 0.25 * (p0 - p1), rtol=1e-3, atol=2e-7)
+        assert torch.equal(pz, p0)  # scale 0: the parameter does not move
+
+
+def test_scale_mode_keeps_the_tuned_lrs_and_clamp():
+    # Synthetic gradients, weight_decay 0: the update direction does not
+    # depend on p, so the tuned per-row lrs must follow the unscaled path
+    # (exactly for scale 0, within float32 rounding of lr*s/s otherwise),
+    # clamped to [min_lr, max_lr] before the schedule's factor.
+    g = torch.Generator().manual_seed(5)
+    grads = [torch.randn(6, 9, generator=g) for _ in range(40)]
+    ps = [torch.nn.Parameter(torch.randn(6, 9, generator=torch.Generator().manual_seed(1)))
+          for _ in range(3)]
+    opts = [automagic.Automagic3([p], fused=False, lr=1e-4, min_lr=9e-5, max_lr=1.1e-4,
+                                 lr_bump_rate=0.5,
+                                 lr_schedule=mode)
+            for p, mode in zip(ps, ("ignore", "scale", "scale"))]
+    scheds = [None, torch.optim.lr_scheduler.LambdaLR(opts[1], lambda s: 0.3),
+              torch.optim.lr_scheduler.LambdaLR(opts[2], lambda s: 0.0)]
+    for gr in grads:
+        for p, o, sc in zip(ps, opts, scheds):
+            p.grad = gr.clone()
+            o.step()
+            if sc is not None:
+                sc.step()
+    lrs = [o.state[p]["lr"] for p, o in zip(ps, opts)]
+    bounds = torch.tensor([9e-5, 1.1e-4])
+    assert torch.isin(lrs[0], bounds).any()  # the clamp was reached
+    torch.testing.assert_close(lrs[1], lrs[0], rtol=1e-5, atol=0)
+    assert torch.equal(lrs[2], lrs[0])
+    assert torch.equal(ps[2].detach(),
+                       torch.randn(6, 9, generator=torch.Generator().manual_seed(1)))
+
+
+def _inject(m, kind):
+    for p in m.parameters():
+        if p.grad is not None:
+            p.grad.view(-1)[0] = kind
+            return p
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_nonfinite_skip_counts_and_leaves_everything(fused):
+    m = make()
+    opt = automagic.Automagic3(m.parameters(), fused=False)
+    _step_train(m, opt, batches(2, seed=34))
+    if fused:  # rebuild as a fused optimizer with the same state
+        o2 = automagic.Automagic3(m.parameters(), fused=True)
+        o2.load_state_dict(opt.state_dict())
+        opt.remove_hooks()
+        opt = o2
+        m.emb.weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("nan")))
+    snap = snapshot(m, opt)
+    with pytest.warns(RuntimeWarning, match="non-finite|skipped"):
+        loss_of(m, batches(1, seed=35)[0]).backward()
+        if not fused:
+            _inject(m, float("inf"))
+            opt.step()
+    p = m.emb.weight
+    assert torch.equal(p, snap[0][0]) and opt.state[p]["step"] == 2
+    assert opt.nonfinite_skips == 1 and opt.param_lr_stats(p)["skipped"] == 1
+    assert opt.lr_stats()[0]["skipped"] == 1
+    assert p.grad is None
+    # the other parameters were updated
+    assert all(opt.state[q]["step"] == 3 for q in m.parameters() if q is not p)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_nonfinite_raise(fused):
+    m = make()
+    opt = automagic.Automagic3(m.parameters(), fused=fused, nonfinite="raise")
+    if fused:
+        m.head.weight.register_hook(lambda g: g.index_fill(0, torch.tensor([1]), float("nan")))
+    snap = snapshot(m, opt)
+    with pytest.raises(automagic.NonFiniteGradientError, match="unchanged"):
+        loss_of(m, batches(1, seed=36)[0]).backward()
+        if not fused:
+            m.head.weight.grad[1, 1] = float("nan")
+            opt.step()
+    i = [k for k, q in enumerate(m.parameters()) if q is m.head.weight][0]
+    assert torch.equal(m.head.weight, snap[0][i])
+    assert m.head.weight not in opt.state or opt.state[m.head.weight]["step"] == 0
+    assert m.head.weight.grad is not None  # kept for inspection
+    assert opt.nonfinite_skips == 0
+
+
+def test_periodic_faults_equal_clean_run_that_skips_the_same_steps():
+    # Every 20th step a NaN reaches fc.weight's gradient. The faulty run must
+    # equal a clean run in which fc.weight simply gets no gradient on those
+    # steps (the other parameters train normally).
+    data = batches(60, seed=37)
+    m1 = make()
+    m2 = copy.deepcopy(m1)
+    o1 = automagic.Automagic3(m1.parameters(), fused=False)
+    o2 = automagic.Automagic3(m2.parameters(), fused=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for i, b in enumerate(data):
+            loss_of(m1, b).backward()
+            loss_of(m2, b).backward()
+            if i % 20 == 19:
+                m1.fc.weight.grad[0, 0] = float("nan")
+                m2.fc.weight.grad = None
+            o1.step()
+            o2.step()
+            o1.zero_grad()
+            o2.zero_grad()
+    assert o1.nonfinite_skips == 3
+    assert all(torch.isfinite(p).all() for p in m1.parameters())
+    assert_same(m1, o1, m2, o2)
+
+
+def test_no_prints(capsys):
+    m = make()
+    opt = automagic.Automagic3(m.parameters())
+    with pytest.warns(UserWarning, match="very high"):
+        automagic.Automagic3(make().parameters(), lr=0.5)
+    for b in batches(2):
+        loss_of(m, b).backward()
+    opt.step()
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == ""

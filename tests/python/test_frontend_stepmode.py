@@ -1,0 +1,133 @@
+"""Step mode (fused=False) with the usual training tools."""
+import copy
+import os
+
+import pytest
+import torch
+
+import automagic
+from _frontend_models import (assert_same, assert_unchanged, batches, loss_of, make,
+                              snapshot)
+
+
+def test_clip_grad_norm_is_applied_before_the_update():
+    data = batches(3, seed=11)
+    m1 = make()
+    m2 = copy.deepcopy(m1)
+    o1 = automagic.Automagic3(m1.parameters(), fused=False)
+    o2 = automagic.Automagic3(m2.parameters(), fused=False)
+    for b in data:
+        loss_of(m1, b).backward()
+        total = torch.nn.utils.clip_grad_norm_(m1.parameters(), max_norm=0.01)
+        o1.step()
+        o1.zero_grad()
+        loss_of(m2, b).backward()
+        coef = torch.clamp(0.01 / (total + 1e-6), max=1.0)
+        assert coef < 1  # the clip did something
+        for p in m2.parameters():
+            p.grad.mul_(coef)
+        o2.step()
+        o2.zero_grad()
+    assert_same(m1, o1, m2, o2)
+
+
+def test_gradscaler_fp16_autocast_and_overflow_skip():
+    torch.manual_seed(0)
+    m = make()
+    opt = automagic.Automagic3(m.parameters(), fused=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    data = batches(3, seed=12)
+
+    def one(b):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_of(m, b)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        grads = [p.grad.clone() for p in m.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        return grads
+
+    grads = one(data[0])
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert all(opt.state[p]["step"] == 1 for p in m.parameters())
+
+    # Overflow: a huge scale makes the fp16 backward overflow; the scaler
+    # skips step() and everything stays as it was.
+    scaler.update(2.0 ** 120)
+    snap = snapshot(m, opt)
+    grads = one(data[1])
+    assert any(not torch.isfinite(g).all() for g in grads)
+    assert_unchanged(m, opt, snap)
+    assert scaler.get_scale() < 2.0 ** 120
+    assert opt.nonfinite_skips == 0  # the scaler caught it, not us
+
+    scaler.update(2.0 ** 8)
+    one(data[2])
+    assert all(opt.state[p]["step"] == 2 for p in m.parameters())
+
+
+def test_closure():
+    m = make()
+    opt = automagic.Automagic3(m.parameters(), fused=False)
+    b = batches(1)[0]
+
+    def closure():
+        opt.zero_grad()
+        loss = loss_of(m, b)
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor) and torch.isfinite(loss)
+    assert all(opt.state[p]["step"] == 1 for p in m.parameters())
+    # fused mode: the closure's backward does the update
+    m2 = make()
+    o2 = automagic.Automagic3(m2.parameters())
+    o2.step(lambda: loss_of(m2, b).backward())
+    assert all(o2.state[p]["step"] == 1 for p in m2.parameters())
+
+
+def test_zero_grad_and_grad_free_params():
+    m = make()
+    m.conv.weight.requires_grad_(False)
+    opt = automagic.Automagic3(m.parameters(), fused=False)
+    loss_of(m, batches(1)[0]).backward()
+    opt.zero_grad(set_to_none=False)
+    assert all(torch.count_nonzero(p.grad) == 0 for p in m.parameters() if p.requires_grad)
+    loss_of(m, batches(1)[0]).backward()
+    opt.zero_grad()
+    assert all(p.grad is None for p in m.parameters())
+    frozen = m.conv.weight.detach().clone()
+    loss_of(m, batches(1)[0]).backward()
+    opt.step()
+    assert torch.equal(m.conv.weight, frozen) and m.conv.weight not in opt.state
+
+
+def test_data_parallel_reduced_gradients(tmp_path):
+    # DistributedDataParallel (gloo, one process) reduces gradients during
+    # backward; step() then sees the reduced gradient. With one process the
+    # reduction divides by 1, so training must equal training without DDP.
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available in this torch build")
+    store = dist.FileStore(os.path.join(str(tmp_path), "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        data = batches(3, seed=13)
+        m1 = make()
+        m2 = copy.deepcopy(m1)
+        ddp = torch.nn.parallel.DistributedDataParallel(m2)
+        o1 = automagic.Automagic3(m1.parameters(), fused=False)
+        o2 = automagic.Automagic3(ddp.parameters(), fused=False)
+        for b in data:
+            loss_of(m1, b).backward()
+            o1.step()
+            o1.zero_grad()
+            loss_of(ddp, b).backward()
+            o2.step()
+            o2.zero_grad()
+        assert_same(m1, o1, m2, o2)
+    finally:
+        dist.destroy_process_group()
