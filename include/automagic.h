@@ -386,6 +386,69 @@ AM_API int64_t am_optimizer_skipped_count(const am_optimizer *opt);
 AM_API am_status am_optimizer_get_state(const am_optimizer *opt, int32_t id,
                                         am_state *out, am_shape *shape);
 
+/* Copies the optimizer's hyperparameters (after the lr > 1e-3 rule, or as a
+ * loaded checkpoint set them) into *hp and its seed into *seed; either may
+ * be NULL. Errors: AM_ERR_NULL_POINTER (opt is NULL). */
+AM_API am_status am_optimizer_get_hparams(const am_optimizer *opt,
+                                          am_hparams *hp, uint64_t *seed);
+
+/* --------------------------------------------------------- checkpoints -- */
+
+/* A checkpoint holds the optimizer's whole state: hyperparameters, seed, and
+ * for every parameter its dtype and shape, per-row lrs, polarity bits,
+ * second moments (row/col or sq), step and skipped-update count. It does not
+ * hold the parameters themselves. The file is a safetensors file (Python's
+ * safetensors package opens it): tensors "param.<i>.lr", ".polarity",
+ * ".row", ".col", ".sq", ".step", ".skipped", and a "__metadata__" string map
+ * with the format version, the hyperparameters, the seed and a CRC-32 of the
+ * contents. docs/RELIABILITY.md describes it in full.
+ *
+ * Loading needs an optimizer with the same parameters registered, in the
+ * same order, with the same dtypes and shapes. It validates everything
+ * (format and version, checksum, every tensor's dtype, shape and offsets,
+ * the hyperparameters, step >= 0, finite non-negative lrs and moments, zero
+ * polarity padding bits) before changing anything: on any error the
+ * optimizer is exactly as it was. On success the hyperparameters and seed
+ * are the checkpoint's, and training continues bit-identically.
+ *
+ * Not to be called while another thread updates, loads into or destroys the
+ * same optimizer; saving the same optimizer from several threads at once is
+ * safe (different temporary files). */
+
+/* Saves opt to path atomically: the image is written to a new temporary
+ * file "<path>.tmp.<pid>.<n>" in the same directory, flushed to the disk
+ * (fsync), renamed over path, and the directory is fsynced. A process killed
+ * meanwhile leaves path as it was (old checkpoint, or absent), possibly with
+ * a stale temporary file beside it. The new file's mode is 0666 minus the
+ * umask. Errors: AM_ERR_NULL_POINTER, AM_ERR_INVALID_ARGUMENT (path is ""),
+ * AM_ERR_OUT_OF_MEMORY, AM_ERR_IO (the log callback says what failed; the
+ * temporary file is removed and path is untouched).
+ * Test hook: with the environment variable AUTOMAGIC_TEST_STALL_SAVE_FD set
+ * to an open file descriptor, a save writes half its temporary file, writes
+ * one byte to that descriptor and then waits forever (to be killed by a
+ * test); never set it otherwise. */
+AM_API am_status am_optimizer_save(const am_optimizer *opt, const char *path);
+
+/* The checkpoint image (the same bytes am_optimizer_save writes) into buf.
+ * *size receives the image's size. buf == NULL with capacity 0 queries the
+ * size only. Errors: AM_ERR_NULL_POINTER (opt or size NULL, or buf NULL
+ * with capacity > 0), AM_ERR_BUFFER_SIZE (capacity too small: buf and *size
+ * untouched), AM_ERR_OUT_OF_MEMORY. */
+AM_API am_status am_optimizer_save_memory(const am_optimizer *opt, void *buf,
+                                          size_t capacity, size_t *size);
+
+/* Loads the checkpoint file at path into opt (see above). Errors:
+ * AM_ERR_NULL_POINTER, AM_ERR_IO (cannot open or read, not a regular file),
+ * AM_ERR_OUT_OF_MEMORY, AM_ERR_FORMAT (not a valid checkpoint: corrupt,
+ * truncated, wrong version, invalid values), AM_ERR_MISMATCH (valid, but its
+ * parameter count, dtypes or shapes differ from opt's). The log callback
+ * names the first problem found. opt is unchanged on every error. */
+AM_API am_status am_optimizer_load(am_optimizer *opt, const char *path);
+
+/* As am_optimizer_load, from the size bytes at image (not kept). */
+AM_API am_status am_optimizer_load_memory(am_optimizer *opt,
+                                          const void *image, size_t size);
+
 #ifdef __cplusplus
 }
 #endif

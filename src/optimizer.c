@@ -1,26 +1,9 @@
 /* optimizer.c — the optimizer object for C programs: owns every registered
  * parameter's state and one shared workspace per parameter. */
-#include "internal.h"
+#include "optimizer_internal.h"
 
 #include <stdlib.h>
 #include <string.h>
-
-typedef struct am_param_slot {
-    am_tensor t;          /* data, dtype, shape of the caller's parameter */
-    am_state st;          /* buffers below, owned */
-    void *state_mem;      /* one allocation for lr, polarity, row, col, sq */
-    void *ws;             /* workspace for this parameter (threads may update
-                             different parameters at once) */
-    size_t ws_bytes;
-    int64_t skipped;
-} am_param_slot;
-
-struct am_optimizer {
-    am_hparams hp;
-    uint64_t seed;
-    am_param_slot *params;
-    int32_t count, cap;
-};
 
 am_status am_optimizer_create(const am_hparams *hp, uint64_t seed,
                               am_optimizer **out) {
@@ -242,5 +225,13 @@ am_status am_optimizer_get_state(const am_optimizer *o, int32_t id,
     AM_RETURN_IF(!out, AM_ERR_NULL_POINTER, "am_optimizer_get_state: out is NULL");
     *out = o->params[id].st;
     if (shape) *shape = o->params[id].t.shape;
+    return AM_OK;
+}
+
+am_status am_optimizer_get_hparams(const am_optimizer *o, am_hparams *hp,
+                                   uint64_t *seed) {
+    AM_RETURN_IF(!o, AM_ERR_NULL_POINTER, "am_optimizer_get_hparams: opt is NULL");
+    if (hp) *hp = o->hp;
+    if (seed) *seed = o->seed;
     return AM_OK;
 }

@@ -1,0 +1,161 @@
+/*
+ * checkpoint_file.c — checkpoints on disk (POSIX): an atomic save and a
+ * whole-file load. The format itself is in checkpoint.c.
+ *
+ * Save never leaves a partial file under the final name: the image goes to
+ * "<path>.tmp.<pid>.<n>" in the same directory (so rename cannot cross file
+ * systems), is flushed to the disk (fsync), then renamed over path, and the
+ * directory is fsynced so the rename itself survives a power cut. A process
+ * killed at any point leaves either the old checkpoint or the new one under
+ * path (plus, at worst, a stale .tmp file).
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "optimizer_internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+/* Writes all of buf; 0 on success, else errno. */
+static int write_all(int fd, const unsigned char *buf, size_t n) {
+    while (n > 0) {
+        ssize_t w = write(fd, buf, n > ((size_t)1 << 30) ? ((size_t)1 << 30) : n);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            return errno;
+        }
+        buf += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+/* Test hook, for the kill-during-save test only: when the environment names
+ * a file descriptor in AUTOMAGIC_TEST_STALL_SAVE_FD, save writes half of the
+ * image, writes one byte to that descriptor, and waits to be killed. The
+ * test then knows the process is in the middle of a save without any timing
+ * assumption. */
+static void test_stall_hook(void) {
+    const char *s = getenv("AUTOMAGIC_TEST_STALL_SAVE_FD");
+    char *end;
+    long fd;
+    if (!s || !*s) return;
+    fd = strtol(s, &end, 10);
+    if (*end || fd < 0) return;
+    if (write((int)fd, "s", 1) != 1) return;
+    for (;;) pause();
+}
+
+/* fsync of the directory holding path; file systems that cannot (EINVAL)
+ * are not an error. */
+static int sync_dir(const char *path) {
+    const char *slash = strrchr(path, '/');
+    char *dir;
+    int fd, err = 0;
+    if (!slash) {
+        dir = (char *)malloc(2);
+        if (!dir) return ENOMEM;
+        strcpy(dir, ".");
+    } else {
+        size_t n = slash == path ? 1 : (size_t)(slash - path);
+        dir = (char *)malloc(n + 1);
+        if (!dir) return ENOMEM;
+        memcpy(dir, path, n);
+        dir[n] = '\0';
+    }
+    fd = open(dir, O_RDONLY);
+    free(dir);
+    if (fd < 0) return errno;
+    if (fsync(fd) != 0 && errno != EINVAL) err = errno;
+    close(fd);
+    return err;
+}
+
+am_status am_optimizer_save(const am_optimizer *o, const char *path) {
+    unsigned char *img = NULL;
+    size_t n = 0, plen;
+    char *tmp;
+    int fd = -1, err = 0, k;
+    am_status st;
+    AM_RETURN_IF(!o, AM_ERR_NULL_POINTER, "am_optimizer_save: opt is NULL");
+    AM_RETURN_IF(!path, AM_ERR_NULL_POINTER, "am_optimizer_save: path is NULL");
+    AM_RETURN_IF(!*path, AM_ERR_INVALID_ARGUMENT, "am_optimizer_save: path is empty");
+    plen = strlen(path);
+    tmp = (char *)malloc(plen + 48);
+    AM_RETURN_IF(!tmp, AM_ERR_OUT_OF_MEMORY, "am_optimizer_save: out of memory");
+    st = am_ck_serialize(o, &img, &n);
+    if (st != AM_OK) {
+        free(tmp);
+        return st;
+    }
+    /* O_EXCL: never write into a file another saver is writing. */
+    for (k = 0; k < 1000 && fd < 0; k++) {
+        snprintf(tmp, plen + 48, "%s.tmp.%ld.%d", path, (long)getpid(), k);
+        fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL, 0666);
+        if (fd < 0 && errno != EEXIST) break;
+    }
+    if (fd < 0) {
+        err = errno;
+        free(img);
+        am_log(AM_LOG_ERROR, "am_optimizer_save: cannot create %s: %s", tmp, strerror(err));
+        free(tmp);
+        return AM_ERR_IO;
+    }
+    err = write_all(fd, img, n / 2);
+    if (!err) test_stall_hook();
+    if (!err) err = write_all(fd, img + n / 2, n - n / 2);
+    if (!err && fsync(fd) != 0) err = errno;
+    if (close(fd) != 0 && !err) err = errno;
+    if (!err && rename(tmp, path) != 0) err = errno;
+    if (!err) err = sync_dir(path);
+    free(img);
+    if (err) {
+        (void)unlink(tmp); /* after a successful rename tmp no longer exists */
+        am_log(AM_LOG_ERROR, "am_optimizer_save: writing %s failed: %s", path, strerror(err));
+        free(tmp);
+        return AM_ERR_IO;
+    }
+    free(tmp);
+    return AM_OK;
+}
+
+am_status am_optimizer_load(am_optimizer *o, const char *path) {
+    FILE *f;
+    struct stat sb;
+    unsigned char *buf;
+    size_t n;
+    am_status st;
+    AM_RETURN_IF(!o, AM_ERR_NULL_POINTER, "am_optimizer_load: opt is NULL");
+    AM_RETURN_IF(!path, AM_ERR_NULL_POINTER, "am_optimizer_load: path is NULL");
+    f = fopen(path, "rb");
+    AM_RETURN_IF(!f, AM_ERR_IO, "am_optimizer_load: cannot open %s: %s", path,
+                 strerror(errno));
+    if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode) || sb.st_size < 0 ||
+        (uint64_t)sb.st_size > (uint64_t)SIZE_MAX - 1) {
+        fclose(f);
+        AM_RETURN_IF(1, AM_ERR_IO, "am_optimizer_load: %s is not a readable regular file",
+                     path);
+    }
+    n = (size_t)sb.st_size;
+    buf = (unsigned char *)malloc(n ? n : 1);
+    if (!buf) {
+        fclose(f);
+        AM_RETURN_IF(1, AM_ERR_OUT_OF_MEMORY, "am_optimizer_load: out of memory for %zu bytes",
+                     n);
+    }
+    if (fread(buf, 1, n, f) != n || fgetc(f) != EOF) {
+        fclose(f);
+        free(buf);
+        AM_RETURN_IF(1, AM_ERR_IO, "am_optimizer_load: reading %s failed (changed while read?)",
+                     path);
+    }
+    fclose(f);
+    st = am_optimizer_load_memory(o, buf, n);
+    free(buf);
+    return st;
+}

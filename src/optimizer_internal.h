@@ -1,0 +1,32 @@
+/*
+ * optimizer_internal.h — the layout of the optimizer object, shared by
+ * optimizer.c (registration, updates) and checkpoint.c (save/load) only.
+ */
+#ifndef AM_OPTIMIZER_INTERNAL_H
+#define AM_OPTIMIZER_INTERNAL_H
+
+#include "internal.h"
+
+typedef struct am_param_slot {
+    am_tensor t;          /* data, dtype, shape of the caller's parameter */
+    am_state st;          /* buffers below, owned */
+    void *state_mem;      /* one allocation for lr, polarity, row, col, sq */
+    void *ws;             /* workspace for this parameter (threads may update
+                             different parameters at once) */
+    size_t ws_bytes;
+    int64_t skipped;
+} am_param_slot;
+
+struct am_optimizer {
+    am_hparams hp;
+    uint64_t seed;
+    am_param_slot *params;
+    int32_t count, cap;
+};
+
+/* checkpoint.c: the whole checkpoint image of o in one malloc'd buffer
+ * (*out, *out_len; the caller frees it). AM_ERR_OUT_OF_MEMORY only. */
+am_status am_ck_serialize(const am_optimizer *o, unsigned char **out,
+                          size_t *out_len);
+
+#endif /* AM_OPTIMIZER_INTERNAL_H */

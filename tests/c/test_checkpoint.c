@@ -1,0 +1,450 @@
+/* test_checkpoint.c — optimizer checkpoints: exact round trip (training
+ * continues bit-identically), every corruption rejected with the optimizer
+ * untouched, mismatches reported, file errors reported. The kill-during-save
+ * test is in test_checkpoint_kill.c. */
+#define _POSIX_C_SOURCE 200809L
+#include <automagic.h>
+
+#include "optimizer_internal.h"
+
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <dirent.h>
+
+/* A model of awkward shapes: 0-D, odd 1-D, 2-D, 3-D with a polarity row of
+ * 15 bits (padding), an empty one, in all three dtypes. */
+#define NP 6
+static const int32_t k_ndim[NP] = {0, 1, 2, 3, 2, 4};
+static const int64_t k_dims[NP][4] = {{0}, {13}, {3, 10}, {2, 3, 5}, {0, 4}, {2, 1, 3, 3}};
+static const am_dtype k_dt[NP] = {AM_DTYPE_FLOAT32, AM_DTYPE_BFLOAT16, AM_DTYPE_FLOAT32,
+                                  AM_DTYPE_FLOAT16, AM_DTYPE_FLOAT32, AM_DTYPE_BFLOAT16};
+
+typedef struct model {
+    am_optimizer *opt;
+    float w32[NP][64];    /* float32 params (used when k_dt is float32) */
+    uint16_t w16[NP][64]; /* 16-bit params */
+    int64_t n[NP];
+} model;
+
+static int64_t numel(int p) {
+    int64_t n = 1;
+    int d;
+    for (d = 0; d < k_ndim[p]; d++) n *= k_dims[p][d];
+    return n;
+}
+
+static void model_init(model *m, uint64_t seed) {
+    am_hparams hp = am_hparams_default();
+    int p, i;
+    int32_t id;
+    hp.lr = 1e-3;
+    hp.weight_decay = 0.01;
+    memset(m, 0, sizeof *m);
+    assert_int_equal(am_optimizer_create(&hp, seed, &m->opt), AM_OK);
+    for (p = 0; p < NP; p++) {
+        void *data = k_dt[p] == AM_DTYPE_FLOAT32 ? (void *)m->w32[p] : (void *)m->w16[p];
+        m->n[p] = numel(p);
+        for (i = 0; i < 64; i++) {
+            m->w32[p][i] = (float)(i % 7) * 0.25f - 0.75f;
+            m->w16[p][i] = (uint16_t)(0x3c00u + (unsigned)(i * 37 % 512)); /* ~1..2 */
+        }
+        assert_int_equal(am_optimizer_add_param(m->opt, data, k_dt[p], k_ndim[p],
+                                                k_dims[p], &id), AM_OK);
+        assert_int_equal(id, p);
+    }
+}
+
+/* Deterministic pseudo-random gradients; step s, param p. */
+static void grad(float *g, int p, int s, uint64_t seed) {
+    uint64_t x = seed * 0x9E3779B97F4A7C15ull + (uint64_t)(p * 1000 + s);
+    int i;
+    for (i = 0; i < 64; i++) {
+        x ^= x >> 33;
+        x *= 0xff51afd7ed558ccdull;
+        x ^= x >> 29;
+        g[i] = (float)((double)(x >> 40) / (double)(1ull << 24) - 0.5);
+    }
+}
+
+static void train(model *m, int s0, int s1, uint64_t seed) {
+    int s, p;
+    float g[64];
+    for (s = s0; s < s1; s++)
+        for (p = 0; p < NP; p++) {
+            am_status st;
+            grad(g, p, s, seed);
+            if (s == 3 && p == 2) g[1] = NAN; /* one skip, counted and saved */
+            st = am_optimizer_update_param(m->opt, p, g, AM_DTYPE_FLOAT32, NULL);
+            assert_false(am_status_is_error(st));
+        }
+}
+
+static unsigned char *image(const am_optimizer *o, size_t *n) {
+    unsigned char *b;
+    assert_int_equal(am_optimizer_save_memory(o, NULL, 0, n), AM_OK);
+    b = (unsigned char *)malloc(*n);
+    assert_non_null(b);
+    assert_int_equal(am_optimizer_save_memory(o, b, *n, n), AM_OK);
+    return b;
+}
+
+static void assert_same_image(const am_optimizer *a, const am_optimizer *b) {
+    size_t na, nb;
+    unsigned char *ia = image(a, &na), *ib = image(b, &nb);
+    assert_int_equal(na, nb);
+    assert_memory_equal(ia, ib, na);
+    free(ia);
+    free(ib);
+}
+
+static char g_dir[64];
+static char g_last_log[600];
+
+static void log_cb(am_log_level lvl, const char *msg, void *u) {
+    (void)u;
+    if (lvl == AM_LOG_ERROR) snprintf(g_last_log, sizeof g_last_log, "%s", msg);
+}
+
+static int setup(void **st) {
+    (void)st;
+    snprintf(g_dir, sizeof g_dir, "/tmp/am_ckpt_XXXXXX");
+    if (!mkdtemp(g_dir)) return -1;
+    am_set_log_callback(log_cb, NULL);
+    return 0;
+}
+
+static int teardown(void **st) {
+    DIR *d = opendir(g_dir);
+    struct dirent *e;
+    char p[512];
+    (void)st;
+    while (d && (e = readdir(d)) != NULL) {
+        if (e->d_name[0] == '.') continue;
+        snprintf(p, sizeof p, "%s/%s", g_dir, e->d_name);
+        unlink(p);
+    }
+    if (d) closedir(d);
+    rmdir(g_dir);
+    am_set_log_callback(NULL, NULL);
+    return 0;
+}
+
+/* Temporary files left in the test directory. */
+static int count_tmp_files(void) {
+    DIR *d = opendir(g_dir);
+    struct dirent *e;
+    int n = 0;
+    while (d && (e = readdir(d)) != NULL)
+        if (strstr(e->d_name, ".tmp.")) n++;
+    if (d) closedir(d);
+    return n;
+}
+
+/* Save after 7 steps, load into a fresh optimizer holding copies of the
+ * parameters, train both 6 more steps: every byte of parameters and state
+ * is the same. */
+static void test_roundtrip_continues_identically(void **unused) {
+    model a, b;
+    char path[128];
+    am_hparams ha, hb;
+    uint64_t sa, sb;
+    (void)unused;
+    model_init(&a, 42);
+    model_init(&b, 7); /* another seed: load must restore 42 */
+    train(&a, 0, 7, 1);
+    snprintf(path, sizeof path, "%s/opt.safetensors", g_dir);
+    assert_int_equal(am_optimizer_save(a.opt, path), AM_OK);
+    assert_int_equal(count_tmp_files(), 0);
+    memcpy(b.w32, a.w32, sizeof a.w32);
+    memcpy(b.w16, a.w16, sizeof a.w16);
+    assert_int_equal(am_optimizer_load(b.opt, path), AM_OK);
+    assert_same_image(a.opt, b.opt);
+    assert_int_equal(am_optimizer_get_hparams(b.opt, &hb, &sb), AM_OK);
+    assert_int_equal(am_optimizer_get_hparams(a.opt, &ha, &sa), AM_OK);
+    assert_memory_equal(&ha, &hb, sizeof ha);
+    assert_int_equal(sb, 42);
+    assert_int_equal(am_optimizer_skipped_count(b.opt), 1);
+    train(&a, 7, 13, 1);
+    train(&b, 7, 13, 1);
+    assert_memory_equal(a.w32, b.w32, sizeof a.w32);
+    assert_memory_equal(a.w16, b.w16, sizeof a.w16);
+    assert_same_image(a.opt, b.opt);
+    am_optimizer_destroy(a.opt);
+    am_optimizer_destroy(b.opt);
+}
+
+/* Every single-bit flip anywhere in the file, and every truncation, is
+ * rejected, and the optimizer is byte-for-byte as before. */
+static void test_every_corruption_rejected(void **unused) {
+    model a, b;
+    size_t n, nb, i;
+    unsigned char *img, *before;
+    (void)unused;
+    model_init(&a, 42);
+    model_init(&b, 42);
+    train(&a, 0, 5, 2);
+    train(&b, 0, 2, 3);
+    img = image(a.opt, &n);
+    before = image(b.opt, &nb);
+    for (i = 0; i < n; i++) {
+        am_status st;
+        img[i] ^= (unsigned char)(1u << (i % 8));
+        st = am_optimizer_load_memory(b.opt, img, n);
+        if (!am_status_is_error(st)) fail_msg("bit flip at byte %zu was accepted", i);
+        img[i] ^= (unsigned char)(1u << (i % 8));
+    }
+    for (i = 0; i < n; i++)
+        if (!am_status_is_error(am_optimizer_load_memory(b.opt, img, i)))
+            fail_msg("truncation to %zu bytes was accepted", i);
+    {
+        unsigned char *longer = (unsigned char *)malloc(n + 1);
+        memcpy(longer, img, n);
+        longer[n] = 0;
+        assert_int_equal(am_optimizer_load_memory(b.opt, longer, n + 1), AM_ERR_FORMAT);
+        free(longer);
+    }
+    {
+        size_t n2;
+        unsigned char *after = image(b.opt, &n2);
+        assert_int_equal(n2, nb);
+        assert_memory_equal(after, before, nb);
+        free(after);
+    }
+    assert_int_equal(am_optimizer_load_memory(b.opt, img, n), AM_OK);
+    assert_same_image(a.opt, b.opt);
+    free(img);
+    free(before);
+    am_optimizer_destroy(a.opt);
+    am_optimizer_destroy(b.opt);
+}
+
+/* Loads an image of src into dst; expects err; dst unchanged; the log names
+ * the problem (contains word). */
+static void expect_reject(am_optimizer *src, am_optimizer *dst, am_status err,
+                          const char *word) {
+    size_t n, nb, na;
+    unsigned char *img = image(src, &n), *before = image(dst, &nb), *after;
+    g_last_log[0] = '\0';
+    assert_int_equal(am_optimizer_load_memory(dst, img, n), err);
+    if (!strstr(g_last_log, word)) fail_msg("log \"%s\" lacks \"%s\"", g_last_log, word);
+    after = image(dst, &na);
+    assert_int_equal(na, nb);
+    assert_memory_equal(after, before, nb);
+    free(img);
+    free(before);
+    free(after);
+}
+
+/* Images with a valid checksum but invalid contents (written through the
+ * internals, which save does not validate). */
+static void test_invalid_values_rejected(void **unused) {
+    model a, b;
+    am_param_slot *s;
+    (void)unused;
+    model_init(&a, 1);
+    model_init(&b, 1);
+    train(&a, 0, 4, 5);
+    s = &a.opt->params[2];
+    s->st.step = -1;
+    expect_reject(a.opt, b.opt, AM_ERR_FORMAT, "step");
+    s->st.step = 4;
+    s->skipped = -3;
+    expect_reject(a.opt, b.opt, AM_ERR_FORMAT, "skipped");
+    s->skipped = 0;
+    s->st.lr[1] = NAN;
+    expect_reject(a.opt, b.opt, AM_ERR_FORMAT, "lr");
+    s->st.lr[1] = -1e-3f;
+    expect_reject(a.opt, b.opt, AM_ERR_FORMAT, "lr");
+    s->st.lr[1] = 1e-3f;
+    s->st.row[0] = INFINITY;
+    expect_reject(a.opt, b.opt, AM_ERR_FORMAT, "row");
+    s->st.row[0] = 0;
+    a.opt->params[1].st.sq[12] = -1.0f;
+    expect_reject(a.opt, b.opt, AM_ERR_FORMAT, "sq");
+    a.opt->params[1].st.sq[12] = 0.0f;
+    /* param 3 (2,3,5): lr-rows of 15 bits, byte 1 bit 7 is padding */
+    a.opt->params[3].st.polarity[1] |= 0x80;
+    expect_reject(a.opt, b.opt, AM_ERR_FORMAT, "padding");
+    a.opt->params[3].st.polarity[1] &= 0x7f;
+    /* param 1 (13,): bits 13..15 of byte 1 are padding */
+    a.opt->params[1].st.polarity[1] |= 0x20;
+    expect_reject(a.opt, b.opt, AM_ERR_FORMAT, "padding");
+    a.opt->params[1].st.polarity[1] &= 0x1f;
+    a.opt->hp.beta2 = 1.0;
+    expect_reject(a.opt, b.opt, AM_ERR_FORMAT, "hyperparameters");
+    a.opt->hp.beta2 = 0.999;
+    a.opt->hp.min_lr = NAN;
+    expect_reject(a.opt, b.opt, AM_ERR_FORMAT, "hyperparameters");
+    a.opt->hp.min_lr = 1e-8;
+    {
+        size_t n;
+        unsigned char *img = image(a.opt, &n);
+        assert_int_equal(am_optimizer_load_memory(b.opt, img, n), AM_OK);
+        free(img);
+    }
+    am_optimizer_destroy(a.opt);
+    am_optimizer_destroy(b.opt);
+}
+
+/* Replaces the first occurrence of from by to (same length) in img. */
+static void patch(unsigned char *img, size_t n, const char *from, const char *to) {
+    size_t k = strlen(from), i;
+    assert_int_equal(k, strlen(to));
+    for (i = 0; i + k <= n; i++)
+        if (memcmp(img + i, from, k) == 0) {
+            memcpy(img + i, to, k);
+            return;
+        }
+    fail_msg("%s not in the image", from);
+}
+
+static void test_version_and_format_named(void **unused) {
+    model a;
+    size_t n;
+    unsigned char *img;
+    (void)unused;
+    model_init(&a, 1);
+    img = image(a.opt, &n);
+    patch(img, n, "\"format_version\":\"1\"", "\"format_version\":\"2\"");
+    g_last_log[0] = '\0';
+    assert_int_equal(am_optimizer_load_memory(a.opt, img, n), AM_ERR_FORMAT);
+    assert_non_null(strstr(g_last_log, "format_version 2 is not supported"));
+    free(img);
+    img = image(a.opt, &n);
+    patch(img, n, "automagic.optimizer", "automagic.optimizor");
+    assert_int_equal(am_optimizer_load_memory(a.opt, img, n), AM_ERR_FORMAT);
+    assert_non_null(strstr(g_last_log, "format is"));
+    free(img);
+    am_optimizer_destroy(a.opt);
+}
+
+/* A checkpoint of other parameters: a mismatch, nothing changed. */
+static void test_mismatch(void **unused) {
+    model a;
+    am_optimizer *o;
+    am_hparams hp = am_hparams_default();
+    float w[64] = {0};
+    const int64_t s13[1] = {13}, s12[1] = {12};
+    int p;
+    int32_t id;
+    (void)unused;
+    model_init(&a, 1);
+    train(&a, 0, 2, 1);
+    /* fewer parameters */
+    assert_int_equal(am_optimizer_create(&hp, 1, &o), AM_OK);
+    expect_reject(a.opt, o, AM_ERR_MISMATCH, "parameters");
+    am_optimizer_destroy(o);
+    /* same count, one shape differs (param 1: 12 instead of 13) */
+    assert_int_equal(am_optimizer_create(&hp, 1, &o), AM_OK);
+    for (p = 0; p < NP; p++)
+        assert_int_equal(am_optimizer_add_param(o, w, k_dt[p], k_ndim[p],
+                                                p == 1 ? s12 : k_dims[p], &id), AM_OK);
+    expect_reject(a.opt, o, AM_ERR_MISMATCH, "shape");
+    am_optimizer_destroy(o);
+    /* same shapes, one dtype differs */
+    assert_int_equal(am_optimizer_create(&hp, 1, &o), AM_OK);
+    for (p = 0; p < NP; p++)
+        assert_int_equal(am_optimizer_add_param(o, w, p == 1 ? AM_DTYPE_FLOAT32 : k_dt[p],
+                                                k_ndim[p], p == 1 ? s13 : k_dims[p], &id),
+                         AM_OK);
+    expect_reject(a.opt, o, AM_ERR_MISMATCH, "bfloat16");
+    am_optimizer_destroy(o);
+    am_optimizer_destroy(a.opt);
+}
+
+static void test_file_errors(void **unused) {
+    model a;
+    char path[160];
+    FILE *f;
+    (void)unused;
+    model_init(&a, 1);
+    snprintf(path, sizeof path, "%s/no/such/dir/x.safetensors", g_dir);
+    assert_int_equal(am_optimizer_save(a.opt, path), AM_ERR_IO);
+    assert_int_equal(am_optimizer_load(a.opt, path), AM_ERR_IO);
+    /* a directory under the final name: rename fails, temp file removed */
+    snprintf(path, sizeof path, "%s/adir", g_dir);
+    assert_int_equal(mkdir(path, 0700), 0);
+    assert_int_equal(am_optimizer_save(a.opt, path), AM_ERR_IO);
+    assert_int_equal(am_optimizer_load(a.opt, path), AM_ERR_IO);
+    assert_int_equal(count_tmp_files(), 0);
+    rmdir(path);
+    snprintf(path, sizeof path, "%s/empty", g_dir);
+    f = fopen(path, "wb");
+    assert_non_null(f);
+    fclose(f);
+    assert_int_equal(am_optimizer_load(a.opt, path), AM_ERR_FORMAT);
+    assert_int_equal(am_optimizer_save(a.opt, ""), AM_ERR_INVALID_ARGUMENT);
+    assert_int_equal(am_optimizer_save(NULL, path), AM_ERR_NULL_POINTER);
+    assert_int_equal(am_optimizer_save(a.opt, NULL), AM_ERR_NULL_POINTER);
+    assert_int_equal(am_optimizer_load(NULL, path), AM_ERR_NULL_POINTER);
+    assert_int_equal(am_optimizer_load(a.opt, NULL), AM_ERR_NULL_POINTER);
+    /* overwrite an existing checkpoint */
+    assert_int_equal(am_optimizer_save(a.opt, path), AM_OK);
+    assert_int_equal(am_optimizer_load(a.opt, path), AM_OK);
+    unlink(path);
+    am_optimizer_destroy(a.opt);
+}
+
+static void test_save_memory_sizes(void **unused) {
+    model a;
+    size_t n, m = 12345;
+    unsigned char *img, small[16];
+    (void)unused;
+    model_init(&a, 1);
+    img = image(a.opt, &n);
+    assert_true(n > 8);
+    assert_int_equal((8 + img[0] + 256 * img[1]) % 8, 0); /* data 8-aligned */
+    assert_int_equal(img[2] | img[3] | img[4] | img[5] | img[6] | img[7], 0);
+    memset(small, 0xAB, sizeof small);
+    assert_int_equal(am_optimizer_save_memory(a.opt, small, sizeof small, &m),
+                     AM_ERR_BUFFER_SIZE);
+    assert_int_equal(m, 12345);
+    assert_int_equal(small[0], 0xAB);
+    assert_int_equal(am_optimizer_save_memory(a.opt, NULL, 5, &m), AM_ERR_NULL_POINTER);
+    assert_int_equal(am_optimizer_save_memory(a.opt, img, n, NULL), AM_ERR_NULL_POINTER);
+    assert_int_equal(am_optimizer_save_memory(NULL, img, n, &m), AM_ERR_NULL_POINTER);
+    assert_int_equal(am_optimizer_load_memory(a.opt, NULL, n), AM_ERR_NULL_POINTER);
+    assert_int_equal(am_optimizer_load_memory(NULL, img, n), AM_ERR_NULL_POINTER);
+    free(img);
+    am_optimizer_destroy(a.opt);
+}
+
+/* An optimizer without parameters round-trips too (empty data section). */
+static void test_no_params(void **unused) {
+    am_optimizer *a, *b;
+    am_hparams hp = am_hparams_default();
+    size_t n;
+    unsigned char *img;
+    (void)unused;
+    hp.beta2 = 0.5;
+    assert_int_equal(am_optimizer_create(&hp, 99, &a), AM_OK);
+    assert_int_equal(am_optimizer_create(&hp, 98, &b), AM_OK);
+    img = image(a, &n);
+    assert_int_equal(am_optimizer_load_memory(b, img, n), AM_OK);
+    assert_same_image(a, b);
+    free(img);
+    am_optimizer_destroy(a);
+    am_optimizer_destroy(b);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_roundtrip_continues_identically),
+        cmocka_unit_test(test_every_corruption_rejected),
+        cmocka_unit_test(test_invalid_values_rejected),
+        cmocka_unit_test(test_version_and_format_named),
+        cmocka_unit_test(test_mismatch),
+        cmocka_unit_test(test_file_errors),
+        cmocka_unit_test(test_save_memory_sizes),
+        cmocka_unit_test(test_no_params),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
