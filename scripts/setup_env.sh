@@ -2,7 +2,7 @@
 # Installs what building and testing automagic needs on a fresh Debian
 # machine (idempotent). Sourced by test.sh and demo.sh.
 set -euo pipefail
-APT_PKGS="build-essential cmake pkg-config libcmocka-dev"
+APT_PKGS="build-essential cmake pkg-config libcmocka-dev libcjson-dev zlib1g-dev valgrind"
 missing=""
 for p in $APT_PKGS; do
   dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"
@@ -15,7 +15,7 @@ if [ -n "$missing" ]; then
 fi
 PY=${PYTHON:-python3}
 # torch==2.13.0 is a CPU build (a newer or unpinned torch is a multi-GB CUDA download).
-if ! out=$($PY -m pip install -q --disable-pip-version-check torch==2.13.0 pytest numpy matplotlib 2>&1); then
+if ! out=$($PY -m pip install -q --disable-pip-version-check torch==2.13.0 pytest numpy matplotlib safetensors 2>&1); then
   echo "$out" >&2
   echo "setup_env.sh: pip install failed" >&2
   exit 1

@@ -15,8 +15,9 @@
  * ndim <= 1, step and skipped (I64, shape []).
  * The metadata holds the format name and version, the hyperparameters
  * (%.17g, exact), the seed, each parameter's dtype and shape, and a CRC-32
- * (zlib) over the data section followed by a canonical list of every other
- * header fact (see checksum_items), so a flipped bit anywhere is caught.
+ * (zlib) over a canonical list of every metadata entry and every tensor's
+ * name, dtype, shape and bytes (see ck_item), so a flipped bit anywhere is
+ * caught.
  *
  * Loading parses into temporary buffers and validates everything before the
  * first byte of the optimizer is written; the commit itself cannot fail.
@@ -105,49 +106,65 @@ static void param_tensors(const am_shape *s, ck_tensor t[F_COUNT]) {
 
 /* ------------------------------------------------ small string helpers -- */
 
-/* A growing list of malloc'd strings (the checksum's canonical items). */
+/* The checksum's canonical items: one string per metadata entry
+ * ("m:key=value") and per tensor ("t:name:dtype:[dims]"), each tensor's
+ * item followed by its bytes as stored in the file. Sorted by string, so the
+ * sum does not depend on the order of the header or of the data section
+ * (a file rewritten by another safetensors writer still verifies) while
+ * every byte stays attributed to its name. */
+typedef struct ck_item {
+    char *s;
+    const unsigned char *data;
+    size_t len;
+} ck_item;
+
 typedef struct ck_items {
-    char **v;
+    ck_item *v;
     size_t n, cap;
     int oom;
 } ck_items;
 
-static void items_add(ck_items *it, const char *fmt, ...)
+static void items_add(ck_items *it, const unsigned char *data, size_t len,
+                      const char *fmt, ...)
 #if defined(__GNUC__)
-    __attribute__((format(printf, 2, 3)))
+    __attribute__((format(printf, 4, 5)))
 #endif
     ;
-static void items_add(ck_items *it, const char *fmt, ...) {
+static void items_add(ck_items *it, const unsigned char *data, size_t len,
+                      const char *fmt, ...) {
     va_list ap;
-    int len;
+    int n;
     char *s;
     if (it->oom) return;
     va_start(ap, fmt);
-    len = vsnprintf(NULL, 0, fmt, ap);
+    n = vsnprintf(NULL, 0, fmt, ap);
     va_end(ap);
     if (it->n == it->cap) {
         size_t nc = it->cap ? it->cap * 2 : 64;
-        char **nv = (char **)realloc(it->v, nc * sizeof *nv);
+        ck_item *nv = (ck_item *)realloc(it->v, nc * sizeof *nv);
         if (!nv) { it->oom = 1; return; }
         it->v = nv;
         it->cap = nc;
     }
-    s = len >= 0 ? (char *)malloc((size_t)len + 1) : NULL;
+    s = n >= 0 ? (char *)malloc((size_t)n + 1) : NULL;
     if (!s) { it->oom = 1; return; }
     va_start(ap, fmt);
-    vsnprintf(s, (size_t)len + 1, fmt, ap);
+    vsnprintf(s, (size_t)n + 1, fmt, ap);
     va_end(ap);
-    it->v[it->n++] = s;
+    it->v[it->n].s = s;
+    it->v[it->n].data = data;
+    it->v[it->n].len = len;
+    it->n++;
 }
 
 static void items_free(ck_items *it) {
     size_t i;
-    for (i = 0; i < it->n; i++) free(it->v[i]);
+    for (i = 0; i < it->n; i++) free(it->v[i].s);
     free(it->v);
 }
 
-static int cmp_str(const void *a, const void *b) {
-    return strcmp(*(char *const *)a, *(char *const *)b);
+static int cmp_item(const void *a, const void *b) {
+    return strcmp(((const ck_item *)a)->s, ((const ck_item *)b)->s);
 }
 
 /* "[3,4]" for dims {3, 4}; "[]" for ndim 0. buf holds >= 8*21+3 chars. */
@@ -161,26 +178,35 @@ static void dims_str(char *buf, size_t cap, int32_t ndim, const int64_t *dims) {
     snprintf(buf + at, cap - at, "]");
 }
 
-static void tensor_item(ck_items *it, int32_t p, int f, const ck_tensor *t) {
+/* data: the tensor's bytes in the file (t->end - t->begin of them). */
+static void tensor_item(ck_items *it, int32_t p, int f, const ck_tensor *t,
+                        const unsigned char *data) {
     char dims[8 * 21 + 3];
     dims_str(dims, sizeof dims, t->ndim, t->dims);
-    items_add(it, "t:param.%d.%s:%s:%s:%zu:%zu", (int)p, k_field[f], t->dtype,
-              dims, t->begin, t->end);
+    items_add(it, data, t->end - t->begin, "t:param.%d.%s:%s:%s", (int)p, k_field[f],
+              t->dtype, dims);
 }
 
-/* CRC-32 of the data section, then of the sorted items (each with its NUL). */
-static uint32_t checksum(const unsigned char *data, size_t len, ck_items *it) {
-    uLong c = crc32(0L, Z_NULL, 0);
-    size_t i;
+static uLong crc_bytes(uLong c, const unsigned char *p, size_t len) {
     while (len > 0) { /* zlib takes uInt lengths */
         uInt chunk = len > 0x40000000u ? 0x40000000u : (uInt)len;
-        c = crc32(c, data, chunk);
-        data += chunk;
+        c = crc32(c, p, chunk);
+        p += chunk;
         len -= chunk;
     }
-    qsort(it->v, it->n, sizeof *it->v, cmp_str);
-    for (i = 0; i < it->n; i++)
-        c = crc32(c, (const Bytef *)it->v[i], (uInt)strlen(it->v[i]) + 1u);
+    return c;
+}
+
+/* CRC-32 (zlib) over the sorted items: each string with its NUL, then its
+ * tensor bytes. */
+static uint32_t checksum(ck_items *it) {
+    uLong c = crc32(0L, Z_NULL, 0);
+    size_t i;
+    qsort(it->v, it->n, sizeof *it->v, cmp_item);
+    for (i = 0; i < it->n; i++) {
+        c = crc_bytes(c, (const unsigned char *)it->v[i].s, strlen(it->v[i].s) + 1);
+        c = crc_bytes(c, it->v[i].data, it->v[i].len);
+    }
     return (uint32_t)c;
 }
 
@@ -409,11 +435,12 @@ am_status am_ck_serialize(const am_optimizer *o, unsigned char **out,
             copy_le(data + t[i].begin,
                     field_src(&o->params[i / F_COUNT], (int)(i % F_COUNT)),
                     t[i].count, t[i].elem);
-            tensor_item(&items, (int32_t)(i / F_COUNT), (int)(i % F_COUNT), &t[i]);
+            tensor_item(&items, (int32_t)(i / F_COUNT), (int)(i % F_COUNT), &t[i],
+                        data + t[i].begin);
         }
-        for (k = 0; k < nmeta; k++) items_add(&items, "m:%s=%s", meta[k].key, meta[k].val);
+        for (k = 0; k < nmeta; k++) items_add(&items, NULL, 0, "m:%s=%s", meta[k].key, meta[k].val);
         snprintf(crc, sizeof crc, "crc32:%08lx",
-                 (unsigned long)checksum(data, data_len, &items));
+                 (unsigned long)checksum(&items));
         ok = !items.oom && (root = cJSON_CreateObject()) != NULL &&
              (mj = cJSON_AddObjectToObject(root, "__metadata__")) != NULL;
         for (k = 0; ok && k < nmeta; k++)
@@ -572,7 +599,7 @@ static am_status load_meta(const am_optimizer *o, const cJSON *meta, ck_load *L)
         if (*slot) CK_FAIL(AM_ERR_FORMAT, "metadata key %s appears twice", key);
         *slot = c->valuestring;
         if (slot != &L->meta[M_CHECKSUM])
-            items_add(&L->items, "m:%s=%s", key, c->valuestring);
+            items_add(&L->items, NULL, 0, "m:%s=%s", key, c->valuestring);
     }
     for (k = 0; k <= CK_FIXED_META; k++)
         if (!L->meta[k]) CK_FAIL(AM_ERR_FORMAT, "metadata key %s is missing", k_fixed_meta[k]);
@@ -664,7 +691,8 @@ static am_status load_tensors(const am_optimizer *o, const cJSON *root, ck_load 
         if (L->t[(size_t)p * F_COUNT + (size_t)f].seen)
             CK_FAIL(AM_ERR_FORMAT, "tensor %s appears twice", c->string);
         AM_CHECK(load_entry(c, c->string, &L->t[(size_t)p * F_COUNT + (size_t)f], L->dlen));
-        tensor_item(&L->items, p, f, &L->t[(size_t)p * F_COUNT + (size_t)f]);
+        tensor_item(&L->items, p, f, &L->t[(size_t)p * F_COUNT + (size_t)f],
+                    L->data + L->t[(size_t)p * F_COUNT + (size_t)f].begin);
     }
     byoff = (ck_tensor **)malloc((n ? n : 1) * sizeof *byoff);
     AM_RETURN_IF(!byoff, AM_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
@@ -781,7 +809,7 @@ static am_status load_image(am_optimizer *o, const unsigned char *img, size_t si
     AM_CHECK(load_tensors(o, *root, L));
     AM_RETURN_IF(L->items.oom, AM_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
     snprintf(crc, sizeof crc, "crc32:%08lx",
-             (unsigned long)checksum(L->data, L->dlen, &L->items));
+             (unsigned long)checksum(&L->items));
     if (strcmp(crc, L->meta[M_CHECKSUM]) != 0)
         CK_FAIL(AM_ERR_FORMAT, "checksum is %s, the contents give %s: the file is corrupt",
                 L->meta[M_CHECKSUM], crc);
