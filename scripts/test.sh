@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: C library (CTest), then the PyTorch front end (pytest).
+# The whole test suite: C library (CTest, then under sanitizers and valgrind),
+# then the PyTorch front end (pytest).
 # Usage: scripts/test.sh      (from the repository root; installs what it needs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,6 +12,11 @@ echo "== C library: configure, build, test"
 cmake -S . -B build/test -DCMAKE_BUILD_TYPE=RelWithDebInfo -DAM_WERROR="$WERROR" >/dev/null
 cmake --build build/test -j"$(nproc)"
 ctest --test-dir build/test --output-on-failure
+
+echo "== C library: ASan+UBSan, valgrind, TSan (AM_SANITIZERS=0 skips)"
+if [ "${AM_SANITIZERS:-1}" != 0 ]; then
+  bash scripts/test_sanitizers.sh
+fi
 
 echo "== Python package: install, test"
 $PY -m pip install -q --disable-pip-version-check . 2>&1 | grep -v "as the 'root' user" || true

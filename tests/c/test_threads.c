@@ -1,0 +1,298 @@
+/* test_threads.c — concurrency, as include/automagic.h promises: several
+ * threads updating different parameters of one optimizer at once (autograd
+ * may run hooks on several threads), and several threads updating through
+ * the kernel layer on their own buffers, give bit-identical results to a
+ * serial run; concurrent saves of one optimizer are safe. The sanitizer
+ * script runs this under ThreadSanitizer. */
+#define _POSIX_C_SOURCE 200809L
+#include <automagic.h>
+
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define NT 4      /* threads */
+#define PER 2     /* parameters per thread */
+#define NP (NT * PER)
+#define STEPS 60
+
+static const int32_t k_ndim[NP] = {2, 1, 3, 0, 2, 1, 2, 4};
+static const int64_t k_dims[NP][4] = {{17, 9}, {33}, {2, 5, 7}, {0}, {1, 40}, {8}, {6, 6},
+                                      {2, 2, 3, 5}};
+static const am_dtype k_dt[NP] = {AM_DTYPE_FLOAT32, AM_DTYPE_BFLOAT16, AM_DTYPE_FLOAT16,
+                                  AM_DTYPE_FLOAT32, AM_DTYPE_BFLOAT16, AM_DTYPE_FLOAT32,
+                                  AM_DTYPE_FLOAT16, AM_DTYPE_FLOAT32};
+#define MAXN 160
+
+typedef struct world {
+    am_optimizer *opt;
+    float w32[NP][MAXN];
+    uint16_t w16[NP][MAXN];
+} world;
+
+static int64_t numel(int p) {
+    int64_t n = 1;
+    int d;
+    for (d = 0; d < k_ndim[p]; d++) n *= k_dims[p][d];
+    return n;
+}
+
+static void world_init(world *w) {
+    am_hparams hp = am_hparams_default();
+    int p, i;
+    int32_t id;
+    hp.lr = 1e-3;
+    memset(w, 0, sizeof *w);
+    assert_int_equal(am_optimizer_create(&hp, 77, &w->opt), AM_OK);
+    for (p = 0; p < NP; p++) {
+        for (i = 0; i < MAXN; i++) {
+            w->w32[p][i] = (float)((i * 5 + p) % 9) * 0.125f - 0.5f;
+            w->w16[p][i] = (uint16_t)(k_dt[p] == AM_DTYPE_BFLOAT16 ? 0x3f80u + (unsigned)(i % 64)
+                                                                   : 0x3c00u + (unsigned)(i % 64));
+        }
+        assert_int_equal(am_optimizer_add_param(w->opt,
+                                                k_dt[p] == AM_DTYPE_FLOAT32 ? (void *)w->w32[p]
+                                                                            : (void *)w->w16[p],
+                                                k_dt[p], k_ndim[p], k_dims[p], &id),
+                         AM_OK);
+    }
+}
+
+/* Gradient of parameter p at step s (a NaN at some steps: skipped). */
+static void grad(float *g, int p, int s) {
+    int i;
+    for (i = 0; i < MAXN; i++)
+        g[i] = (float)(((i + 1) * (p + 3) * (s + 7)) % 23) / 23.0f - 0.45f;
+    if (s % 17 == 5) g[(p + s) % numel(p)] = NAN;
+}
+
+static int one_step(am_optimizer *o, int p, int s) {
+    float g[MAXN];
+    am_status st;
+    grad(g, p, s);
+    st = am_optimizer_update_param(o, p, g, AM_DTYPE_FLOAT32, NULL);
+    return st == ((s % 17 == 5 && numel(p) > 0) ? AM_SKIPPED_NONFINITE_GRAD : AM_OK);
+}
+
+typedef struct job {
+    world *w;
+    int t;
+    int ok;
+    pthread_barrier_t *bar;
+} job;
+
+static void *worker(void *arg) {
+    job *j = (job *)arg;
+    int s, k;
+    j->ok = 1;
+    pthread_barrier_wait(j->bar);
+    for (s = 0; s < STEPS; s++)
+        for (k = 0; k < PER; k++) j->ok &= one_step(j->w->opt, j->t + NT * k, s);
+    return NULL;
+}
+
+static unsigned char *image(const am_optimizer *o, size_t *n) {
+    unsigned char *b;
+    assert_int_equal(am_optimizer_save_memory(o, NULL, 0, n), AM_OK);
+    b = (unsigned char *)malloc(*n);
+    assert_non_null(b);
+    assert_int_equal(am_optimizer_save_memory(o, b, *n, n), AM_OK);
+    return b;
+}
+
+static void test_threads_update_different_params(void **unused) {
+    static world par, ser;
+    pthread_t th[NT];
+    job jobs[NT];
+    pthread_barrier_t bar;
+    int t, s, p;
+    size_t na, nb;
+    unsigned char *ia, *ib;
+    (void)unused;
+    world_init(&par);
+    world_init(&ser);
+    assert_int_equal(pthread_barrier_init(&bar, NULL, NT), 0);
+    for (t = 0; t < NT; t++) {
+        jobs[t].w = &par;
+        jobs[t].t = t;
+        jobs[t].bar = &bar;
+        assert_int_equal(pthread_create(&th[t], NULL, worker, &jobs[t]), 0);
+    }
+    for (s = 0; s < STEPS; s++)
+        for (p = 0; p < NP; p++) assert_true(one_step(ser.opt, p, s));
+    for (t = 0; t < NT; t++) {
+        assert_int_equal(pthread_join(th[t], NULL), 0);
+        assert_true(jobs[t].ok);
+    }
+    pthread_barrier_destroy(&bar);
+    assert_memory_equal(par.w32, ser.w32, sizeof par.w32);
+    assert_memory_equal(par.w16, ser.w16, sizeof par.w16);
+    ia = image(par.opt, &na);
+    ib = image(ser.opt, &nb);
+    assert_int_equal(na, nb);
+    assert_memory_equal(ia, ib, na); /* lrs, polarity, moments, steps, skips */
+    assert_true(am_optimizer_skipped_count(par.opt) > 0);
+    free(ia);
+    free(ib);
+    am_optimizer_destroy(par.opt);
+    am_optimizer_destroy(ser.opt);
+}
+
+/* Kernel layer: each thread owns a parameter, its state and workspace. */
+typedef struct kjob {
+    float p[64 * 48], g[64 * 48], lr[64], row[64], col[48];
+    uint8_t pol[64 * 6];
+    unsigned char ws[1 << 16];
+    am_state st;
+    int ok;
+    pthread_barrier_t *bar;
+} kjob;
+
+static void kjob_init(kjob *k) {
+    am_shape sh;
+    int i;
+    sh.ndim = 2;
+    sh.dims[0] = 64;
+    sh.dims[1] = 48;
+    for (i = 0; i < 64 * 48; i++) k->p[i] = (float)(i % 13) * 0.1f - 0.6f;
+    k->st.lr = k->lr;
+    k->st.polarity = k->pol;
+    k->st.row = k->row;
+    k->st.col = k->col;
+    k->st.sq = NULL;
+    assert_int_equal(am_state_init(&sh, &k->st, 1e-3), AM_OK);
+}
+
+static void *kworker(void *arg) {
+    kjob *k = (kjob *)arg;
+    am_tensor pt, gt;
+    am_hparams hp = am_hparams_default();
+    am_rng_key key;
+    int s, i;
+    pt.data = k->p;
+    pt.dtype = AM_DTYPE_FLOAT32;
+    pt.shape.ndim = 2;
+    pt.shape.dims[0] = 64;
+    pt.shape.dims[1] = 48;
+    gt = pt;
+    gt.data = k->g;
+    key.seed = 3;
+    key.param_id = 0;
+    k->ok = 1;
+    if (k->bar) pthread_barrier_wait(k->bar);
+    for (s = 0; s < 40; s++) {
+        for (i = 0; i < 64 * 48; i++) k->g[i] = (float)((i * 7 + s * 3) % 19) / 19.0f - 0.5f;
+        k->ok &= am_update(&pt, &gt, &k->st, &hp, key, k->ws, sizeof k->ws, NULL) == AM_OK;
+    }
+    return NULL;
+}
+
+static void test_threads_kernel_layer(void **unused) {
+    static kjob jobs[NT], ref;
+    pthread_t th[NT];
+    pthread_barrier_t bar;
+    int t;
+    (void)unused;
+    assert_int_equal(pthread_barrier_init(&bar, NULL, NT), 0);
+    kjob_init(&ref);
+    ref.bar = NULL;
+    kworker(&ref);
+    assert_true(ref.ok);
+    for (t = 0; t < NT; t++) {
+        kjob_init(&jobs[t]);
+        jobs[t].bar = &bar;
+        assert_int_equal(pthread_create(&th[t], NULL, kworker, &jobs[t]), 0);
+    }
+    for (t = 0; t < NT; t++) {
+        assert_int_equal(pthread_join(th[t], NULL), 0);
+        assert_true(jobs[t].ok);
+        assert_memory_equal(jobs[t].p, ref.p, sizeof ref.p);
+        assert_memory_equal(jobs[t].lr, ref.lr, sizeof ref.lr);
+        assert_memory_equal(jobs[t].pol, ref.pol, sizeof ref.pol);
+        assert_memory_equal(jobs[t].row, ref.row, sizeof ref.row);
+        assert_memory_equal(jobs[t].col, ref.col, sizeof ref.col);
+    }
+    pthread_barrier_destroy(&bar);
+}
+
+/* Several threads save one optimizer to the same path and to their own. */
+typedef struct sjob {
+    const am_optimizer *o;
+    char path[2][96];
+    int ok;
+    pthread_barrier_t *bar;
+} sjob;
+
+static void *sworker(void *arg) {
+    sjob *j = (sjob *)arg;
+    int r;
+    pthread_barrier_wait(j->bar);
+    j->ok = 1;
+    for (r = 0; r < 5; r++) {
+        j->ok &= am_optimizer_save(j->o, j->path[0]) == AM_OK;
+        j->ok &= am_optimizer_save(j->o, j->path[1]) == AM_OK;
+    }
+    return NULL;
+}
+
+static void test_threads_concurrent_saves(void **unused) {
+    static world w;
+    sjob jobs[NT];
+    pthread_t th[NT];
+    pthread_barrier_t bar;
+    char dir[64];
+    int t, s, p;
+    size_t n;
+    unsigned char *img;
+    (void)unused;
+    world_init(&w);
+    for (s = 0; s < 3; s++)
+        for (p = 0; p < NP; p++) one_step(w.opt, p, s);
+    snprintf(dir, sizeof dir, "/tmp/am_thr_XXXXXX");
+    assert_non_null(mkdtemp(dir));
+    assert_int_equal(pthread_barrier_init(&bar, NULL, NT), 0);
+    for (t = 0; t < NT; t++) {
+        jobs[t].o = w.opt;
+        jobs[t].bar = &bar;
+        snprintf(jobs[t].path[0], sizeof jobs[t].path[0], "%s/shared", dir);
+        snprintf(jobs[t].path[1], sizeof jobs[t].path[1], "%s/own%d", dir, t);
+        assert_int_equal(pthread_create(&th[t], NULL, sworker, &jobs[t]), 0);
+    }
+    for (t = 0; t < NT; t++) {
+        assert_int_equal(pthread_join(th[t], NULL), 0);
+        assert_true(jobs[t].ok);
+    }
+    pthread_barrier_destroy(&bar);
+    img = image(w.opt, &n);
+    for (t = 0; t <= NT; t++) {
+        const char *path = t == NT ? jobs[0].path[0] : jobs[t].path[1];
+        FILE *f = fopen(path, "rb");
+        unsigned char *b = (unsigned char *)malloc(n + 1);
+        assert_non_null(f);
+        assert_int_equal(fread(b, 1, n + 1, f), n);
+        fclose(f);
+        assert_memory_equal(b, img, n);
+        free(b);
+        assert_int_equal(am_optimizer_load(w.opt, path), AM_OK);
+        unlink(path);
+    }
+    assert_int_equal(rmdir(dir), 0); /* no temporary file left behind */
+    free(img);
+    am_optimizer_destroy(w.opt);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_threads_update_different_params),
+        cmocka_unit_test(test_threads_kernel_layer),
+        cmocka_unit_test(test_threads_concurrent_saves),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
