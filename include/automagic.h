@@ -246,8 +246,9 @@ typedef struct am_report {
  * (nothing modified); or AM_ERR_NULL_POINTER, AM_ERR_INVALID_DTYPE,
  * AM_ERR_INVALID_SHAPE (param and grad shapes differ, or bad shape),
  * AM_ERR_INVALID_HPARAM, AM_ERR_BUFFER_SIZE (workspace too small),
- * AM_ERR_INVALID_ARGUMENT (state.step < 0). On any status but AM_OK nothing
- * the caller owns is modified except the workspace and the report. */
+ * AM_ERR_INVALID_ARGUMENT (state.step < 0, or INT64_MAX: it cannot be
+ * incremented). On any status but AM_OK nothing the caller owns is modified
+ * except the workspace and the report. */
 AM_API am_status am_update(const am_tensor *param, const am_tensor *grad,
                            am_state *state, const am_hparams *hp,
                            am_rng_key key, void *workspace,

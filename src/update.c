@@ -42,6 +42,9 @@ static am_status check_state(const am_geom *g, const am_state *s) {
     }
     AM_RETURN_IF(s->step < 0, AM_ERR_INVALID_ARGUMENT,
                  "state.step = %lld is negative", (long long)s->step);
+    /* step is incremented: INT64_MAX would overflow (undefined behaviour). */
+    AM_RETURN_IF(s->step == INT64_MAX, AM_ERR_INVALID_ARGUMENT,
+                 "state.step = %lld cannot be incremented", (long long)s->step);
     return AM_OK;
 }
 
