@@ -152,6 +152,12 @@ static am_status run_stats(upd *u) {
     u->h->nonfinite = 0;
     u->h->u2_sum = 0.0;
     u->h->numel = g->numel;
+    /* No elements: no sums (a [5, 0] matrix has rows but no tiles, so its
+     * row sums would be read unwritten). */
+    if (g->numel == 0) {
+        u->h->stage = AM_STAGE_STATS;
+        return AM_OK;
+    }
     if (g->ndim >= 2) {
         int64_t BR = g->B * g->R, x;
         float *rs = WS(u, off_row_sumsq, float);
@@ -195,7 +201,7 @@ static am_status run_moments(upd *u) {
                  "am_update_moments: workspace does not hold am_update_stats "
                  "results for this parameter");
     if (u->h->nonfinite) return AM_SKIPPED_NONFINITE_GRAD;
-    if (g->ndim >= 2) {
+    if (g->ndim >= 2 && g->numel > 0) {
         const float *rs = WS(u, off_row_sumsq, float), *cs = WS(u, off_col_sumsq, float);
         float *nr = WS(u, off_new_row, float), *nc = WS(u, off_new_col, float);
         float *rf = WS(u, off_rf, float), *cf = WS(u, off_cf, float);

@@ -331,9 +331,10 @@ static int run_row(int ndim, int f, int m, am_status want) {
     else
         run_previous_phases(&w, f);
     if (!mutate(&w, m)) return 0;
-    before = w.o;
+    memcpy(&before, &w.o, sizeof before);
     {
-        scratch sbefore = w.s;
+        static scratch sbefore;
+        memcpy(&sbefore, &w.s, sizeof sbefore);
         got = call(&w, f, m);
         if (!update_family || am_status_is_error(got)) {
             /* workspace: only the update family may write it */
