@@ -76,7 +76,8 @@ typedef enum am_status {
     AM_ERR_NULL_POINTER = -1,    /* a required pointer argument is NULL */
     AM_ERR_INVALID_DTYPE = -2,   /* dtype is not one of am_dtype */
     AM_ERR_INVALID_SHAPE = -3,   /* ndim out of [0, 8], a negative size,
-                                    or the element count overflows int64 */
+                                    or a product of the nonzero sizes
+                                    above 2^56 (sizes would overflow) */
     AM_ERR_INVALID_HPARAM = -4,  /* a hyperparameter outside SPEC 1 */
     AM_ERR_BUFFER_SIZE = -5,     /* a caller buffer is smaller than needed */
     AM_ERR_OUT_OF_MEMORY = -6,
@@ -407,8 +408,8 @@ AM_API am_status am_optimizer_get_hparams(const am_optimizer *opt,
  * Loading needs an optimizer with the same parameters registered, in the
  * same order, with the same dtypes and shapes. It validates everything
  * (format and version, checksum, every tensor's dtype, shape and offsets,
- * the hyperparameters, step >= 0, finite non-negative lrs and moments, zero
- * polarity padding bits) before changing anything: on any error the
+ * the hyperparameters, step >= 0, no negative lr or moment, zero polarity
+ * padding bits) before changing anything: on any error the
  * optimizer is exactly as it was. On success the hyperparameters and seed
  * are the checkpoint's, and training continues bit-identically.
  *

@@ -3,6 +3,8 @@
 
 #include <string.h>
 
+#define AM_MAX_SHAPE_PRODUCT ((int64_t)1 << 56)
+
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 /* Adds n items of size sz at 64-byte alignment; returns the offset. */
@@ -13,7 +15,7 @@ static size_t take(size_t *cursor, int64_t n, size_t sz) {
 }
 
 am_status am_geom_init(const am_shape *shape, am_geom *g) {
-    int64_t n = 1;
+    int64_t n = 1, bound = 1;
     int32_t d;
     size_t cur = sizeof(am_ws_header);
     AM_RETURN_IF(!shape, AM_ERR_NULL_POINTER, "shape is NULL");
@@ -24,9 +26,15 @@ am_status am_geom_init(const am_shape *shape, am_geom *g) {
         int64_t s = shape->dims[d];
         AM_RETURN_IF(s < 0, AM_ERR_INVALID_SHAPE,
                      "shape: dims[%d] = %lld is negative", (int)d, (long long)s);
-        /* Keep numel, and numel * 4 bytes, representable. */
-        AM_RETURN_IF(s > 0 && n > (INT64_MAX / 16) / s, AM_ERR_INVALID_SHAPE,
-                     "shape: element count overflows at dims[%d]", (int)d);
+        /* Every derived count (B, R, C, B*R, lr-rows, tiles) is at most the
+         * product of the nonzero dims, and the workspace needs under 64
+         * bytes per unit of it: bounding that product by 2^56 keeps every
+         * size representable, also for zero-element shapes such as
+         * [0, 2^62] whose other dims would otherwise overflow. */
+        AM_RETURN_IF(s > 0 && bound > AM_MAX_SHAPE_PRODUCT / s, AM_ERR_INVALID_SHAPE,
+                     "shape: too large at dims[%d] (the product of the nonzero "
+                     "dims must be at most 2^56)", (int)d);
+        if (s > 0) bound *= s;
         n *= s;
     }
     memset(g, 0, sizeof *g);

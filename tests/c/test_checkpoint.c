@@ -259,14 +259,15 @@ static void test_invalid_values_rejected(void **unused) {
     s->skipped = -3;
     expect_reject(a.opt, b.opt, AM_ERR_FORMAT, "skipped");
     s->skipped = 0;
-    s->st.lr[1] = NAN;
-    expect_reject(a.opt, b.opt, AM_ERR_FORMAT, "lr");
     s->st.lr[1] = -1e-3f;
     expect_reject(a.opt, b.opt, AM_ERR_FORMAT, "lr");
     s->st.lr[1] = 1e-3f;
-    s->st.row[0] = INFINITY;
+    s->st.row[0] = -INFINITY;
     expect_reject(a.opt, b.opt, AM_ERR_FORMAT, "row");
     s->st.row[0] = 0;
+    s->st.col[2] = -1e-30f;
+    expect_reject(a.opt, b.opt, AM_ERR_FORMAT, "col");
+    s->st.col[2] = 0;
     a.opt->params[1].st.sq[12] = -1.0f;
     expect_reject(a.opt, b.opt, AM_ERR_FORMAT, "sq");
     a.opt->params[1].st.sq[12] = 0.0f;
@@ -290,6 +291,30 @@ static void test_invalid_values_rejected(void **unused) {
         assert_int_equal(am_optimizer_load_memory(b.opt, img, n), AM_OK);
         free(img);
     }
+    am_optimizer_destroy(a.opt);
+    am_optimizer_destroy(b.opt);
+}
+
+/* Whatever state the optimizer holds loads again: with extreme but valid
+ * hyperparameters lrs and moments can be +inf or NaN. */
+static void test_extreme_state_roundtrips(void **unused) {
+    model a, b;
+    size_t n;
+    unsigned char *img;
+    (void)unused;
+    model_init(&a, 3);
+    model_init(&b, 3);
+    train(&a, 0, 2, 4);
+    a.opt->params[2].st.lr[0] = INFINITY;
+    a.opt->params[2].st.lr[1] = NAN;
+    a.opt->params[1].st.sq[0] = INFINITY;
+    a.opt->params[3].st.row[1] = NAN;
+    a.opt->params[2].st.col[0] = -0.0f;
+    a.opt->params[2].st.step = INT64_MAX - 1;
+    img = image(a.opt, &n);
+    assert_int_equal(am_optimizer_load_memory(b.opt, img, n), AM_OK);
+    assert_same_image(a.opt, b.opt);
+    free(img);
     am_optimizer_destroy(a.opt);
     am_optimizer_destroy(b.opt);
 }
@@ -440,6 +465,7 @@ int main(void) {
         cmocka_unit_test(test_roundtrip_continues_identically),
         cmocka_unit_test(test_every_corruption_rejected),
         cmocka_unit_test(test_invalid_values_rejected),
+        cmocka_unit_test(test_extreme_state_roundtrips),
         cmocka_unit_test(test_version_and_format_named),
         cmocka_unit_test(test_mismatch),
         cmocka_unit_test(test_file_errors),
