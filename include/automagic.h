@@ -27,7 +27,14 @@
  * Thread safety: am_update() on different parameters (different buffers) may
  * run concurrently from several threads. One am_optimizer may be used from
  * several threads at once as long as no two threads update the same parameter
- * concurrently and no thread adds parameters or destroys it meanwhile.
+ * concurrently and no thread adds parameters, loads a checkpoint into it or
+ * destroys it meanwhile (autograd hooks on several threads, each updating
+ * its own parameters, are fine). Queries and am_optimizer_save may run
+ * concurrently with each other, not with an update of the parameter they
+ * read. am_set_log_callback and am_set_num_threads are process-wide
+ * settings: call them before starting threads. The log callback itself may
+ * be called from several threads at once. Tested under ThreadSanitizer
+ * (tests/c/test_threads.c, scripts/test_sanitizers.sh).
  */
 #ifndef AUTOMAGIC_H
 #define AUTOMAGIC_H

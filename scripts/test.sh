@@ -16,6 +16,8 @@ ctest --test-dir build/test --output-on-failure
 echo "== C library: ASan+UBSan, valgrind, TSan (AM_SANITIZERS=0 skips)"
 if [ "${AM_SANITIZERS:-1}" != 0 ]; then
   bash scripts/test_sanitizers.sh
+else
+  echo "SKIPPED: sanitizer and valgrind runs (AM_SANITIZERS=0)"
 fi
 
 echo "== Python package: install, test"

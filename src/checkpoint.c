@@ -23,15 +23,13 @@
  * first byte of the optimizer is written; the commit itself cannot fail.
  */
 #include "optimizer_internal.h"
+#include "checkpoint_internal.h"
 
 #include <cjson/cJSON.h>
-#include <locale.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <zlib.h>
 
 #define CK_FORMAT_NAME "automagic.optimizer"
 #define CK_FORMAT_VERSION "1"
@@ -104,193 +102,13 @@ static void param_tensors(const am_shape *s, ck_tensor t[F_COUNT]) {
     }
 }
 
-/* ------------------------------------------------ small string helpers -- */
-
-/* The checksum's canonical items: one string per metadata entry
- * ("m:key=value") and per tensor ("t:name:dtype:[dims]"), each tensor's
- * item followed by its bytes as stored in the file. Sorted by string, so the
- * sum does not depend on the order of the header or of the data section
- * (a file rewritten by another safetensors writer still verifies) while
- * every byte stays attributed to its name. */
-typedef struct ck_item {
-    char *s;
-    const unsigned char *data;
-    size_t len;
-} ck_item;
-
-typedef struct ck_items {
-    ck_item *v;
-    size_t n, cap;
-    int oom;
-} ck_items;
-
-static void items_add(ck_items *it, const unsigned char *data, size_t len,
-                      const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 4, 5)))
-#endif
-    ;
-static void items_add(ck_items *it, const unsigned char *data, size_t len,
-                      const char *fmt, ...) {
-    va_list ap;
-    int n;
-    char *s;
-    if (it->oom) return;
-    va_start(ap, fmt);
-    n = vsnprintf(NULL, 0, fmt, ap);
-    va_end(ap);
-    if (it->n == it->cap) {
-        size_t nc = it->cap ? it->cap * 2 : 64;
-        ck_item *nv = (ck_item *)realloc(it->v, nc * sizeof *nv);
-        if (!nv) { it->oom = 1; return; }
-        it->v = nv;
-        it->cap = nc;
-    }
-    s = n >= 0 ? (char *)malloc((size_t)n + 1) : NULL;
-    if (!s) { it->oom = 1; return; }
-    va_start(ap, fmt);
-    vsnprintf(s, (size_t)n + 1, fmt, ap);
-    va_end(ap);
-    it->v[it->n].s = s;
-    it->v[it->n].data = data;
-    it->v[it->n].len = len;
-    it->n++;
-}
-
-static void items_free(ck_items *it) {
-    size_t i;
-    for (i = 0; i < it->n; i++) free(it->v[i].s);
-    free(it->v);
-}
-
-static int cmp_item(const void *a, const void *b) {
-    return strcmp(((const ck_item *)a)->s, ((const ck_item *)b)->s);
-}
-
-/* "[3,4]" for dims {3, 4}; "[]" for ndim 0. buf holds >= 8*21+3 chars. */
-static void dims_str(char *buf, size_t cap, int32_t ndim, const int64_t *dims) {
-    size_t at = 0;
-    int32_t d;
-    buf[at++] = '[';
-    for (d = 0; d < ndim; d++)
-        at += (size_t)snprintf(buf + at, cap - at, d ? ",%lld" : "%lld",
-                               (long long)dims[d]);
-    snprintf(buf + at, cap - at, "]");
-}
-
 /* data: the tensor's bytes in the file (t->end - t->begin of them). */
 static void tensor_item(ck_items *it, int32_t p, int f, const ck_tensor *t,
                         const unsigned char *data) {
     char dims[8 * 21 + 3];
-    dims_str(dims, sizeof dims, t->ndim, t->dims);
-    items_add(it, data, t->end - t->begin, "t:param.%d.%s:%s:%s", (int)p, k_field[f],
+    am_ck_dims_str(dims, sizeof dims, t->ndim, t->dims);
+    am_ck_items_add(it, data, t->end - t->begin, "t:param.%d.%s:%s:%s", (int)p, k_field[f],
               t->dtype, dims);
-}
-
-static uLong crc_bytes(uLong c, const unsigned char *p, size_t len) {
-    while (len > 0) { /* zlib takes uInt lengths */
-        uInt chunk = len > 0x40000000u ? 0x40000000u : (uInt)len;
-        c = crc32(c, p, chunk);
-        p += chunk;
-        len -= chunk;
-    }
-    return c;
-}
-
-/* CRC-32 (zlib) over the sorted items: each string with its NUL, then its
- * tensor bytes. */
-static uint32_t checksum(ck_items *it) {
-    uLong c = crc32(0L, Z_NULL, 0);
-    size_t i;
-    qsort(it->v, it->n, sizeof *it->v, cmp_item);
-    for (i = 0; i < it->n; i++) {
-        c = crc_bytes(c, (const unsigned char *)it->v[i].s, strlen(it->v[i].s) + 1);
-        c = crc_bytes(c, it->v[i].data, it->v[i].len);
-    }
-    return (uint32_t)c;
-}
-
-/* Locale-independent "%.17g": the decimal point is always '.'. */
-static void fmt_double(char *buf, size_t cap, double v) {
-    char dp = localeconv()->decimal_point[0];
-    char *q;
-    snprintf(buf, cap, "%.17g", v);
-    if (dp != '.')
-        for (q = buf; *q; q++)
-            if (*q == dp) *q = '.';
-}
-
-static int parse_double(const char *s, double *out) {
-    char buf[64], *end;
-    char dp = localeconv()->decimal_point[0];
-    size_t n = strlen(s), i;
-    if (n == 0 || n >= sizeof buf) return 0;
-    for (i = 0; i <= n; i++) buf[i] = s[i] == '.' ? dp : s[i];
-    if (buf[0] == ' ' || buf[0] == '\t' || buf[0] == '\n') return 0;
-    *out = strtod(buf, &end);
-    return *end == '\0';
-}
-
-/* Strict decimal: digits only, no sign, no leading zero, no overflow. */
-static int parse_u64(const char *s, uint64_t *out) {
-    uint64_t v = 0;
-    if (!*s || (s[0] == '0' && s[1])) return 0;
-    for (; *s; s++) {
-        unsigned dgt;
-        if (*s < '0' || *s > '9') return 0;
-        dgt = (unsigned)(*s - '0');
-        if (v > (UINT64_MAX - dgt) / 10) return 0;
-        v = v * 10 + dgt;
-    }
-    *out = v;
-    return 1;
-}
-
-/* Parses "[d0,d1,...]" as written by dims_str. */
-static int parse_dims(const char *s, int32_t *ndim, int64_t *dims) {
-    int32_t n = 0;
-    if (*s++ != '[') return 0;
-    if (*s == ']') {
-        *ndim = 0;
-        return s[1] == '\0';
-    }
-    for (;;) {
-        char num[24];
-        size_t k = 0;
-        uint64_t v;
-        while (*s >= '0' && *s <= '9' && k < sizeof num - 1) num[k++] = *s++;
-        num[k] = '\0';
-        if (n == AM_MAX_DIMS || !parse_u64(num, &v) || v > (uint64_t)INT64_MAX)
-            return 0;
-        dims[n++] = (int64_t)v;
-        if (*s == ']') break;
-        if (*s++ != ',') return 0;
-    }
-    *ndim = n;
-    return s[1] == '\0';
-}
-
-/* ------------------------------------------------------ little endian -- */
-
-static int host_is_le(void) {
-    const uint16_t one = 1;
-    return *(const unsigned char *)&one == 1;
-}
-
-/* Copies n elements of size elem, reversing each element's bytes on a
- * big-endian host (the file is little-endian). */
-static void copy_le(void *dst, const void *src, int64_t n, size_t elem) {
-    if (n <= 0) return;
-    if (elem == 1 || host_is_le()) {
-        memcpy(dst, src, (size_t)n * elem);
-    } else {
-        unsigned char *d = (unsigned char *)dst;
-        const unsigned char *s = (const unsigned char *)src;
-        int64_t i;
-        size_t b;
-        for (i = 0; i < n; i++, d += elem, s += elem)
-            for (b = 0; b < elem; b++) d[b] = s[elem - 1 - b];
-    }
 }
 
 /* ------------------------------------------------------------- layout -- */
@@ -358,7 +176,7 @@ static size_t build_meta(const am_optimizer *o, ck_meta *m) {
 #undef META
     for (k = 0; k < 8; k++) {
         snprintf(m[n].key, sizeof m[n].key, "hp.%s", k_hp_name[k]);
-        fmt_double(m[n].val, sizeof m[n].val, *hp_field(&hp, k));
+        am_ck_fmt_double(m[n].val, sizeof m[n].val, *hp_field(&hp, k));
         n++;
     }
     for (p = 0; p < o->count; p++) {
@@ -367,7 +185,7 @@ static size_t build_meta(const am_optimizer *o, ck_meta *m) {
         snprintf(m[n].val, sizeof m[n].val, "%s", am_dtype_name(t->dtype));
         n++;
         snprintf(m[n].key, sizeof m[n].key, "param.%d.shape", (int)p);
-        dims_str(m[n].val, sizeof m[n].val, t->shape.ndim, t->shape.dims);
+        am_ck_dims_str(m[n].val, sizeof m[n].val, t->shape.ndim, t->shape.dims);
         n++;
     }
     return n;
@@ -432,15 +250,15 @@ am_status am_ck_serialize(const am_optimizer *o, unsigned char **out,
         nmeta = build_meta(o, meta);
         for (i = 0; i < (size_t)o->count * F_COUNT; i++) {
             if (!t[i].present) continue;
-            copy_le(data + t[i].begin,
+            am_ck_copy_le(data + t[i].begin,
                     field_src(&o->params[i / F_COUNT], (int)(i % F_COUNT)),
                     t[i].count, t[i].elem);
             tensor_item(&items, (int32_t)(i / F_COUNT), (int)(i % F_COUNT), &t[i],
                         data + t[i].begin);
         }
-        for (k = 0; k < nmeta; k++) items_add(&items, NULL, 0, "m:%s=%s", meta[k].key, meta[k].val);
+        for (k = 0; k < nmeta; k++) am_ck_items_add(&items, NULL, 0, "m:%s=%s", meta[k].key, meta[k].val);
         snprintf(crc, sizeof crc, "crc32:%08lx",
-                 (unsigned long)checksum(&items));
+                 (unsigned long)am_ck_checksum(&items));
         ok = !items.oom && (root = cJSON_CreateObject()) != NULL &&
              (mj = cJSON_AddObjectToObject(root, "__metadata__")) != NULL;
         for (k = 0; ok && k < nmeta; k++)
@@ -469,7 +287,7 @@ am_status am_ck_serialize(const am_optimizer *o, unsigned char **out,
     }
     cJSON_free(json);
     cJSON_Delete(root);
-    items_free(&items);
+    am_ck_items_free(&items);
     free(data);
     free(meta);
     free(t);
@@ -496,8 +314,6 @@ am_status am_optimizer_save_memory(const am_optimizer *o, void *buf,
     *size = n;
     return AM_OK;
 }
-
-/* --------------------------------------------------------------- load --- */
 
 /* --------------------------------------------------------------- load --- */
 
@@ -578,7 +394,7 @@ static am_status load_meta(const am_optimizer *o, const cJSON *meta, ck_load *L)
     if (strcmp(L->meta[M_VERSION], CK_FORMAT_VERSION) != 0)
         CK_FAIL(AM_ERR_FORMAT, "format_version %s is not supported (this library reads %s)",
                 L->meta[M_VERSION], CK_FORMAT_VERSION);
-    if (!parse_u64(L->meta[M_NUM], &v))
+    if (!am_ck_parse_u64(L->meta[M_NUM], &v))
         CK_FAIL(AM_ERR_FORMAT, "num_params \"%s\" is not a count", L->meta[M_NUM]);
     if (v != (uint64_t)o->count)
         CK_FAIL(AM_ERR_MISMATCH, "the file has %s parameters, the optimizer %d",
@@ -599,7 +415,7 @@ static am_status load_meta(const am_optimizer *o, const cJSON *meta, ck_load *L)
         if (*slot) CK_FAIL(AM_ERR_FORMAT, "metadata key %s appears twice", key);
         *slot = c->valuestring;
         if (slot != &L->meta[M_CHECKSUM])
-            items_add(&L->items, NULL, 0, "m:%s=%s", key, c->valuestring);
+            am_ck_items_add(&L->items, NULL, 0, "m:%s=%s", key, c->valuestring);
     }
     for (k = 0; k <= CK_FIXED_META; k++)
         if (!L->meta[k]) CK_FAIL(AM_ERR_FORMAT, "metadata key %s is missing", k_fixed_meta[k]);
@@ -612,7 +428,7 @@ static am_status load_meta(const am_optimizer *o, const cJSON *meta, ck_load *L)
         if (strcmp(L->pmeta[2 * p], am_dtype_name(pt->dtype)) != 0)
             CK_FAIL(AM_ERR_MISMATCH, "param.%d is %s in the file, %s registered",
                     (int)p, L->pmeta[2 * p], am_dtype_name(pt->dtype));
-        if (!parse_dims(L->pmeta[2 * p + 1], &s.ndim, s.dims))
+        if (!am_ck_parse_dims(L->pmeta[2 * p + 1], &s.ndim, s.dims))
             CK_FAIL(AM_ERR_FORMAT, "param.%d.shape \"%s\" is not a shape", (int)p,
                     L->pmeta[2 * p + 1]);
         same = s.ndim == pt->shape.ndim;
@@ -622,12 +438,12 @@ static am_status load_meta(const am_optimizer *o, const cJSON *meta, ck_load *L)
                     (int)p, L->pmeta[2 * p + 1]);
     }
     for (k = 0; k < 8; k++)
-        if (!parse_double(L->meta[M_HP0 + k], hp_field(&L->hp, k)))
+        if (!am_ck_parse_double(L->meta[M_HP0 + k], hp_field(&L->hp, k)))
             CK_FAIL(AM_ERR_FORMAT, "%s = \"%s\" is not a number", k_fixed_meta[M_HP0 + k],
                     L->meta[M_HP0 + k]);
     if (am_hparams_validate(&L->hp) != AM_OK)
         CK_FAIL(AM_ERR_FORMAT, "the hyperparameters are invalid (see the previous message)");
-    if (!parse_u64(L->meta[M_SEED], &L->seed))
+    if (!am_ck_parse_u64(L->meta[M_SEED], &L->seed))
         CK_FAIL(AM_ERR_FORMAT, "seed \"%s\" is not an unsigned 64-bit integer", L->meta[M_SEED]);
     return AM_OK;
 }
@@ -727,7 +543,7 @@ static am_status load_values(const am_optimizer *o, ck_load *L) {
         const uint8_t *pol;
         for (f = 0; f < F_COUNT; f++) {
             if (!t[f].present) continue;
-            copy_le(L->tmp + t[f].at, L->data + t[f].begin, t[f].count, t[f].elem);
+            am_ck_copy_le(L->tmp + t[f].at, L->data + t[f].begin, t[f].count, t[f].elem);
             if (t[f].elem == 4) {
                 /* lrs are clamped to [min_lr >= 0, max_lr] and moments are
                  * averages of squares: never negative. NaN and +inf are
@@ -814,7 +630,7 @@ static am_status load_image(am_optimizer *o, const unsigned char *img, size_t si
     AM_CHECK(load_tensors(o, *root, L));
     AM_RETURN_IF(L->items.oom, AM_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
     snprintf(crc, sizeof crc, "crc32:%08lx",
-             (unsigned long)checksum(&L->items));
+             (unsigned long)am_ck_checksum(&L->items));
 #ifndef FUZZING_BUILD_MODE_UNSAFE_FOR_PRODUCTION
     if (strcmp(crc, L->meta[M_CHECKSUM]) != 0)
         CK_FAIL(AM_ERR_FORMAT, "checksum is %s, the contents give %s: the file is corrupt",
@@ -841,6 +657,6 @@ am_status am_optimizer_load_memory(am_optimizer *o, const void *image, size_t si
     free(L.t);
     free(L.pmeta);
     free(L.tmp);
-    items_free(&L.items);
+    am_ck_items_free(&L.items);
     return st;
 }

@@ -10,7 +10,7 @@
  * path (plus, at worst, a stale .tmp file).
  */
 #define _POSIX_C_SOURCE 200809L
-#include "optimizer_internal.h"
+#include "checkpoint_internal.h"
 
 #include <errno.h>
 #include <fcntl.h>

@@ -24,9 +24,4 @@ struct am_optimizer {
     int32_t count, cap;
 };
 
-/* checkpoint.c: the whole checkpoint image of o in one malloc'd buffer
- * (*out, *out_len; the caller frees it). AM_ERR_OUT_OF_MEMORY only. */
-am_status am_ck_serialize(const am_optimizer *o, unsigned char **out,
-                          size_t *out_len);
-
 #endif /* AM_OPTIMIZER_INTERNAL_H */

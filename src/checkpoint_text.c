@@ -1,0 +1,167 @@
+/*
+ * checkpoint_text.c — the small pieces of the checkpoint format that are
+ * not about the optimizer: the checksum over canonical items, number text
+ * that does not depend on the C locale, and little-endian copies.
+ */
+#include "checkpoint_internal.h"
+
+#include <locale.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <zlib.h>
+
+void am_ck_items_add(ck_items *it, const unsigned char *data, size_t len,
+                      const char *fmt, ...) {
+    va_list ap;
+    int n;
+    char *s;
+    if (it->oom) return;
+    va_start(ap, fmt);
+    n = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    if (it->n == it->cap) {
+        size_t nc = it->cap ? it->cap * 2 : 64;
+        ck_item *nv = (ck_item *)realloc(it->v, nc * sizeof *nv);
+        if (!nv) { it->oom = 1; return; }
+        it->v = nv;
+        it->cap = nc;
+    }
+    s = n >= 0 ? (char *)malloc((size_t)n + 1) : NULL;
+    if (!s) { it->oom = 1; return; }
+    va_start(ap, fmt);
+    vsnprintf(s, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    it->v[it->n].s = s;
+    it->v[it->n].data = data;
+    it->v[it->n].len = len;
+    it->n++;
+}
+
+void am_ck_items_free(ck_items *it) {
+    size_t i;
+    for (i = 0; i < it->n; i++) free(it->v[i].s);
+    free(it->v);
+}
+
+static int cmp_item(const void *a, const void *b) {
+    return strcmp(((const ck_item *)a)->s, ((const ck_item *)b)->s);
+}
+
+/* "[3,4]" for dims {3, 4}; "[]" for ndim 0. buf holds >= 8*21+3 chars. */
+void am_ck_dims_str(char *buf, size_t cap, int32_t ndim, const int64_t *dims) {
+    size_t at = 0;
+    int32_t d;
+    buf[at++] = '[';
+    for (d = 0; d < ndim; d++)
+        at += (size_t)snprintf(buf + at, cap - at, d ? ",%lld" : "%lld",
+                               (long long)dims[d]);
+    snprintf(buf + at, cap - at, "]");
+}
+
+static uLong crc_bytes(uLong c, const unsigned char *p, size_t len) {
+    while (len > 0) { /* zlib takes uInt lengths */
+        uInt chunk = len > 0x40000000u ? 0x40000000u : (uInt)len;
+        c = crc32(c, p, chunk);
+        p += chunk;
+        len -= chunk;
+    }
+    return c;
+}
+
+/* CRC-32 (zlib) over the sorted items: each string with its NUL, then its
+ * tensor bytes. */
+uint32_t am_ck_checksum(ck_items *it) {
+    uLong c = crc32(0L, Z_NULL, 0);
+    size_t i;
+    qsort(it->v, it->n, sizeof *it->v, cmp_item);
+    for (i = 0; i < it->n; i++) {
+        c = crc_bytes(c, (const unsigned char *)it->v[i].s, strlen(it->v[i].s) + 1);
+        c = crc_bytes(c, it->v[i].data, it->v[i].len);
+    }
+    return (uint32_t)c;
+}
+
+/* Locale-independent "%.17g": the decimal point is always '.'. */
+void am_ck_fmt_double(char *buf, size_t cap, double v) {
+    char dp = localeconv()->decimal_point[0];
+    char *q;
+    snprintf(buf, cap, "%.17g", v);
+    if (dp != '.')
+        for (q = buf; *q; q++)
+            if (*q == dp) *q = '.';
+}
+
+int am_ck_parse_double(const char *s, double *out) {
+    char buf[64], *end;
+    char dp = localeconv()->decimal_point[0];
+    size_t n = strlen(s), i;
+    if (n == 0 || n >= sizeof buf) return 0;
+    for (i = 0; i <= n; i++) buf[i] = s[i] == '.' ? dp : s[i];
+    if (buf[0] == ' ' || buf[0] == '\t' || buf[0] == '\n') return 0;
+    *out = strtod(buf, &end);
+    return *end == '\0';
+}
+
+/* Strict decimal: digits only, no sign, no leading zero, no overflow. */
+int am_ck_parse_u64(const char *s, uint64_t *out) {
+    uint64_t v = 0;
+    if (!*s || (s[0] == '0' && s[1])) return 0;
+    for (; *s; s++) {
+        unsigned dgt;
+        if (*s < '0' || *s > '9') return 0;
+        dgt = (unsigned)(*s - '0');
+        if (v > (UINT64_MAX - dgt) / 10) return 0;
+        v = v * 10 + dgt;
+    }
+    *out = v;
+    return 1;
+}
+
+/* Parses "[d0,d1,...]" as written by dims_str. */
+int am_ck_parse_dims(const char *s, int32_t *ndim, int64_t *dims) {
+    int32_t n = 0;
+    if (*s++ != '[') return 0;
+    if (*s == ']') {
+        *ndim = 0;
+        return s[1] == '\0';
+    }
+    for (;;) {
+        char num[24];
+        size_t k = 0;
+        uint64_t v;
+        while (*s >= '0' && *s <= '9' && k < sizeof num - 1) num[k++] = *s++;
+        num[k] = '\0';
+        if (n == AM_MAX_DIMS || !am_ck_parse_u64(num, &v) || v > (uint64_t)INT64_MAX)
+            return 0;
+        dims[n++] = (int64_t)v;
+        if (*s == ']') break;
+        if (*s++ != ',') return 0;
+    }
+    *ndim = n;
+    return s[1] == '\0';
+}
+
+/* ------------------------------------------------------ little endian -- */
+
+static int host_is_le(void) {
+    const uint16_t one = 1;
+    return *(const unsigned char *)&one == 1;
+}
+
+/* Copies n elements of size elem, reversing each element's bytes on a
+ * big-endian host (the file is little-endian). */
+void am_ck_copy_le(void *dst, const void *src, int64_t n, size_t elem) {
+    if (n <= 0) return;
+    if (elem == 1 || host_is_le()) {
+        memcpy(dst, src, (size_t)n * elem);
+    } else {
+        unsigned char *d = (unsigned char *)dst;
+        const unsigned char *s = (const unsigned char *)src;
+        int64_t i;
+        size_t b;
+        for (i = 0; i < n; i++, d += elem, s += elem)
+            for (b = 0; b < elem; b++) d[b] = s[elem - 1 - b];
+    }
+}
