@@ -170,7 +170,7 @@ static void op_update(rd *r) {
         sbytes = lrb + pb + rb + cb + qb;
         pbuf = (unsigned char *)malloc(pbytes + 1);
         gbuf = (unsigned char *)malloc(gbytes + 1);
-        sbuf = (unsigned char *)malloc(sbytes + 1);
+        sbuf = (unsigned char *)calloc(1, sbytes + 1); /* alignment gaps defined */
         CHECK(pbuf && gbuf && sbuf);
         fill(r, pbuf, pbytes);
         fill(r, gbuf, gbytes);

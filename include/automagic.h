@@ -430,8 +430,10 @@ AM_API am_status am_optimizer_get_hparams(const am_optimizer *opt,
  * meanwhile leaves path as it was (old checkpoint, or absent), possibly with
  * a stale temporary file beside it. The new file's mode is 0666 minus the
  * umask. Errors: AM_ERR_NULL_POINTER, AM_ERR_INVALID_ARGUMENT (path is ""),
- * AM_ERR_OUT_OF_MEMORY, AM_ERR_IO (the log callback says what failed; the
- * temporary file is removed and path is untouched).
+ * AM_ERR_OUT_OF_MEMORY, AM_ERR_UNSUPPORTED (so many parameters, about a
+ * million, that the header would pass the 100 MiB limit loaders enforce),
+ * AM_ERR_IO (the log callback says what failed; the temporary file is
+ * removed and path is untouched).
  * Test hook: with the environment variable AUTOMAGIC_TEST_STALL_SAVE_FD set
  * to an open file descriptor, a save writes half its temporary file, writes
  * one byte to that descriptor and then waits forever (to be killed by a
@@ -442,7 +444,8 @@ AM_API am_status am_optimizer_save(const am_optimizer *opt, const char *path);
  * *size receives the image's size. buf == NULL with capacity 0 queries the
  * size only. Errors: AM_ERR_NULL_POINTER (opt or size NULL, or buf NULL
  * with capacity > 0), AM_ERR_BUFFER_SIZE (capacity too small: buf and *size
- * untouched), AM_ERR_OUT_OF_MEMORY. */
+ * untouched), AM_ERR_OUT_OF_MEMORY, AM_ERR_UNSUPPORTED (as for
+ * am_optimizer_save). */
 AM_API am_status am_optimizer_save_memory(const am_optimizer *opt, void *buf,
                                           size_t capacity, size_t *size);
 

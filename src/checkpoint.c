@@ -251,12 +251,13 @@ am_status am_ck_serialize(const am_optimizer *o, unsigned char **out,
         for (i = 0; i < (size_t)o->count * F_COUNT; i++) {
             if (!t[i].present) continue;
             am_ck_copy_le(data + t[i].begin,
-                    field_src(&o->params[i / F_COUNT], (int)(i % F_COUNT)),
-                    t[i].count, t[i].elem);
+                          field_src(&o->params[i / F_COUNT], (int)(i % F_COUNT)),
+                          t[i].count, t[i].elem);
             tensor_item(&items, (int32_t)(i / F_COUNT), (int)(i % F_COUNT), &t[i],
                         data + t[i].begin);
         }
-        for (k = 0; k < nmeta; k++) am_ck_items_add(&items, NULL, 0, "m:%s=%s", meta[k].key, meta[k].val);
+        for (k = 0; k < nmeta; k++)
+            am_ck_items_add(&items, NULL, 0, "m:%s=%s", meta[k].key, meta[k].val);
         snprintf(crc, sizeof crc, "crc32:%08lx",
                  (unsigned long)am_ck_checksum(&items));
         ok = !items.oom && (root = cJSON_CreateObject()) != NULL &&
@@ -272,6 +273,18 @@ am_status am_ck_serialize(const am_optimizer *o, unsigned char **out,
     if (ok) {
         hlen = strlen(json);
         pad = (8 - (8 + hlen) % 8) % 8; /* data starts 8-aligned */
+        if ((uint64_t)(hlen + pad) > CK_MAX_HEADER) {
+            /* a file no loader would accept: refuse to write it */
+            cJSON_free(json);
+            cJSON_Delete(root);
+            am_ck_items_free(&items);
+            free(data);
+            free(meta);
+            free(t);
+            AM_RETURN_IF(1, AM_ERR_UNSUPPORTED,
+                         "checkpoint: %d parameters need a header above 100 MiB",
+                         (int)o->count);
+        }
         total = 8 + hlen + pad + data_len;
         img = (unsigned char *)malloc(total);
         ok = img != NULL;

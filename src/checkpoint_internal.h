@@ -57,7 +57,8 @@ int am_ck_parse_u64(const char *s, uint64_t *out);
 void am_ck_copy_le(void *dst, const void *src, int64_t n, size_t elem);
 
 /* checkpoint.c: the whole checkpoint image of o in one malloc'd buffer
- * (*out, *out_len; the caller frees it). AM_ERR_OUT_OF_MEMORY only. */
+ * (*out, *out_len; the caller frees it). AM_ERR_OUT_OF_MEMORY, or
+ * AM_ERR_UNSUPPORTED when the header would pass the loaders' 100 MiB limit. */
 am_status am_ck_serialize(const am_optimizer *o, unsigned char **out,
                           size_t *out_len);
 

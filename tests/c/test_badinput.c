@@ -75,6 +75,22 @@ enum mut {
     M_COUNT
 };
 
+/* Mutation names for messages (same order as enum mut). */
+static const char *const k_mut[M_COUNT] = {
+    "none", "null_param", "null_grad", "null_state", "null_hp", "null_ws", "null_shape",
+    "null_out", "null_param_data", "null_grad_data", "null_lr", "null_pol", "null_row",
+    "null_col", "null_sq", "null_report", "param_dtype_3", "param_dtype_neg",
+    "grad_dtype_99", "ndim_neg", "ndim_9", "ndim_intmax", "dim_neg", "dim_int64min",
+    "dim_overflow", "grad_dim_diff", "grad_ndim_diff", "grad_dim_neg", "hp_lr_0",
+    "hp_lr_neg", "hp_lr_nan", "hp_lr_inf", "hp_minlr_neg", "hp_minlr_gt_max",
+    "hp_minlr_nan", "hp_maxlr_nan", "hp_maxlr_inf", "hp_bump_neg", "hp_bump_nan",
+    "hp_bump_inf", "hp_beta2_1", "hp_beta2_neg", "hp_beta2_nan", "hp_eps_neg",
+    "hp_eps_nan", "hp_eps_inf", "hp_clip_0", "hp_clip_neg", "hp_clip_nan", "hp_wd_neg",
+    "hp_wd_nan", "hp_wd_inf", "ws_0", "ws_short", "step_neg", "step_min", "step_max",
+    "ilr_0", "ilr_neg", "ilr_nan", "ilr_inf", "ilr_underflow", "threads_neg",
+    "threads_min", "no_previous_phase",
+};
+
 typedef struct world {
     owned o;
     scratch s;
@@ -339,16 +355,16 @@ static int run_row(int ndim, int f, int m, am_status want) {
         if (!update_family || am_status_is_error(got)) {
             /* workspace: only the update family may write it */
             if (!update_family && memcmp(&sbefore, &w.s, sizeof sbefore) != 0)
-                fail_msg("%s, mutation %d, ndim %d: workspace modified", k_fn[f], m, ndim);
+                fail_msg("%s, %s, ndim %d: workspace modified", k_fn[f], k_mut[m], ndim);
         }
     }
     if (got != want)
-        fail_msg("%s, mutation %d, ndim %d: status %d (%s), expected %d (%s)", k_fn[f], m,
+        fail_msg("%s, %s, ndim %d: status %d (%s), expected %d (%s)", k_fn[f], k_mut[m],
                  ndim, (int)got, am_status_string(got), (int)want, am_status_string(want));
     if (got == AM_OK && (f == F_UPDATE || f == F_FINISH)) {
         /* a successful update moves the parameter and the step */
         if (w.o.st.step != before.st.step + 1)
-            fail_msg("%s, mutation %d: step not incremented", k_fn[f], m);
+            fail_msg("%s, %s: step not incremented", k_fn[f], k_mut[m]);
         return 1;
     }
     if (f == F_SIZES || f == F_VIEW) {
@@ -356,7 +372,7 @@ static int run_row(int ndim, int f, int m, am_status want) {
     }
     if (got == AM_OK && f == F_VALIDATE) return 1;
     if (memcmp(&before, &w.o, sizeof before) != 0)
-        fail_msg("%s, mutation %d, ndim %d: caller memory modified (status %d)", k_fn[f], m,
+        fail_msg("%s, %s, ndim %d: caller memory modified (status %d)", k_fn[f], k_mut[m],
                  ndim, (int)got);
     if (f == F_THREADS && am_get_num_threads() != threads_before)
         fail_msg("am_set_num_threads changed the thread count on error");
