@@ -461,6 +461,76 @@ AM_API am_status am_optimizer_load(am_optimizer *opt, const char *path);
 AM_API am_status am_optimizer_load_memory(am_optimizer *opt,
                                           const void *image, size_t size);
 
+/* ---------------------------------------------------------------- CUDA -- */
+
+/* The update on an NVIDIA GPU (docs/CUDA.md). Same meaning as am_update():
+ * the same rounding noise for the same (seed, param_id, step, element), the
+ * same lr and polarity decisions, and, because the GPU kernels reduce in the
+ * CPU's canonical order with the same float32 operations, bit-identical
+ * parameters and state (SPEC 5).
+ *
+ * Where: am_update_cuda and am_cuda_device_count work in libautomagic_cuda
+ * (built when the CMake option AM_CUDA is ON; it also contains the whole CPU
+ * API). In libautomagic they return AM_ERR_UNSUPPORTED.
+ * am_cuda_workspace_bytes is host arithmetic and works in both. */
+
+/* Bytes of device workspace one am_update_cuda() of a parameter of this
+ * shape needs (alignment slack included). Errors: AM_ERR_NULL_POINTER,
+ * AM_ERR_INVALID_SHAPE (out untouched). */
+AM_API am_status am_cuda_workspace_bytes(const am_shape *shape, size_t *out);
+
+/* Number of CUDA devices visible to this process into *count (0 when there
+ * is no device or no driver: AM_OK). Errors: AM_ERR_NULL_POINTER,
+ * AM_ERR_DEVICE (the runtime failed otherwise), AM_ERR_UNSUPPORTED (library
+ * built without CUDA; *count = 0). */
+AM_API am_status am_cuda_device_count(int *count);
+
+/* Queues one whole update of one parameter on a CUDA stream (SPEC 3).
+ *
+ * param, grad : device data; same shapes and dtypes as am_update.
+ * state       : device buffers (lr, polarity, row/col or sq) laid out exactly
+ *               as for am_update, so state moves between CPU and GPU by plain
+ *               copies. state->step is NOT used: see step.
+ * step        : device pointer to the parameter's int64 step count. The
+ *               kernels read it (it keys the noise and gates the lr bump) and
+ *               increment it when the update is applied, so the host never
+ *               has to know whether a step was skipped.
+ * hp, key     : as am_update (hp is read on the host, at call time).
+ * workspace, workspace_bytes : device scratch of at least
+ *               am_cuda_workspace_bytes(); may be shared by updates queued on
+ *               the same stream, never by concurrent streams.
+ * stream      : a cudaStream_t (NULL: the default stream) of the calling
+ *               thread's current device, which must hold every pointer.
+ * report      : NULL, or a device pointer to one am_report that the last
+ *               kernel fills (status AM_OK / AM_SKIPPED_*, clip_scale,
+ *               mean_agreement, nonfinite_count). The caller reads it when it
+ *               likes (after synchronising the stream or an event).
+ *               mean_agreement is total matches / numel, which equals the
+ *               CPU's mean over lr-rows up to float rounding.
+ *
+ * Nothing is allocated, nothing synchronises, nothing is copied to the host:
+ * the call can be captured in a CUDA graph and replayed (each replay is one
+ * more step). A non-finite gradient or update is decided on the device: the
+ * parameter and state are then left untouched, the step not incremented and
+ * the report says AM_SKIPPED_*; the return value is still AM_OK, which here
+ * means "queued".
+ *
+ * Returns AM_OK (queued; also for numel 0, where nothing is queued but the
+ * report is zeroed), or, with nothing queued and nothing modified:
+ * AM_ERR_NULL_POINTER, AM_ERR_INVALID_DTYPE, AM_ERR_INVALID_SHAPE,
+ * AM_ERR_INVALID_HPARAM, AM_ERR_BUFFER_SIZE (workspace too small),
+ * AM_ERR_UNSUPPORTED (library without CUDA), AM_ERR_DEVICE (the first launch
+ * failed: bad stream, no device, kernel image missing for this GPU; the log
+ * callback gets CUDA's message). AM_ERR_DEVICE after the first launch (the
+ * runtime failing mid-sequence) may leave an update partly queued. Device
+ * pointers are not validated: a wrong one is a device fault, as in any CUDA
+ * library. */
+AM_API am_status am_update_cuda(const am_tensor *param, const am_tensor *grad,
+                                const am_state *state, int64_t *step,
+                                const am_hparams *hp, am_rng_key key,
+                                void *workspace, size_t workspace_bytes,
+                                void *stream, am_report *report);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,55 @@
+# libautomagic_cuda: the whole CPU library plus the CUDA kernels
+# (src/cuda/*.cu), in its own shared library so that libautomagic never
+# depends on CUDA. The CUDA runtime is linked statically: the library needs
+# only the driver (libcuda.so.1) at run time, and loads on machines without
+# one (am_cuda_device_count then reports 0 devices).
+#
+# AM_CUDA defaults to ON when a CUDA compiler is found. Architectures:
+# sm_80 (A100) and sm_90 (H100/H200) machine code plus compute_90 PTX that
+# newer GPUs JIT-compile; override with -DCMAKE_CUDA_ARCHITECTURES=...
+include(CheckLanguage)
+check_language(CUDA)
+if(CMAKE_CUDA_COMPILER)
+  set(AM_CUDA_DEFAULT ON)
+else()
+  set(AM_CUDA_DEFAULT OFF)
+endif()
+option(AM_CUDA "Build libautomagic_cuda (needs nvcc)" ${AM_CUDA_DEFAULT})
+
+if(AM_CUDA)
+  if(NOT CMAKE_CUDA_ARCHITECTURES)
+    set(CMAKE_CUDA_ARCHITECTURES "80-real;90")
+  endif()
+  enable_language(CUDA)
+  set(CMAKE_CUDA_STANDARD 17)
+  set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+  message(STATUS "automagic: CUDA ON (${CMAKE_CUDA_COMPILER_VERSION}, "
+                 "architectures ${CMAKE_CUDA_ARCHITECTURES})")
+
+  add_library(automagic_cuda SHARED $<TARGET_OBJECTS:automagic_obj>
+    src/cuda/update_cuda.cu)
+  target_include_directories(automagic_cuda
+    PUBLIC $<BUILD_INTERFACE:${CMAKE_CURRENT_SOURCE_DIR}/include>
+           $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>
+    PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/src ${CMAKE_CURRENT_SOURCE_DIR}/src/cuda)
+  # Rounding identical to the CPU: no FMA contraction, IEEE division and
+  # square root, no flush-to-zero (am_math.h). The host side of the .cu
+  # gets the C flags' no-contraction too.
+  set(AM_CUDA_FLAGS --fmad=false -prec-div=true -prec-sqrt=true -ftz=false
+      -Xcompiler=-ffp-contract=off,-fno-fast-math,-Wall,-Wextra
+      --Werror=all-warnings)
+  if(NOT AM_WERROR)
+    list(REMOVE_ITEM AM_CUDA_FLAGS --Werror=all-warnings)
+  endif()
+  target_compile_options(automagic_cuda PRIVATE
+    $<$<COMPILE_LANGUAGE:CUDA>:${AM_CUDA_FLAGS}>)
+  set_target_properties(automagic_cuda PROPERTIES
+    CUDA_RUNTIME_LIBRARY Static
+    CUDA_VISIBILITY_PRESET hidden
+    C_VISIBILITY_PRESET hidden
+    VERSION ${PROJECT_VERSION} SOVERSION ${PROJECT_VERSION_MAJOR})
+  if(AM_LIBM)
+    target_link_libraries(automagic_cuda PUBLIC ${AM_LIBM})
+  endif()
+  add_library(automagic::automagic_cuda ALIAS automagic_cuda)
+endif()

@@ -1,0 +1,500 @@
+/*
+ * am_cuda_plan.h — the CUDA update as a sequence of data-parallel "kernels",
+ * each a per-thread body that is plain C11 and CUDA C++ at once.
+ *
+ * Why this shape: the same bodies run on the GPU (update_cuda.cu wraps each
+ * in a __global__ grid-stride loop) and on the CPU (tests/c/test_cuda_emul.c
+ * runs every body in a host loop, in the same order, and compares the result
+ * bit for bit with am_update()). So the indexing, the reduction order and the
+ * per-element math of the CUDA path are checked in every CI run, on machines
+ * without a GPU. What the host emulation cannot check is CUDA itself (warp
+ * shuffles, launch limits, device memory): that is scripts/gpu_check.sh.
+ *
+ * Reduction order = the canonical order of kernels_ref.c / internal.h, so the
+ * GPU result is bit-identical to the CPU's (SPEC 5):
+ *   - row sums of g*g (and of u*u): per (row, column block of AM_COL_BLOCK),
+ *     8 lane chains (element j goes to lane (j - j0) % 8, each lane summed in
+ *     ascending j), combined as am_lanesum_finish; column blocks combined in
+ *     ascending order.
+ *   - column sums of g*g: per (row block, column), ascending rows from 0.0f;
+ *     row blocks combined in ascending order.
+ *   - u*u: per tile (b, row block, col block) the double sum over its rows
+ *     ascending of the (double) lane sums; tiles summed in ascending order.
+ *   - the mean of the new row moments: one ascending float chain per matrix b.
+ *   - polarity matches: integers (order-free; atomics on integers only).
+ * No float is ever accumulated with an atomic, so results are run-to-run and
+ * launch-geometry independent.
+ *
+ * Everything a step needs lives in the caller's state and workspace; the
+ * state is written only by the last kernels, and only when the device-side
+ * status is AM_OK, so a skipped update leaves it untouched without the host
+ * ever looking at the status (no synchronisation: CUDA-graph capturable).
+ */
+#ifndef AM_CUDA_PLAN_H
+#define AM_CUDA_PLAN_H
+
+#include "internal.h"
+
+/* ------------------------------------------------------- workspace ----- */
+
+/* Device-side header at the start of the (256-aligned) workspace. */
+typedef struct am_cuda_ws_header {
+    double u2_sum;                /* sum of u*u before clipping */
+    unsigned long long nonfinite; /* non-finite gradient elements */
+    unsigned long long matches;   /* polarity matches, whole tensor */
+    float scale;                  /* clip divisor of SPEC 3.2 (>= 1) */
+    int32_t status;               /* am_status of this update */
+    int32_t flag;                 /* nonzero: count the non-finite elements */
+    int32_t pad_;
+} am_cuda_ws_header;
+
+#define AM_CUDA_ALIGN 256
+
+/* Workspace offsets (bytes from the aligned base) for one parameter. */
+typedef struct am_cuda_layout {
+    size_t row_sumsq, col_sumsq, rowpart, colpart, new_row, new_col;
+    size_t rf, cf, rmean, agree, rowu2, tile_u2, row_matches;
+    size_t total; /* bytes the caller must provide (alignment slack included) */
+} am_cuda_layout;
+
+static inline size_t am_cuda_take(size_t *cur, int64_t n, size_t sz) {
+    size_t off = *cur;
+    *cur += ((size_t)n * sz + (AM_CUDA_ALIGN - 1)) & ~(size_t)(AM_CUDA_ALIGN - 1);
+    return off;
+}
+
+static inline am_cuda_layout am_cuda_layout_of(const am_geom *g) {
+    am_cuda_layout L;
+    size_t cur = AM_CUDA_ALIGN; /* the header */
+    memset(&L, 0, sizeof L);
+    if (g->ndim >= 2) {
+        int64_t BR = g->B * g->R, BC = g->B * g->C;
+        L.row_sumsq = am_cuda_take(&cur, BR, sizeof(float));
+        L.col_sumsq = am_cuda_take(&cur, BC, sizeof(float));
+        L.rowpart = am_cuda_take(&cur, g->ncb > 1 ? g->ncb * BR : 0, sizeof(float));
+        L.colpart = am_cuda_take(&cur, g->nrb > 1 ? g->nrb * BC : 0, sizeof(float));
+        L.new_row = am_cuda_take(&cur, BR, sizeof(float));
+        L.new_col = am_cuda_take(&cur, BC, sizeof(float));
+        L.rf = am_cuda_take(&cur, BR, sizeof(float));
+        L.cf = am_cuda_take(&cur, BC, sizeof(float));
+        L.rmean = am_cuda_take(&cur, g->B, sizeof(float));
+        L.agree = am_cuda_take(&cur, g->lr_rows, sizeof(float));
+        L.rowu2 = am_cuda_take(&cur, g->ncb * BR, sizeof(double));
+        L.tile_u2 = am_cuda_take(&cur, g->ntiles, sizeof(double));
+        L.row_matches = am_cuda_take(&cur, g->lr_rows, sizeof(unsigned long long));
+    } else {
+        L.tile_u2 = am_cuda_take(&cur, g->ntiles, sizeof(double));
+    }
+    L.total = cur + AM_CUDA_ALIGN; /* the caller's pointer need not be aligned */
+    return L;
+}
+
+/* --------------------------------------------------------- arguments --- */
+
+/* Everything every kernel reads, passed by value to each launch. Pointers
+ * are device pointers on the GPU, host pointers in the emulation. */
+typedef struct am_ck_args {
+    void *p;              /* parameter, dtype pdt, numel elements */
+    const void *g;        /* gradient, dtype gdt */
+    float *lr;            /* [lr_rows] */
+    uint8_t *pol;         /* [lr_rows * pol_row_bytes] or [ceil(numel/8)] */
+    float *row, *col;     /* [B*R], [B*C] (factored) */
+    float *sq;            /* [numel] (unfactored) */
+    int64_t *step;        /* [1] the parameter's step, incremented on AM_OK */
+    am_report *report;    /* [1] or NULL */
+    am_cuda_ws_header *h;
+    float *row_sumsq, *col_sumsq, *rowpart, *colpart, *new_row, *new_col;
+    float *rf, *cf, *rmean, *agree;
+    double *rowu2, *tile_u2;
+    unsigned long long *row_matches;
+    int64_t numel, lr_rows, m, B, R, C, RB, nrb, ncb, ntiles, pol_row_bytes;
+    int32_t ndim, pdt, gdt;
+    uint32_t param_id;
+    uint64_t seed;
+    am_consts k;
+} am_ck_args;
+
+/* Kernel ids, in the order the plan launches them. */
+enum {
+    AM_CK_INIT = 0,        /* zero the header and per-lr-row counters */
+    AM_CK_LANES_G2,        /* row lane sums of g*g       (lanes kernel) */
+    AM_CK_COLS,            /* column sums of g*g per row block */
+    AM_CK_COMBINE,         /* combine blocks, flag a non-finite row sum */
+    AM_CK_MOMENTS,         /* new row/col moments, column factors */
+    AM_CK_RMEAN,           /* mean of the new row moments per matrix */
+    AM_CK_RF,              /* row factors */
+    AM_CK_LANES_U2,        /* row lane sums of u*u       (lanes kernel) */
+    AM_CK_TILE_U2,         /* per-tile double sums of u*u */
+    AM_CK_LANES_FLAT,      /* unfactored: tile lane sums (lanes kernel) */
+    AM_CK_SUM_U2,          /* total u*u; unfactored: flag if not finite */
+    AM_CK_COUNT,           /* count non-finite gradient elements if flagged */
+    AM_CK_DECIDE,          /* status and clip scale */
+    AM_CK_AGREE,           /* new polarity bytes, matches per lr-row */
+    AM_CK_BUMP,            /* agreement and lr bump per lr-row */
+    AM_CK_APPLY,           /* parameter update, one quad of elements each */
+    AM_CK_COMMIT,          /* new row/col moments into the state */
+    AM_CK_FINISH_FLAT,     /* unfactored finish, one polarity byte each */
+    AM_CK_REPORT,          /* report and step */
+    AM_CK_COUNT_IDS
+};
+
+/* How many threads each kernel runs for this update; 0: not launched. */
+static inline int64_t am_ck_threads(const am_ck_args *a, int id) {
+    int64_t BR = a->B * a->R, BC = a->B * a->C;
+    int64_t mx = BR > BC ? BR : BC;
+    int fac = a->ndim >= 2;
+    switch (id) {
+    case AM_CK_INIT: return fac ? (a->lr_rows > 1 ? a->lr_rows : 1) : 1;
+    case AM_CK_LANES_G2: return fac ? BR * a->ncb * AM_LANES : 0;
+    case AM_CK_COLS: return fac ? a->nrb * BC : 0;
+    case AM_CK_COMBINE: return fac ? mx : 0;
+    case AM_CK_MOMENTS: return fac ? mx : 0;
+    case AM_CK_RMEAN: return fac ? a->B : 0;
+    case AM_CK_RF: return fac ? BR : 0;
+    case AM_CK_LANES_U2: return fac ? BR * a->ncb * AM_LANES : 0;
+    case AM_CK_TILE_U2: return fac ? a->ntiles : 0;
+    case AM_CK_LANES_FLAT: return fac ? 0 : a->ntiles * AM_LANES;
+    case AM_CK_SUM_U2: return 1;
+    case AM_CK_COUNT: return a->numel;
+    case AM_CK_DECIDE: return 1;
+    case AM_CK_AGREE: return fac ? a->lr_rows * a->pol_row_bytes : 0;
+    case AM_CK_BUMP: return fac ? a->lr_rows : 0;
+    case AM_CK_APPLY: return fac ? (a->numel + 3) / 4 : 0;
+    case AM_CK_COMMIT: return fac ? mx : 0;
+    case AM_CK_FINISH_FLAT: return fac ? 0 : (a->numel + 7) / 8;
+    case AM_CK_REPORT: return 1;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------- lane sums ----- */
+
+/* One lane of one (row, column block) of the lanes kernels, thread t:
+ * x = t / 8 is the (row, block) pair, t % 8 the lane. Returns the lane's
+ * sequential float sum; 0 for the unused lanes of a short block. */
+AM_HD float am_ck_lane(const am_ck_args *a, int id, int64_t t) {
+    int64_t x = t >> 3, lane = t & 7, j, j0, j1;
+    float acc = 0.0f;
+    if (id == AM_CK_LANES_FLAT) {
+        j0 = x * AM_FLAT_CHUNK;
+        j1 = j0 + AM_FLAT_CHUNK < a->numel ? j0 + AM_FLAT_CHUNK : a->numel;
+        for (j = j0 + lane; j < j1; j += AM_LANES) {
+            float v = am_load(a->g, a->gdt, j);
+            float s = am_ema(a->sq[j], v * v, &a->k);
+            float u = am_rsqrt(s + a->k.eps) * v;
+            acc += u * u;
+        }
+    } else {
+        int64_t cb = x % a->ncb, r = x / a->ncb, base = r * a->C;
+        j0 = cb * AM_COL_BLOCK;
+        j1 = j0 + AM_COL_BLOCK < a->C ? j0 + AM_COL_BLOCK : a->C;
+        if (id == AM_CK_LANES_G2) {
+            for (j = j0 + lane; j < j1; j += AM_LANES) {
+                float v = am_load(a->g, a->gdt, base + j);
+                acc += v * v;
+            }
+        } else {
+            const float rfr = a->rf[r];
+            const float *cfb = a->cf + (r / a->R) * a->C;
+            for (j = j0 + lane; j < j1; j += AM_LANES) {
+                float u = (rfr * cfb[j]) * am_load(a->g, a->gdt, base + j);
+                acc += u * u;
+            }
+        }
+    }
+    return acc;
+}
+
+/* Stores the combined lane sum s (am_lanesum_finish order) of pair x. */
+AM_HD void am_ck_lane_store(const am_ck_args *a, int id, int64_t x, float s) {
+    if (id == AM_CK_LANES_FLAT) {
+        a->tile_u2[x] = (double)s;
+    } else {
+        int64_t cb = x % a->ncb, r = x / a->ncb, BR = a->B * a->R;
+        if (id == AM_CK_LANES_G2) {
+            if (a->ncb > 1) a->rowpart[cb * BR + r] = s;
+            else a->row_sumsq[r] = s;
+        } else {
+            a->rowu2[cb * BR + r] = (double)s;
+        }
+    }
+}
+
+/* ------------------------------------------------- the other bodies ---- */
+
+AM_HD int am_ck_bit(const uint8_t *bits, int64_t q) {
+    return (bits[q >> 3] >> (q & 7)) & 1;
+}
+
+/* Word i of a Philox block, selected without indexing (an indexed local
+ * array would live in local memory on the GPU). */
+AM_HD uint32_t am_ck_word(const am_u32x4 *r, int64_t i) {
+    i &= 3;
+    return i == 0 ? r->v[0] : i == 1 ? r->v[1] : i == 2 ? r->v[2] : r->v[3];
+}
+
+/* Factored u of flat element f (SPEC 3.1 then 3.2), as ref_agree_rows. */
+AM_HD float am_ck_u(const am_ck_args *a, int64_t f, float scale) {
+    int64_t r = f / a->C, j = f - r * a->C;
+    float cfj = a->cf[(r / a->R) * a->C + j];
+    return ((a->rf[r] * cfj) * am_load(a->g, a->gdt, f)) / scale;
+}
+
+/* Polarity byte t of a factored parameter: the 8 (or fewer) elements of one
+ * lr-row it covers. Writes the new byte, returns the number of matches and
+ * the lr-row in *kr. */
+AM_HD unsigned am_ck_agree(const am_ck_args *a, int64_t t, int64_t *kr) {
+    int64_t row = t / a->pol_row_bytes, q0 = (t - row * a->pol_row_bytes) * 8;
+    int64_t q1 = q0 + 8 < a->m ? q0 + 8 : a->m, q;
+    unsigned nb = 0, old = a->pol[t], mask = (1u << (unsigned)(q1 - q0)) - 1u;
+    unsigned same, n = 0;
+    float scale = a->h->scale;
+    for (q = q0; q < q1; q++)
+        nb |= (unsigned)(am_ck_u(a, row * a->m + q, scale) > 0.0f) << (q - q0);
+    same = ~(nb ^ old) & mask;
+    while (same) { n += same & 1u; same >>= 1; }
+    a->pol[t] = (uint8_t)nb;
+    *kr = row;
+    return n;
+}
+
+/* Elements 4t..4t+3 of a factored parameter (one Philox call). */
+AM_HD void am_ck_apply(const am_ck_args *a, int64_t t) {
+    int64_t f0 = 4 * t, f1 = f0 + 4 < a->numel ? f0 + 4 : a->numel, f;
+    am_u32x4 rnd = {{0, 0, 0, 0}};
+    float scale = a->h->scale;
+    int64_t step = *a->step;
+    if (a->pdt != AM_DTYPE_FLOAT32) rnd = am_rng_quad(a->seed, a->param_id, step, t);
+    for (f = f0; f < f1; f++) {
+        float u = am_ck_u(a, f, scale);
+        float v = am_apply(am_load(a->p, a->pdt, f), u, a->lr[f / a->m], a->k.wd);
+        am_store_sr(a->p, a->pdt, f, v, am_ck_word(&rnd, f));
+    }
+}
+
+/* Unfactored finish of polarity byte t (elements 8t..8t+7), as
+ * ref_finish_flat. Returns the matches. */
+AM_HD unsigned am_ck_finish_flat(const am_ck_args *a, int64_t t) {
+    int64_t e0 = 8 * t, e1 = e0 + 8 < a->numel ? e0 + 8 : a->numel, e;
+    unsigned nb = 0, old = a->pol[t], n = 0;
+    float scale = a->h->scale;
+    int64_t step = *a->step;
+    am_u32x4 rnd = {{0, 0, 0, 0}};
+    for (e = e0; e < e1; e++) {
+        float x = am_load(a->g, a->gdt, e);
+        float v = am_ema(a->sq[e], x * x, &a->k);
+        float u = (am_rsqrt(v + a->k.eps) * x) / scale;
+        unsigned polv = u > 0.0f;
+        unsigned match = polv == ((old >> (e - e0)) & 1u);
+        float lr = a->lr[e], w;
+        a->sq[e] = v;
+        n += match;
+        nb |= polv << (e - e0);
+        if (step > 0) {
+            lr = am_lr_scale(lr, match ? a->k.bump_up : a->k.bump_down, &a->k);
+            a->lr[e] = lr;
+        }
+        w = am_apply(am_load(a->p, a->pdt, e), u, lr, a->k.wd);
+        if (a->pdt != AM_DTYPE_FLOAT32 && (e == e0 || (e & 3) == 0))
+            rnd = am_rng_quad(a->seed, a->param_id, step, e >> 2);
+        am_store_sr(a->p, a->pdt, e, w, am_ck_word(&rnd, e));
+    }
+    a->pol[t] = (uint8_t)nb;
+    return n;
+}
+
+/* Every kernel but the lanes ones, AGREE and FINISH_FLAT: thread t. Kernels
+ * after DECIDE do nothing unless the status is AM_OK. */
+AM_HD void am_ck_elem(const am_ck_args *a, int id, int64_t t) {
+    am_cuda_ws_header *h = a->h;
+    int64_t BR = a->B * a->R, BC = a->B * a->C, i, p;
+    switch (id) {
+    case AM_CK_INIT:
+        if (t == 0) {
+            h->u2_sum = 0.0;
+            h->nonfinite = 0;
+            h->matches = 0;
+            h->scale = 0.0f;
+            h->status = AM_OK;
+            h->flag = 0;
+        }
+        if (a->ndim >= 2 && t < a->lr_rows) a->row_matches[t] = 0;
+        break;
+    case AM_CK_COLS: {
+        int64_t rb = t / BC, y = t - rb * BC, b = y / a->C, j = y - b * a->C;
+        int64_t i0 = rb * a->RB, i1 = i0 + a->RB < a->R ? i0 + a->RB : a->R;
+        const int64_t base = b * a->R * a->C + j;
+        float s = 0.0f;
+        for (i = i0; i < i1; i++) {
+            float v = am_load(a->g, a->gdt, base + i * a->C);
+            s += v * v;
+        }
+        if (a->nrb > 1) a->colpart[rb * BC + y] = s;
+        else a->col_sumsq[y] = s;
+        break;
+    }
+    case AM_CK_COMBINE:
+        if (t < BR) {
+            float s = a->row_sumsq[t];
+            if (a->ncb > 1) {
+                s = a->rowpart[t];
+                for (p = 1; p < a->ncb; p++) s += a->rowpart[p * BR + t];
+                a->row_sumsq[t] = s;
+            }
+            /* A non-finite g makes its row's sum non-finite. */
+            if (!am_isfinite_f32(s)) h->flag = 1;
+        }
+        if (t < BC && a->nrb > 1) {
+            float s = a->colpart[t];
+            for (p = 1; p < a->nrb; p++) s += a->colpart[p * BC + t];
+            a->col_sumsq[t] = s;
+        }
+        break;
+    case AM_CK_MOMENTS:
+        if (t < BR)
+            a->new_row[t] = am_ema(a->row[t], a->row_sumsq[t] / (float)a->C + a->k.eps, &a->k);
+        if (t < BC) {
+            float nc = am_ema(a->col[t], a->col_sumsq[t] / (float)a->R + a->k.eps, &a->k);
+            a->new_col[t] = nc;
+            a->cf[t] = am_rsqrt(nc);
+        }
+        break;
+    case AM_CK_RMEAN: {
+        float s = 0.0f;
+        for (i = 0; i < a->R; i++) s += a->new_row[t * a->R + i];
+        a->rmean[t] = s / (float)a->R;
+        break;
+    }
+    case AM_CK_RF:
+        a->rf[t] = am_rsqrt(a->new_row[t] / a->rmean[t / a->R]);
+        break;
+    case AM_CK_TILE_U2: {
+        int64_t cb = t % a->ncb, rb = (t / a->ncb) % a->nrb, b = t / (a->ncb * a->nrb);
+        int64_t i0 = rb * a->RB, i1 = i0 + a->RB < a->R ? i0 + a->RB : a->R;
+        const double *src = a->rowu2 + cb * BR + b * a->R;
+        double s = 0.0;
+        for (i = i0; i < i1; i++) s += src[i];
+        a->tile_u2[t] = s;
+        break;
+    }
+    case AM_CK_SUM_U2: {
+        double s = 0.0;
+        for (i = 0; i < a->ntiles; i++) s += a->tile_u2[i];
+        h->u2_sum = s;
+        if (a->ndim < 2 && !isfinite(s)) h->flag = 1;
+        break;
+    }
+    case AM_CK_COUNT:
+        /* Only reached with the flag set (the GPU wrapper and the emulation
+         * test it first); counts are integers, order-free. */
+        break;
+    case AM_CK_DECIDE: {
+        float norm, rms, scale;
+        if (h->nonfinite) { h->status = AM_SKIPPED_NONFINITE_GRAD; break; }
+        if (!isfinite(h->u2_sum)) { h->status = AM_SKIPPED_NONFINITE_UPDATE; break; }
+        /* SPEC 3.2, in the reference's order: norm / sqrt(n) / clip, >= 1. */
+        norm = (float)sqrt(h->u2_sum);
+        rms = norm / (float)sqrt((double)a->numel);
+        scale = rms / a->k.clip;
+        if (!(scale >= 1.0f)) scale = 1.0f;
+        h->scale = scale;
+        h->status = AM_OK;
+        break;
+    }
+    case AM_CK_BUMP: {
+        float ag;
+        if (h->status != AM_OK) break;
+        ag = (float)a->row_matches[t] / (float)a->m;
+        a->agree[t] = ag;
+        if (*a->step > 0) a->lr[t] = am_lr_bump(a->lr[t], ag, &a->k);
+        break;
+    }
+    case AM_CK_APPLY:
+        if (h->status == AM_OK) am_ck_apply(a, t);
+        break;
+    case AM_CK_COMMIT:
+        if (h->status != AM_OK) break;
+        if (t < BR) a->row[t] = a->new_row[t];
+        if (t < BC) a->col[t] = a->new_col[t];
+        break;
+    case AM_CK_REPORT: {
+        int ok = h->status == AM_OK;
+        if (a->report) {
+            a->report->status = (am_status)h->status;
+            a->report->clip_scale = ok ? h->scale : 0.0f;
+            a->report->mean_agreement =
+                ok ? (float)((double)h->matches / (double)a->numel) : 0.0f;
+            a->report->nonfinite_count = (int64_t)h->nonfinite;
+        }
+        if (ok) *a->step += 1;
+        break;
+    }
+    default:
+        break;
+    }
+}
+
+/* Non-finite test of element t for AM_CK_COUNT. */
+AM_HD int am_ck_nonfinite(const am_ck_args *a, int64_t t) {
+    return !am_isfinite_f32(am_load(a->g, a->gdt, t));
+}
+
+/* --------------------------------------------------------- the plan ---- */
+
+/* Builds the arguments from validated inputs. ws_base: the workspace aligned
+ * to AM_CUDA_ALIGN. Host code only (no device access). */
+static inline void am_ck_args_init(am_ck_args *a, const am_geom *g,
+                                   const am_tensor *param,
+                                   const am_tensor *grad, const am_state *st,
+                                   int64_t *step, const am_hparams *hp,
+                                   am_rng_key key, unsigned char *ws_base,
+                                   am_report *report) {
+    am_cuda_layout L = am_cuda_layout_of(g);
+    memset(a, 0, sizeof *a);
+    a->p = param->data;
+    a->g = grad->data;
+    a->pdt = (int32_t)param->dtype;
+    a->gdt = (int32_t)grad->dtype;
+    a->lr = st->lr;
+    a->pol = st->polarity;
+    a->row = st->row;
+    a->col = st->col;
+    a->sq = st->sq;
+    a->step = step;
+    a->report = report;
+    a->h = (am_cuda_ws_header *)ws_base;
+#define AM_WSP(T, off) ((T *)(ws_base + L.off))
+    if (g->ndim >= 2) {
+        a->row_sumsq = AM_WSP(float, row_sumsq);
+        a->col_sumsq = AM_WSP(float, col_sumsq);
+        a->rowpart = AM_WSP(float, rowpart);
+        a->colpart = AM_WSP(float, colpart);
+        a->new_row = AM_WSP(float, new_row);
+        a->new_col = AM_WSP(float, new_col);
+        a->rf = AM_WSP(float, rf);
+        a->cf = AM_WSP(float, cf);
+        a->rmean = AM_WSP(float, rmean);
+        a->agree = AM_WSP(float, agree);
+        a->rowu2 = AM_WSP(double, rowu2);
+        a->row_matches = AM_WSP(unsigned long long, row_matches);
+    }
+    a->tile_u2 = AM_WSP(double, tile_u2);
+#undef AM_WSP
+    a->numel = g->numel;
+    a->lr_rows = g->lr_rows;
+    a->m = g->m;
+    a->B = g->B;
+    a->R = g->R;
+    a->C = g->C;
+    a->RB = g->RB;
+    a->nrb = g->nrb;
+    a->ncb = g->ncb;
+    a->ntiles = g->ntiles;
+    a->pol_row_bytes = g->pol_row_bytes;
+    a->ndim = g->ndim;
+    a->param_id = key.param_id;
+    a->seed = key.seed;
+    a->k = am_consts_from(hp);
+}
+
+#endif /* AM_CUDA_PLAN_H */

@@ -1,0 +1,184 @@
+/*
+ * update_cuda.cu — the public CUDA entry points (include/automagic.h,
+ * "CUDA"): argument checks on the host, then the plan of am_cuda_plan.h
+ * launched on the caller's stream. No host synchronisation, no allocation,
+ * no device-to-host copy: the status of the update stays on the device (the
+ * workspace header and the optional device-side report), so a step can be
+ * captured in a CUDA graph.
+ *
+ * Built with --fmad=false, -prec-div=true, -prec-sqrt=true, -ftz=false so
+ * every float operation rounds as the CPU's (CMakeLists.txt).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <cuda_runtime.h>
+
+extern "C" {
+#include "am_cuda_plan.h"
+}
+
+#include "kernels.cuh"
+
+namespace {
+
+const int64_t kMaxBlocks = (int64_t)1 << 20; /* grid-stride beyond this */
+
+unsigned grid_for(int64_t n) {
+    int64_t b = (n + AM_CUDA_BLOCK - 1) / AM_CUDA_BLOCK;
+    return (unsigned)(b < kMaxBlocks ? b : kMaxBlocks);
+}
+
+template <int ID>
+void launch_elem(const am_ck_args &a, cudaStream_t s) {
+    int64_t n = am_ck_threads(&a, ID);
+    if (n > 0) am_k_elem<ID><<<grid_for(n), AM_CUDA_BLOCK, 0, s>>>(a, n);
+}
+
+template <int ID>
+void launch_lanes(const am_ck_args &a, cudaStream_t s) {
+    int64_t n = am_ck_threads(&a, ID);
+    if (n > 0) am_k_lanes<ID><<<grid_for(n), AM_CUDA_BLOCK, 0, s>>>(a, n);
+}
+
+/* The plan after AM_CK_INIT, in the order of the AM_CK_* ids. */
+void launch_plan(const am_ck_args &a, cudaStream_t s) {
+    int64_t n;
+    launch_lanes<AM_CK_LANES_G2>(a, s);
+    launch_elem<AM_CK_COLS>(a, s);
+    launch_elem<AM_CK_COMBINE>(a, s);
+    launch_elem<AM_CK_MOMENTS>(a, s);
+    launch_elem<AM_CK_RMEAN>(a, s);
+    launch_elem<AM_CK_RF>(a, s);
+    launch_lanes<AM_CK_LANES_U2>(a, s);
+    launch_elem<AM_CK_TILE_U2>(a, s);
+    launch_lanes<AM_CK_LANES_FLAT>(a, s);
+    launch_elem<AM_CK_SUM_U2>(a, s);
+    n = am_ck_threads(&a, AM_CK_COUNT);
+    /* The flag is usually 0: one block reads it and exits; when set, the
+     * grid-stride loop of few blocks covers the tensor. */
+    if (n > 0) am_k_count<<<grid_for(n) < 1024 ? grid_for(n) : 1024, AM_CUDA_BLOCK, 0, s>>>(a, n);
+    launch_elem<AM_CK_DECIDE>(a, s);
+    n = am_ck_threads(&a, AM_CK_AGREE);
+    if (n > 0) am_k_agree<<<grid_for(n), AM_CUDA_BLOCK, 0, s>>>(a, n);
+    launch_elem<AM_CK_BUMP>(a, s);
+    launch_elem<AM_CK_APPLY>(a, s);
+    launch_elem<AM_CK_COMMIT>(a, s);
+    n = am_ck_threads(&a, AM_CK_FINISH_FLAT);
+    if (n > 0) am_k_finish_flat<<<grid_for(n), AM_CUDA_BLOCK, 0, s>>>(a, n);
+    launch_elem<AM_CK_REPORT>(a, s);
+}
+
+am_status device_error(cudaError_t e, const char *what) {
+    am_log(AM_LOG_ERROR, "%s: CUDA error %d (%s): %s", what, (int)e,
+           cudaGetErrorName(e), cudaGetErrorString(e));
+    return AM_ERR_DEVICE;
+}
+
+/* Every check of am_update's, on host values only (the pointers are device
+ * pointers and are never dereferenced here). */
+am_status check_args(const am_tensor *param, const am_tensor *grad,
+                     const am_state *st, const int64_t *step,
+                     const am_hparams *hp, const void *ws, am_geom *g) {
+    int32_t d;
+    AM_RETURN_IF(!param, AM_ERR_NULL_POINTER, "am_update_cuda: param is NULL");
+    AM_RETURN_IF(!grad, AM_ERR_NULL_POINTER, "am_update_cuda: grad is NULL");
+    AM_CHECK(am_geom_init(&param->shape, g));
+    AM_RETURN_IF(am_dtype_size(param->dtype) == 0, AM_ERR_INVALID_DTYPE,
+                 "am_update_cuda: param dtype %d is not float32, bfloat16 or "
+                 "float16", (int)param->dtype);
+    AM_RETURN_IF(am_dtype_size(grad->dtype) == 0, AM_ERR_INVALID_DTYPE,
+                 "am_update_cuda: grad dtype %d is not float32, bfloat16 or "
+                 "float16", (int)grad->dtype);
+    AM_RETURN_IF(grad->shape.ndim != param->shape.ndim, AM_ERR_INVALID_SHAPE,
+                 "am_update_cuda: grad has %d dims, param has %d",
+                 (int)grad->shape.ndim, (int)param->shape.ndim);
+    for (d = 0; d < param->shape.ndim; d++)
+        AM_RETURN_IF(grad->shape.dims[d] != param->shape.dims[d],
+                     AM_ERR_INVALID_SHAPE,
+                     "am_update_cuda: grad dims[%d] = %lld differs from "
+                     "param's %lld", (int)d, (long long)grad->shape.dims[d],
+                     (long long)param->shape.dims[d]);
+    AM_CHECK(am_hparams_validate(hp));
+    AM_RETURN_IF(!st, AM_ERR_NULL_POINTER, "am_update_cuda: state is NULL");
+    AM_RETURN_IF(!step, AM_ERR_NULL_POINTER, "am_update_cuda: step is NULL");
+    AM_RETURN_IF(!ws, AM_ERR_NULL_POINTER, "am_update_cuda: workspace is NULL");
+    if (g->numel == 0) return AM_OK;
+    AM_RETURN_IF(!param->data, AM_ERR_NULL_POINTER, "am_update_cuda: param data is NULL");
+    AM_RETURN_IF(!grad->data, AM_ERR_NULL_POINTER, "am_update_cuda: grad data is NULL");
+    AM_RETURN_IF(!st->lr, AM_ERR_NULL_POINTER, "am_update_cuda: state.lr is NULL");
+    AM_RETURN_IF(!st->polarity, AM_ERR_NULL_POINTER,
+                 "am_update_cuda: state.polarity is NULL");
+    if (g->ndim >= 2) {
+        AM_RETURN_IF(!st->row, AM_ERR_NULL_POINTER, "am_update_cuda: state.row is NULL");
+        AM_RETURN_IF(!st->col, AM_ERR_NULL_POINTER, "am_update_cuda: state.col is NULL");
+    } else {
+        AM_RETURN_IF(!st->sq, AM_ERR_NULL_POINTER, "am_update_cuda: state.sq is NULL");
+    }
+    return AM_OK;
+}
+
+} /* namespace */
+
+extern "C" {
+
+am_status am_cuda_device_count(int *count) {
+    int n = 0;
+    cudaError_t e;
+    AM_RETURN_IF(!count, AM_ERR_NULL_POINTER, "am_cuda_device_count: count is NULL");
+    e = cudaGetDeviceCount(&n);
+    if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver) {
+        (void)cudaGetLastError();
+        *count = 0;
+        return AM_OK;
+    }
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return device_error(e, "am_cuda_device_count");
+    }
+    *count = n;
+    return AM_OK;
+}
+
+am_status am_update_cuda(const am_tensor *param, const am_tensor *grad,
+                         const am_state *state, int64_t *step,
+                         const am_hparams *hp, am_rng_key key, void *workspace,
+                         size_t workspace_bytes, void *stream,
+                         am_report *report) {
+    am_geom g;
+    am_ck_args a;
+    cudaStream_t s = (cudaStream_t)stream;
+    uintptr_t base;
+    size_t need;
+    cudaError_t e;
+    AM_CHECK(check_args(param, grad, state, step, hp, workspace, &g));
+    need = am_cuda_layout_of(&g).total;
+    AM_RETURN_IF(workspace_bytes < need, AM_ERR_BUFFER_SIZE,
+                 "am_update_cuda: workspace: %zu bytes given, %zu needed",
+                 workspace_bytes, need);
+    /* Errors of this library's earlier calls must not be reported as ours. */
+    (void)cudaGetLastError();
+    if (g.numel == 0) {
+        /* Nothing to do; the report (if any) says AM_OK with zeros. */
+        if (report) {
+            e = cudaMemsetAsync(report, 0, sizeof *report, s);
+            if (e != cudaSuccess) return device_error(e, "am_update_cuda");
+        }
+        return AM_OK;
+    }
+    base = ((uintptr_t)workspace + (AM_CUDA_ALIGN - 1)) & ~(uintptr_t)(AM_CUDA_ALIGN - 1);
+    am_ck_args_init(&a, &g, param, grad, state, step, hp, key,
+                    (unsigned char *)base, report);
+    /* A bad stream, device or context shows up on the first launch, before
+     * anything has been modified. */
+    launch_elem<AM_CK_INIT>(a, s);
+    e = cudaGetLastError();
+    if (e != cudaSuccess) return device_error(e, "am_update_cuda: first launch");
+    launch_plan(a, s);
+    e = cudaGetLastError();
+    if (e != cudaSuccess) return device_error(e, "am_update_cuda");
+    return AM_OK;
+}
+
+} /* extern "C" */

@@ -1,0 +1,334 @@
+/*
+ * test_cuda_emul.c — the CUDA update's plan (src/cuda/am_cuda_plan.h) run on
+ * the CPU, every kernel body in a host loop in launch order, compared bit for
+ * bit with am_update(): parameters, lrs, polarity, moments, step, report.
+ *
+ * Runs in every CI build, GPU or not. It checks the decomposition of the GPU
+ * path (indexing, reduction order, per-element math from am_math.h, skip
+ * logic) but not CUDA itself; tests/c/test_cuda.c does that on a GPU.
+ *
+ * Randomised gradients: the seed is printed; AM_TEST_SEED=<n> replays it.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "cuda/am_cuda_plan.h"
+
+static uint64_t g_seed = 20261202u;
+static uint64_t g_rng;
+
+static uint32_t rng_u32(void) {
+    g_rng = g_rng * 6364136223846793005ull + 1442695040888963407ull;
+    return (uint32_t)(g_rng >> 33);
+}
+
+/* Roughly normal values of magnitude ~scale, some exact zeros. */
+static float rng_val(float scale) {
+    float s = 0.0f;
+    int i;
+    if (rng_u32() % 17 == 0) return 0.0f;
+    for (i = 0; i < 4; i++) s += (float)(rng_u32() & 0xffff) / 65536.0f - 0.5f;
+    return s * scale;
+}
+
+static void store(void *buf, am_dtype dt, int64_t i, float v) {
+    if (dt == AM_DTYPE_FLOAT32) ((float *)buf)[i] = v;
+    else if (dt == AM_DTYPE_BFLOAT16) ((uint16_t *)buf)[i] = am_f32_to_bf16_rne(v);
+    else ((uint16_t *)buf)[i] = am_f32_to_f16_rne(v);
+}
+
+/* --------------------------------------------------- the emulation ----- */
+
+static void emulate(const am_ck_args *a) {
+    int id;
+    for (id = 0; id < AM_CK_COUNT_IDS; id++) {
+        int64_t n = am_ck_threads(a, id), t;
+        switch (id) {
+        case AM_CK_LANES_G2:
+        case AM_CK_LANES_U2:
+        case AM_CK_LANES_FLAT:
+            for (t = 0; t < n / AM_LANES; t++) {
+                float part[AM_LANES];
+                int l;
+                for (l = 0; l < AM_LANES; l++)
+                    part[l] = am_ck_lane(a, id, t * AM_LANES + l);
+                am_ck_lane_store(a, id, t, am_lanesum_finish(part));
+            }
+            break;
+        case AM_CK_COUNT:
+            if (a->h->flag)
+                for (t = 0; t < n; t++) a->h->nonfinite += (unsigned)am_ck_nonfinite(a, t);
+            break;
+        case AM_CK_AGREE:
+            if (a->h->status != AM_OK) break;
+            for (t = 0; t < n; t++) {
+                int64_t kr;
+                unsigned m = am_ck_agree(a, t, &kr);
+                a->row_matches[kr] += m;
+                a->h->matches += m;
+            }
+            break;
+        case AM_CK_FINISH_FLAT:
+            if (a->h->status != AM_OK) break;
+            for (t = 0; t < n; t++) a->h->matches += am_ck_finish_flat(a, t);
+            break;
+        default:
+            for (t = 0; t < n; t++) am_ck_elem(a, id, t);
+        }
+    }
+}
+
+/* One parameter updated by both paths side by side. */
+typedef struct pair {
+    am_shape shape;
+    am_state_sizes sz;
+    am_tensor p_cpu, p_emu, grad;
+    am_state s_cpu, s_emu;
+    int64_t step_emu;
+    void *ws_cpu, *ws_emu;
+    size_t ws_emu_bytes;
+} pair;
+
+static void *xcalloc(int64_t n, size_t sz) {
+    void *p = calloc((size_t)(n > 0 ? n : 1), sz);
+    assert_non_null(p);
+    return p;
+}
+
+static void state_alloc(const am_state_sizes *z, am_state *s) {
+    s->lr = xcalloc(z->lr_count, sizeof(float));
+    s->polarity = xcalloc(z->polarity_bytes, 1);
+    s->row = z->row_count ? xcalloc(z->row_count, sizeof(float)) : NULL;
+    s->col = z->col_count ? xcalloc(z->col_count, sizeof(float)) : NULL;
+    s->sq = z->sq_count ? xcalloc(z->sq_count, sizeof(float)) : NULL;
+}
+
+static void state_free(am_state *s) {
+    free(s->lr); free(s->polarity); free(s->row); free(s->col); free(s->sq);
+}
+
+static void pair_init(pair *q, int ndim, const int64_t *dims, am_dtype pdt,
+                      am_dtype gdt) {
+    int d;
+    int64_t i;
+    size_t es = am_dtype_size(pdt);
+    memset(q, 0, sizeof *q);
+    q->shape.ndim = ndim;
+    for (d = 0; d < ndim; d++) q->shape.dims[d] = dims[d];
+    assert_int_equal(am_state_get_sizes(&q->shape, &q->sz), AM_OK);
+    assert_int_equal(am_cuda_workspace_bytes(&q->shape, &q->ws_emu_bytes), AM_OK);
+    q->p_cpu.dtype = q->p_emu.dtype = pdt;
+    q->p_cpu.shape = q->p_emu.shape = q->grad.shape = q->shape;
+    q->grad.dtype = gdt;
+    q->p_cpu.data = xcalloc(q->sz.numel, es);
+    q->p_emu.data = xcalloc(q->sz.numel, es);
+    q->grad.data = xcalloc(q->sz.numel, am_dtype_size(gdt));
+    for (i = 0; i < q->sz.numel; i++) store(q->p_cpu.data, pdt, i, rng_val(0.5f));
+    memcpy(q->p_emu.data, q->p_cpu.data, (size_t)q->sz.numel * es);
+    state_alloc(&q->sz, &q->s_cpu);
+    state_alloc(&q->sz, &q->s_emu);
+    assert_int_equal(am_state_init(&q->shape, &q->s_cpu, 1e-3), AM_OK);
+    assert_int_equal(am_state_init(&q->shape, &q->s_emu, 1e-3), AM_OK);
+    q->ws_cpu = xcalloc(q->sz.workspace_bytes, 1);
+    q->ws_emu = xcalloc((int64_t)q->ws_emu_bytes, 1);
+}
+
+static void pair_free(pair *q) {
+    free(q->p_cpu.data); free(q->p_emu.data); free(q->grad.data);
+    state_free(&q->s_cpu); state_free(&q->s_emu);
+    free(q->ws_cpu); free(q->ws_emu);
+}
+
+static void fill_grad(pair *q, float scale) {
+    int64_t i;
+    for (i = 0; i < q->sz.numel; i++) store(q->grad.data, q->grad.dtype, i, rng_val(scale));
+}
+
+static void assert_same_bytes(const void *x, const void *y, size_t n,
+                              const char *what) {
+    if (n && memcmp(x, y, n) != 0) {
+        size_t i;
+        const unsigned char *a = x, *b = y;
+        for (i = 0; i < n && a[i] == b[i]; i++) {}
+        fail_msg("%s differs at byte %zu (seed %llu)", what, i,
+                 (unsigned long long)g_seed);
+    }
+}
+
+/* One step on both paths, then everything compared. */
+static void pair_step(pair *q, const am_hparams *hp, am_rng_key key,
+                      am_status expect) {
+    am_report rc, re;
+    am_ck_args a;
+    am_geom g;
+    unsigned char *base;
+    am_status s;
+    memset(&re, 0x5a, sizeof re);
+    s = am_update(&q->p_cpu, &q->grad, &q->s_cpu, hp, key, q->ws_cpu,
+                  (size_t)q->sz.workspace_bytes, &rc);
+    assert_int_equal(s, expect);
+    assert_int_equal(am_geom_init(&q->shape, &g), AM_OK);
+    base = (unsigned char *)(((uintptr_t)q->ws_emu + AM_CUDA_ALIGN - 1) &
+                             ~(uintptr_t)(AM_CUDA_ALIGN - 1));
+    q->step_emu = q->s_emu.step;
+    am_ck_args_init(&a, &g, &q->p_emu, &q->grad, &q->s_emu, &q->step_emu, hp,
+                    key, base, &re);
+    if (g.numel > 0) emulate(&a);
+    q->s_emu.step = q->step_emu;
+
+    if (g.numel > 0) {
+        assert_int_equal(re.status, rc.status);
+        assert_int_equal(re.nonfinite_count, rc.nonfinite_count);
+        assert_memory_equal(&re.clip_scale, &rc.clip_scale, sizeof(float));
+        if (g.ndim < 2)
+            assert_memory_equal(&re.mean_agreement, &rc.mean_agreement, sizeof(float));
+        else
+            assert_true(re.mean_agreement >= rc.mean_agreement - 1e-6f &&
+                        re.mean_agreement <= rc.mean_agreement + 1e-6f);
+    }
+    assert_int_equal(q->s_emu.step, q->s_cpu.step);
+    assert_same_bytes(q->p_emu.data, q->p_cpu.data,
+                      (size_t)q->sz.numel * am_dtype_size(q->p_cpu.dtype), "param");
+    assert_same_bytes(q->s_emu.lr, q->s_cpu.lr, (size_t)q->sz.lr_count * 4, "lr");
+    assert_same_bytes(q->s_emu.polarity, q->s_cpu.polarity,
+                      (size_t)q->sz.polarity_bytes, "polarity");
+    if (q->sz.row_count) {
+        assert_same_bytes(q->s_emu.row, q->s_cpu.row, (size_t)q->sz.row_count * 4, "row");
+        assert_same_bytes(q->s_emu.col, q->s_cpu.col, (size_t)q->sz.col_count * 4, "col");
+    }
+    if (q->sz.sq_count)
+        assert_same_bytes(q->s_emu.sq, q->s_cpu.sq, (size_t)q->sz.sq_count * 4, "sq");
+}
+
+static void run_case(int ndim, const int64_t *dims, am_dtype pdt, am_dtype gdt,
+                     double wd, int steps) {
+    pair q;
+    am_hparams hp = am_hparams_default();
+    am_rng_key key;
+    int s;
+    hp.weight_decay = wd;
+    key.seed = g_seed ^ 0x9e3779b97f4a7c15ull;
+    key.param_id = 7;
+    pair_init(&q, ndim, dims, pdt, gdt);
+    for (s = 0; s < steps; s++) {
+        /* Alternate small and large gradients so that the clip and both
+         * directions of the lr bump are exercised. */
+        fill_grad(&q, (s & 1) ? 3.0f : 1e-3f);
+        pair_step(&q, &hp, key, AM_OK);
+    }
+    pair_free(&q);
+}
+
+/* ----------------------------------------------------------- tests ----- */
+
+static const am_dtype kDt[3] = {AM_DTYPE_FLOAT32, AM_DTYPE_BFLOAT16, AM_DTYPE_FLOAT16};
+
+static void test_flat_sizes(void **st) {
+    static const int64_t sizes[] = {1, 2, 3, 5, 7, 8, 15, 16, 17, 31, 33, 63,
+                                    65, 127, 1023, 4097, 2 * 16384 + 5};
+    size_t i;
+    int d;
+    (void)st;
+    for (d = 0; d < 3; d++) {
+        run_case(0, NULL, kDt[d], kDt[d], 0.0, 3);
+        for (i = 0; i < sizeof sizes / sizeof sizes[0]; i++)
+            run_case(1, &sizes[i], kDt[d], kDt[(d + (int)i) % 3], i % 2 ? 0.1 : 0.0, 3);
+    }
+}
+
+static void test_matrices(void **st) {
+    static const int64_t shapes[][2] = {{1, 1}, {3, 5}, {7, 9}, {65, 33}, {1, 40000},
+                                        {200, 3}, {129, 17}, {2, 16385}, {1000, 1}};
+    size_t i;
+    int d;
+    (void)st;
+    for (d = 0; d < 3; d++)
+        for (i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
+            run_case(2, shapes[i], kDt[d], kDt[(d + (int)i) % 3], i % 2 ? 0.1 : 0.0, 4);
+}
+
+static void test_nd(void **st) {
+    static const int64_t s3[] = {4, 5, 6}, s4[] = {10, 5, 4, 3}, s4b[] = {2, 3, 1, 7},
+                         s5[] = {3, 1, 2, 70, 5};
+    int d;
+    (void)st;
+    for (d = 0; d < 3; d++) {
+        run_case(3, s3, kDt[d], AM_DTYPE_FLOAT32, 0.0, 3);
+        run_case(4, s4, kDt[d], kDt[d], 0.1, 3);
+        run_case(4, s4b, kDt[d], kDt[(d + 1) % 3], 0.0, 3);
+        run_case(5, s5, kDt[d], kDt[d], 0.0, 2);
+    }
+}
+
+/* A NaN and an overflow of g*g: both paths skip, nothing changes. */
+static void test_skips(void **st) {
+    static const int64_t m[] = {9, 13}, v[] = {77};
+    am_hparams hp = am_hparams_default();
+    am_rng_key key = {123, 4};
+    pair q;
+    int k;
+    (void)st;
+    for (k = 0; k < 2; k++) {
+        pair_init(&q, k ? 1 : 2, k ? v : m, AM_DTYPE_BFLOAT16, AM_DTYPE_FLOAT32);
+        fill_grad(&q, 1.0f);
+        pair_step(&q, &hp, key, AM_OK);
+        fill_grad(&q, 1.0f);
+        ((float *)q.grad.data)[5] = (float)NAN;
+        pair_step(&q, &hp, key, AM_SKIPPED_NONFINITE_GRAD);
+        fill_grad(&q, 1.0f);
+        /* Finite, but its square is not: factored, the moments become inf
+         * and u NaN (skipped); unfactored, u = x * rsqrt(inf) = 0 (applied). */
+        ((float *)q.grad.data)[3] = 3e30f;
+        pair_step(&q, &hp, key, k ? AM_OK : AM_SKIPPED_NONFINITE_UPDATE);
+        fill_grad(&q, 1.0f);
+        pair_step(&q, &hp, key, AM_OK);
+        pair_free(&q);
+    }
+    /* eps = 0 and an all-zero first gradient: u = 0 * rsqrt(0) is NaN. */
+    hp.eps = 0.0;
+    for (k = 0; k < 2; k++) {
+        pair_init(&q, k ? 1 : 2, k ? v : m, AM_DTYPE_FLOAT16, AM_DTYPE_FLOAT16);
+        pair_step(&q, &hp, key, AM_SKIPPED_NONFINITE_UPDATE);
+        pair_free(&q);
+    }
+}
+
+/* The workspace size query: errors and growth with the shape. */
+static void test_workspace_query(void **st) {
+    am_shape s;
+    size_t a = 0, b = 0;
+    (void)st;
+    memset(&s, 0, sizeof s);
+    assert_int_equal(am_cuda_workspace_bytes(&s, NULL), AM_ERR_NULL_POINTER);
+    assert_int_equal(am_cuda_workspace_bytes(NULL, &a), AM_ERR_NULL_POINTER);
+    s.ndim = 9;
+    assert_int_equal(am_cuda_workspace_bytes(&s, &a), AM_ERR_INVALID_SHAPE);
+    s.ndim = 2; s.dims[0] = 10; s.dims[1] = 10;
+    assert_int_equal(am_cuda_workspace_bytes(&s, &a), AM_OK);
+    s.dims[0] = 50000; s.dims[1] = 4096;
+    assert_int_equal(am_cuda_workspace_bytes(&s, &b), AM_OK);
+    assert_true(b > a && a > 0);
+}
+
+int main(void) {
+    const char *env = getenv("AM_TEST_SEED");
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_workspace_query),
+        cmocka_unit_test(test_flat_sizes),
+        cmocka_unit_test(test_matrices),
+        cmocka_unit_test(test_nd),
+        cmocka_unit_test(test_skips),
+    };
+    if (env) g_seed = strtoull(env, NULL, 10);
+    g_rng = g_seed;
+    printf("test_cuda_emul: seed %llu (replay with AM_TEST_SEED=%llu)\n",
+           (unsigned long long)g_seed, (unsigned long long)g_seed);
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
