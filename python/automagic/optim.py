@@ -361,6 +361,10 @@ class Automagic3(torch.optim.Optimizer):
         if p.grad is None:
             return
         grad = p.grad
+        if p.device.type == "cuda":  # CUDA path (issue 7): python/automagic/_cuda.py
+            from . import _cuda
+            _cuda.update_param(self, p, group, AutomagicError)
+            return
         self._check(p, grad)
         scale = self._lr_scale(group)
         state = self.state[p]

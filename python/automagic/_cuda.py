@@ -1,0 +1,184 @@
+"""CUDA dispatch for automagic.Automagic3 (see docs/CUDA.md).
+
+A parameter on a CUDA device is updated by libautomagic_cuda.so (shipped in
+this package when it was built with nvcc available) on
+``torch.cuda.current_stream()``. The call queues the kernels and returns: no
+synchronisation, no device-to-host copy, and after the first step of each
+parameter no allocation, so a training step that contains it can be captured
+in a CUDA graph.
+
+State is the CPU front end's (same keys, same layout), except that
+``state["step"]`` is a 0-D int64 tensor on the parameter's device: the kernels
+read it and increment it only when the update is applied, which the host
+cannot know without synchronising. Updates skipped for a non-finite gradient
+are counted on the device; ``nonfinite_skips(opt)`` reads that count (it
+synchronises).
+"""
+import ctypes
+import os
+import threading
+
+import torch
+
+from . import _lib
+
+_P = ctypes.POINTER
+_REPORT_BYTES = ctypes.sizeof(_lib.Report)
+_load_lock = threading.Lock()
+_cuda_lib = None
+_load_error = None
+
+
+def _library_path():
+    env = os.environ.get("AUTOMAGIC_CUDA_LIBRARY")
+    if env:
+        return env
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "libautomagic_cuda.so")
+
+
+def _load():
+    """The CUDA library, or None (the reason is in _load_error)."""
+    global _cuda_lib, _load_error
+    with _load_lock:
+        if _cuda_lib is not None or _load_error is not None:
+            return _cuda_lib
+        path = _library_path()
+        if not os.path.exists(path):
+            _load_error = ("%s does not exist: this automagic was built without CUDA "
+                           "(reinstall with 'pip install .' on a machine with nvcc, or "
+                           "point AUTOMAGIC_CUDA_LIBRARY at a built libautomagic_cuda.so)"
+                           % path)
+            return None
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError as e:
+            _load_error = "loading %s failed: %s" % (path, e)
+            return None
+        lib.am_update_cuda.argtypes = [
+            _P(_lib.Tensor), _P(_lib.Tensor), _P(_lib.State), ctypes.c_void_p,
+            _P(_lib.HParams), _lib.RngKey, ctypes.c_void_p, ctypes.c_size_t,
+            ctypes.c_void_p, ctypes.c_void_p]
+        lib.am_cuda_workspace_bytes.argtypes = [_P(_lib.Shape), _P(ctypes.c_size_t)]
+        lib.am_cuda_device_count.argtypes = [_P(ctypes.c_int)]
+        lib.am_status_string.restype = ctypes.c_char_p
+        lib.am_status_string.argtypes = [ctypes.c_int]
+        lib.am_set_log_callback.argtypes = [_lib.LOG_FN, ctypes.c_void_p]
+        # The same callback as the CPU library: messages land in _lib's
+        # thread-local "last message" and are quoted by exceptions.
+        lib.am_set_log_callback(_lib._log_cb, None)
+        _cuda_lib = lib
+        return lib
+
+
+def available() -> bool:
+    """True when libautomagic_cuda is present and sees at least one device."""
+    lib = _load()
+    if lib is None:
+        return False
+    n = ctypes.c_int(0)
+    return lib.am_cuda_device_count(ctypes.byref(n)) == _lib.OK and n.value > 0
+
+
+def unavailable_reason() -> str:
+    _load()
+    return _load_error or ""
+
+
+class _Buffers:
+    """Per (device, stream) scratch: the workspace, the report, the skip count."""
+
+    def __init__(self, device):
+        self.ws = torch.empty(0, dtype=torch.uint8, device=device)
+        self.report = torch.zeros(_REPORT_BYTES, dtype=torch.uint8, device=device)
+        self.skips = torch.zeros((), dtype=torch.int64, device=device)
+
+
+def _buffers(opt, device, stream, nbytes):
+    table = opt.__dict__.setdefault("_am_cuda_buffers", {})
+    key = (device.index, stream.cuda_stream)
+    buf = table.get(key)
+    if buf is None:
+        buf = table[key] = _Buffers(device)
+    if buf.ws.numel() < nbytes:
+        # Grows only when a larger parameter is seen: after the first step of
+        # every parameter there is no allocation here.
+        buf.ws = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8, device=device)
+    return buf
+
+
+def nonfinite_skips(opt) -> int:
+    """Updates of CUDA parameters skipped for a non-finite gradient or update
+    (synchronises with the devices that hold the counts)."""
+    table = opt.__dict__.get("_am_cuda_buffers", {})
+    return int(sum(int(b.skips.item()) for b in table.values()))
+
+
+def update_param(opt, p: torch.Tensor, group: dict, error_cls) -> None:
+    """Queues the update of CUDA parameter p from p.grad; sets p.grad = None."""
+    from .optim import _DTYPES, _hparams, _shape
+
+    lib = _load()
+    if lib is None:
+        raise error_cls("Automagic3: parameter on device '%s': %s" % (p.device, _load_error))
+    grad = p.grad
+    if grad.is_sparse:
+        raise error_cls("Automagic3 does not support sparse gradients.")
+    if p.dtype not in _DTYPES or grad.dtype not in _DTYPES:
+        raise error_cls("Automagic3: parameter dtype %s / gradient dtype %s: only float32, "
+                        "bfloat16 and float16 are supported" % (p.dtype, grad.dtype))
+    if grad.shape != p.shape:
+        raise error_cls("Automagic3: gradient shape %s differs from the parameter's %s"
+                        % (tuple(grad.shape), tuple(p.shape)))
+    if grad.device != p.device:
+        raise error_cls("Automagic3: gradient on %s, parameter on %s" % (grad.device, p.device))
+    if p.dim() > _lib.AM_MAX_DIMS:
+        raise error_cls("Automagic3: %d-D parameters are not supported (at most %d dims)"
+                        % (p.dim(), _lib.AM_MAX_DIMS))
+    state = opt.state[p]
+    if len(state) == 0:
+        state = opt._init_state(p, group)
+    for name in ("lr", "polarity", "exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq"):
+        t = state.get(name)
+        if t is not None and t.device != p.device:
+            # e.g. a checkpoint loaded on the CPU: moved once.
+            state[name] = t = t.to(p.device)
+    step = state["step"]
+    if not (isinstance(step, torch.Tensor) and step.device == p.device
+            and step.dtype == torch.int64):
+        state["step"] = step = torch.tensor(int(step), dtype=torch.int64, device=p.device)
+
+    with torch.cuda.device(p.device):
+        stream = torch.cuda.current_stream(p.device)
+        grad = grad.contiguous()
+        target = p if p.is_contiguous() else p.contiguous()
+        shape = _shape(p)
+        need = ctypes.c_size_t(0)
+        lib.am_cuda_workspace_bytes(ctypes.byref(shape), ctypes.byref(need))
+        buf = _buffers(opt, p.device, stream, need.value)
+        pt = _lib.Tensor(target.data_ptr(), _DTYPES[p.dtype], shape)
+        gt = _lib.Tensor(grad.data_ptr(), _DTYPES[grad.dtype], shape)
+        st = _lib.State()
+        st.lr = state["lr"].data_ptr()
+        st.polarity = state["polarity"].data_ptr()
+        if p.dim() >= 2:
+            st.row = state["exp_avg_sq_row"].data_ptr()
+            st.col = state["exp_avg_sq_col"].data_ptr()
+        else:
+            st.sq = state["exp_avg_sq"].data_ptr()
+        hp = _hparams(group)
+        key = _lib.RngKey(opt.seed, opt._param_ids[p] & 0xFFFFFFFF)
+        _lib.clear_message()
+        status = lib.am_update_cuda(ctypes.byref(pt), ctypes.byref(gt), ctypes.byref(st),
+                                    step.data_ptr(), ctypes.byref(hp), key,
+                                    buf.ws.data_ptr(), buf.ws.numel(),
+                                    stream.cuda_stream, buf.report.data_ptr())
+        if status < 0:
+            raise error_cls("Automagic3: CUDA update of a parameter of shape %s on %s "
+                            "failed: %s" % (tuple(p.shape), p.device,
+                                            _lib.last_message()
+                                            or lib.am_status_string(status).decode()))
+        # Count skipped updates on the device, in stream order (no sync).
+        buf.skips.add_(buf.report[:4].view(torch.int32)[0].ne(0))
+        if target is not p:
+            p.copy_(target)
+    p.grad = None

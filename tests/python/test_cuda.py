@@ -1,0 +1,175 @@
+"""The CUDA path of automagic.Automagic3.
+
+On a machine without a GPU only the first tests run (the CUDA library loads
+without a device and the errors name the device); the others skip with the
+reason. scripts/gpu_check.sh runs them all on a GPU.
+"""
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import automagic
+from automagic import _cuda
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REFERENCE = os.path.join(REPO, "..", "shared", "reference", "automagic3.py")
+
+HAVE_GPU = torch.cuda.is_available() and _cuda.available()
+needs_gpu = pytest.mark.skipif(
+    not HAVE_GPU,
+    reason="no CUDA device usable by torch and libautomagic_cuda (%s); the CUDA path "
+           "is compiled but not exercised here" % (
+               "torch sees no GPU" if not torch.cuda.is_available()
+               else _cuda.unavailable_reason() or "library sees no device"))
+
+
+# ------------------------------------------------------------ no GPU needed
+@pytest.mark.skipif(shutil.which("nvcc") is None,
+                    reason="nvcc not found: this build has no CUDA library to check")
+def test_cuda_library_loads_without_a_device():
+    # Built when nvcc was found; must load (static CUDA runtime) even where
+    # there is no GPU or driver, and then report zero devices, not crash.
+    assert _cuda._load() is not None, _cuda.unavailable_reason()
+    n = _cuda.ctypes.c_int(-1)
+    status = _cuda._cuda_lib.am_cuda_device_count(_cuda.ctypes.byref(n))
+    assert status == 0 and n.value >= 0
+    if not torch.cuda.is_available():
+        assert n.value == 0 and not _cuda.available()
+
+
+def test_missing_library_names_the_device():
+    code = ("import os, types, torch; os.environ['AUTOMAGIC_CUDA_LIBRARY'] = '/nonexistent/x.so'\n"
+            "from automagic import _cuda\n"
+            "p = types.SimpleNamespace(device=torch.device('cuda:1'))\n"
+            "try:\n"
+            "    _cuda.update_param(None, p, {}, RuntimeError)\n"
+            "except RuntimeError as e:\n"
+            "    print('MSG', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert "MSG" in out and "cuda:1" in out and "/nonexistent/x.so" in out
+
+
+# -------------------------------------------------------------- GPU needed
+def _grads(shapes, steps, seed):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for k in range(steps):
+        scale = 3.0 if k % 2 else 1e-3
+        out.append([torch.randn(s, generator=g) * scale for s in shapes])
+    return out
+
+
+SHAPES = [(), (1,), (17,), (4097,), (3, 5), (65, 33), (1, 40000), (200, 3), (10, 5, 4, 3)]
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_matches_cpu_bit_for_bit(dtype):
+    torch.manual_seed(0)
+    cpu = [torch.nn.Parameter((torch.randn(s) * 0.5).to(dtype)) for s in SHAPES]
+    gpu = [torch.nn.Parameter(p.detach().clone().cuda()) for p in cpu]
+    kw = dict(lr=1e-3, weight_decay=0.1, seed=1234, fused=False)
+    oc, og = automagic.Automagic3(cpu, **kw), automagic.Automagic3(gpu, **kw)
+    for grads in _grads(SHAPES, 5, seed=1):
+        for pc, pg, g in zip(cpu, gpu, grads):
+            pc.grad = g.to(dtype)
+            pg.grad = g.to(dtype).cuda()
+        oc.step()
+        og.step()
+        for pc, pg in zip(cpu, gpu):
+            assert pg.grad is None
+            assert torch.equal(pc.detach(), pg.detach().cpu()), pc.shape
+            sc, sg = oc.state[pc], og.state[pg]
+            assert int(sc["step"]) == int(sg["step"])
+            for name in sc:
+                if name != "step":
+                    assert torch.equal(sc[name], sg[name].cpu()), (name, pc.shape)
+    assert _cuda.nonfinite_skips(og) == 0
+
+
+@needs_gpu
+def test_nonfinite_gradient_is_skipped_on_the_device():
+    p = torch.nn.Parameter(torch.randn(8, 9, device="cuda"))
+    opt = automagic.Automagic3([p], fused=False)
+    before = p.detach().clone()
+    g = torch.randn(8, 9, device="cuda")
+    g[3, 4] = float("nan")
+    p.grad = g
+    opt.step()
+    assert torch.equal(p.detach(), before)
+    assert int(opt.state[p]["step"]) == 0
+    assert _cuda.nonfinite_skips(opt) == 1
+
+
+@needs_gpu
+def test_fused_backward_on_cuda():
+    torch.manual_seed(0)
+    m = torch.nn.Linear(64, 32).cuda()
+    before = m.weight.detach().clone()
+    opt = automagic.Automagic3(m.parameters())
+    m(torch.randn(16, 64, device="cuda")).pow(2).mean().backward()
+    assert m.weight.grad is None
+    assert int(opt.state[m.weight]["step"]) == 1
+    assert not torch.equal(before, m.weight.detach())
+
+
+def _reference_class():
+    if not os.path.exists(REFERENCE):
+        pytest.skip("reference class not found at %s" % REFERENCE)
+    spec = importlib.util.spec_from_file_location("automagic3_reference", REFERENCE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.Automagic3
+
+
+@needs_gpu
+def test_cuda_tracks_the_reference_on_cuda():
+    Ref = _reference_class()
+    shapes = [(64, 48), (3, 4, 5), (33,), ()]
+    torch.manual_seed(0)
+    init = [torch.randn(s) for s in shapes]
+    ours = [torch.nn.Parameter(t.clone().cuda()) for t in init]
+    refs = [torch.nn.Parameter(t.clone().cuda()) for t in init]
+    oo = automagic.Automagic3(ours, lr=1e-4, weight_decay=0.1, fused=False)
+    orf = Ref(refs, lr=1e-4, weight_decay=0.1)
+    for grads in _grads(shapes, 50, seed=2):
+        for po, pr, g in zip(ours, refs, grads):
+            po.grad = g.cuda()
+            pr.grad = g.cuda()
+            orf._update_param(pr, orf.param_groups[0])
+        oo.step()
+    for po, pr in zip(ours, refs):
+        diff = (po.detach() - pr.detach()).norm() / pr.detach().norm().clamp(min=1e-30)
+        assert diff < 1e-5, (po.shape, float(diff))
+        # The reference's exp runs in float32 on the GPU, ours in double:
+        # the lrs agree to an ulp or so, not bit for bit.
+        assert torch.allclose(oo.state[po]["lr"], orf.state[pr]["lr"], rtol=1e-6,
+                              atol=0), po.shape
+
+
+@needs_gpu
+def test_cpu_checkpoint_state_moves_to_the_gpu():
+    p = torch.nn.Parameter(torch.randn(5, 7))
+    opt = automagic.Automagic3([p], fused=False)
+    p.grad = torch.randn(5, 7)
+    opt.step()
+    p.data = p.data.cuda()
+    p.grad = torch.randn(5, 7, device="cuda")
+    opt.step()
+    assert int(opt.state[p]["step"]) == 2
+    assert opt.state[p]["lr"].is_cuda
+
+
+def test_cuda_module_has_no_side_effects_on_cpu_updates():
+    # The CPU path never touches the CUDA module's buffers.
+    p = torch.nn.Parameter(torch.randn(3, 4))
+    opt = automagic.Automagic3([p], fused=False)
+    p.grad = torch.randn(3, 4)
+    opt.step()
+    assert "_am_cuda_buffers" not in opt.__dict__
