@@ -53,3 +53,11 @@ if(AM_CUDA)
   endif()
   add_library(automagic::automagic_cuda ALIAS automagic_cuda)
 endif()
+
+# The GPU benchmark (scripts/gpu_check.sh runs it); not a test.
+if(AM_CUDA AND AM_BUILD_TESTS)
+  find_package(CUDAToolkit REQUIRED)
+  add_executable(bench_cuda bench/bench_cuda.c)
+  target_link_libraries(bench_cuda PRIVATE automagic_cuda CUDA::cudart_static)
+  target_compile_options(bench_cuda PRIVATE ${AM_C_FLAGS})
+endif()

@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# The GPU check: on a machine with an NVIDIA GPU, build everything, run the
+# CUDA tests (against the CPU path, and against the reference class on CUDA
+# tensors) and the GPU benchmarks (against the device's measured copy
+# bandwidth, and against the reference on the GPU). Every stage has a time
+# limit; the whole script stays under about 8 minutes on an H200.
+#
+# Usage: scripts/gpu_check.sh OUT_DIR      (from anywhere; needs no network)
+# Writes to OUT_DIR: summary.txt (one line per stage: ok / FAILED / skipped,
+# seconds), nvidia-smi.txt, build.log, ctest.log, bench_c.jsonl, bench_c.txt,
+# bench_c.png, pytest.log, bench_python.{json,png,log}.
+# Exit status: 0 when every stage that ran passed, 1 otherwise.
+set -uo pipefail
+OUT=${1:?usage: scripts/gpu_check.sh OUT_DIR}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+BUILD=build/gpu_check
+JOBS=$(nproc)
+status=0
+: > "$OUT/summary.txt"
+
+# stage NAME LIMIT_S LOG 'COMMAND' : runs COMMAND (a bash command line) with a
+# time limit, logs it, records the outcome.
+stage() {
+  local name=$1 limit=$2 log=$3; shift 3
+  local t0=$SECONDS rc
+  echo "== $name (limit ${limit}s)"
+  timeout --kill-after=10 "$limit" bash -c "$1" > "$OUT/$log" 2>&1
+  rc=$?
+  local dt=$((SECONDS - t0))
+  if [ $rc -eq 0 ]; then
+    echo "$name: ok (${dt}s)" | tee -a "$OUT/summary.txt"
+  elif [ $rc -eq 77 ]; then
+    echo "$name: skipped (${dt}s): $(tail -1 "$OUT/$log")" | tee -a "$OUT/summary.txt"
+  else
+    [ $rc -eq 124 ] && echo "(time limit reached)" >> "$OUT/$log"
+    echo "$name: FAILED rc=$rc (${dt}s), see $log" | tee -a "$OUT/summary.txt"
+    tail -20 "$OUT/$log"
+    status=1
+  fi
+  return $rc
+}
+
+{ date -u; nvidia-smi; nvcc --version; } > "$OUT/nvidia-smi.txt" 2>&1 || true
+echo "GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null)" \
+  | tee -a "$OUT/summary.txt"
+
+export OUT BUILD JOBS PY
+if ! stage build 150 build.log \
+  'cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DAM_CUDA=ON -DAM_WERROR=ON &&
+   cmake --build "$BUILD" -j"$JOBS"'; then
+  echo "build failed: nothing else can run" | tee -a "$OUT/summary.txt"
+  exit 1
+fi
+
+# C: every test (the CPU ones, the CUDA plan emulation, test_cuda on the GPU
+# with the 1 x 100M and 50000 x 4096 cases).
+stage ctest 180 ctest.log \
+  'AM_CUDA_TEST_LARGE=1 ctest --test-dir "$BUILD" --output-on-failure --timeout 170'
+grep -q "test_cuda .*Skipped" "$OUT/ctest.log" && {
+  echo "ctest: test_cuda was SKIPPED (no device seen by the CUDA runtime)" | tee -a "$OUT/summary.txt"
+  status=1
+}
+
+# C benchmark: bandwidth ratios, no Python needed.
+stage bench_c 90 bench_c.log \
+  '"$BUILD/bench_cuda" > "$OUT/bench_c.jsonl" 2> "$OUT/bench_c.txt"; rc=$?; cat "$OUT/bench_c.txt"; exit $rc' &&
+  cat "$OUT/bench_c.txt"
+
+# Python: the package from the source tree with the libraries just built (no
+# pip: the machine may have no network). Needs a CUDA build of torch.
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+export AUTOMAGIC_LIBRARY="$PWD/$BUILD/libautomagic.so"
+export AUTOMAGIC_CUDA_LIBRARY="$PWD/$BUILD/libautomagic_cuda.so"
+if $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  stage pytest 120 pytest.log '$PY -m pytest -q -rs tests/python'
+  grep -q "skipped" "$OUT/pytest.log" && grep -i "skip" "$OUT/pytest.log" | head -5
+  stage bench_python 120 bench_python.log '$PY scripts/bench_cuda.py "$OUT"' && \
+    cat "$OUT/bench_python.log"
+else
+  echo "pytest, bench_python: skipped: $($PY -c 'import torch; print("torch", torch.__version__, "has no CUDA")' 2>&1 | tail -1)" \
+    | tee -a "$OUT/summary.txt"
+fi
+
+# Figure of the C benchmark (optional: needs matplotlib).
+$PY - "$OUT" <<'EOF' >> "$OUT/summary.txt" 2>&1 || true
+import json, os, sys
+out = sys.argv[1]
+rows = [json.loads(l) for l in open(os.path.join(out, "bench_c.jsonl")) if '"case"' in l]
+for r in rows:
+    if r["numel"] >= 1 << 24:
+        print("bandwidth %-22s %-8s %5.1f%% of copy (target 70%%)"
+              % (r["case"], r["dtype"], 100 * r["fraction_of_copy_bw"]))
+try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+except ImportError:
+    print("no matplotlib: bench_c.png not drawn")
+    sys.exit(0)
+fig, ax = plt.subplots(figsize=(10, 4))
+ax.bar(range(len(rows)), [100 * r["fraction_of_copy_bw"] for r in rows])
+ax.axhline(70, color="red", linestyle="--", label="target 70% (>= 16M elements)")
+ax.set_xticks(range(len(rows)))
+ax.set_xticklabels(["%s\n%s" % (r["case"], r["dtype"]) for r in rows], fontsize=6)
+ax.set_ylabel("3-pass bytes / time, % of copy bandwidth")
+ax.legend()
+fig.tight_layout()
+fig.savefig(os.path.join(out, "bench_c.png"), dpi=120)
+EOF
+
+echo "== summary ($OUT/summary.txt)"
+cat "$OUT/summary.txt"
+exit $status
