@@ -43,6 +43,18 @@ stage() {
   return $rc
 }
 
+# The C tests need cmocka and pkg-config; a GPU machine without network gets
+# them from .deps/ (scripts/gpu_prepare.sh), unpacked under /tmp.
+if ! pkg-config --exists cmocka 2>/dev/null && ls .deps/*.deb >/dev/null 2>&1; then
+  D=/tmp/am_deps
+  for f in .deps/*.deb; do dpkg-deb -x "$f" "$D" 2>/dev/null || dpkg -x "$f" "$D"; done
+  mkdir -p "$D/pc"
+  printf 'Name: cmocka\nDescription: cmocka\nVersion: 1.1.5\nLibs: -L%s -lcmocka\nCflags: -I%s\n' \
+    "$D/usr/lib/x86_64-linux-gnu" "$D/usr/include" > "$D/pc/cmocka.pc"
+  export PATH="$D/usr/bin:$PATH" PKG_CONFIG_PATH="$D/pc${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
+  export LD_LIBRARY_PATH="$D/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  echo "deps: cmocka/pkg-config unpacked from .deps into $D" | tee -a "$OUT/summary.txt"
+fi
 { date -u; nvidia-smi; nvcc --version; } > "$OUT/nvidia-smi.txt" 2>&1 || true
 echo "GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null)" \
   | tee -a "$OUT/summary.txt"

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Run HERE (a machine with network) before a GPU check on a machine that has
+# none: downloads the Debian packages the C tests need (cmocka, pkg-config)
+# into .deps/ (git-ignored; carry it to the GPU machine). scripts/gpu_check.sh
+# unpacks them into /tmp when the GPU machine lacks them. Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p .deps
+cd .deps
+for p in libcmocka0 libcmocka-dev pkgconf pkgconf-bin libpkgconf3; do
+  ls ${p}_*.deb >/dev/null 2>&1 || apt-get download "$p" 2>&1 | grep -v '^W:' || true
+done
+ls -la
