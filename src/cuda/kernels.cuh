@@ -54,7 +54,7 @@ am_k_count(const am_ck_args a, int64_t n) {
 }
 
 /* Sums v over the threads of mask that share the same key, one atomicAdd per
- * group (lanes of one warp usually cover one lr-row). */
+ * group (used when a block's threads cover several lr-rows). */
 __device__ __forceinline__ void am_warp_add(unsigned mask,
                                             unsigned long long *dst,
                                             unsigned long long key,
@@ -65,32 +65,65 @@ __device__ __forceinline__ void am_warp_add(unsigned mask,
         atomicAdd(dst, (unsigned long long)sum);
 }
 
+/* Sum of v over the block, valid in thread 0. Every thread must call it. */
+__device__ __forceinline__ unsigned long long am_block_sum(unsigned long long v) {
+    __shared__ unsigned long long part[AM_CUDA_BLOCK / 32];
+    unsigned lane = threadIdx.x & 31, w = threadIdx.x >> 5, i;
+    unsigned long long s = 0;
+    for (i = 16; i > 0; i >>= 1) v += __shfl_down_sync(AM_FULL_MASK, v, i);
+    __syncthreads(); /* part[] free from a previous call */
+    if (lane == 0) part[w] = v;
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (i = 0; i < blockDim.x / 32; i++) s += part[i];
+    return s;
+}
+
+/* Blocks for the kernels with a per-block counter: enough to fill an H200
+ * (132 SMs x 8 blocks of 256) while keeping same-address atomics few. */
+#define AM_COUNTER_BLOCKS 2048
+
+/* Polarity bytes: matches per lr-row and in total. When the whole block
+ * covers one lr-row (the common case for long rows, and the only case of a
+ * 1 x N parameter) it is reduced in the block: one atomic per block per
+ * counter; otherwise warp groups of equal lr-row add their sums. */
 __global__ void __launch_bounds__(AM_CUDA_BLOCK)
 am_k_agree(const am_ck_args a, int64_t n) {
+    __shared__ int64_t kr0;
+    unsigned long long total = 0;
     if (a.h->status != AM_OK) return;
     AM_GRID_LOOP(n) {
-        int64_t t = t0 + threadIdx.x;
-        unsigned mask = __ballot_sync(AM_FULL_MASK, t < n);
-        if (t < n) {
-            int64_t kr = 0;
-            unsigned m = am_ck_agree(&a, t, &kr);
-            am_warp_add(mask, &a.row_matches[kr], (unsigned long long)kr, m);
-            am_warp_add(mask, &a.h->matches, 0ull, m);
+        int64_t t = t0 + threadIdx.x, kr = -1;
+        unsigned m = 0;
+        int valid = t < n, uniform;
+        if (valid) m = am_ck_agree(&a, t, &kr);
+        total += m;
+        if (threadIdx.x == 0) kr0 = kr; /* t0 < n: thread 0 is valid */
+        __syncthreads();
+        uniform = __syncthreads_and(!valid || kr == kr0);
+        if (uniform) {
+            unsigned long long s = am_block_sum(m);
+            if (threadIdx.x == 0 && s) atomicAdd(&a.row_matches[kr0], s);
+        } else {
+            unsigned mask = __ballot_sync(AM_FULL_MASK, valid);
+            if (valid) am_warp_add(mask, &a.row_matches[kr], (unsigned long long)kr, m);
         }
+        __syncthreads(); /* kr0 is rewritten next iteration */
     }
+    total = am_block_sum(total);
+    if (threadIdx.x == 0 && total) atomicAdd(&a.h->matches, total);
 }
 
 __global__ void __launch_bounds__(AM_CUDA_BLOCK)
 am_k_finish_flat(const am_ck_args a, int64_t n) {
+    unsigned long long total = 0;
     if (a.h->status != AM_OK) return;
     AM_GRID_LOOP(n) {
         int64_t t = t0 + threadIdx.x;
-        unsigned mask = __ballot_sync(AM_FULL_MASK, t < n);
-        if (t < n) {
-            unsigned m = am_ck_finish_flat(&a, t);
-            am_warp_add(mask, &a.h->matches, 0ull, m);
-        }
+        if (t < n) total += am_ck_finish_flat(&a, t);
     }
+    total = am_block_sum(total);
+    if (threadIdx.x == 0 && total) atomicAdd(&a.h->matches, total);
 }
 
 #endif /* AM_CUDA_KERNELS_CUH */

@@ -30,6 +30,11 @@ unsigned grid_for(int64_t n) {
     return (unsigned)(b < kMaxBlocks ? b : kMaxBlocks);
 }
 
+unsigned counter_grid(int64_t n) {
+    unsigned g = grid_for(n);
+    return g < AM_COUNTER_BLOCKS ? g : AM_COUNTER_BLOCKS;
+}
+
 template <int ID>
 void launch_elem(const am_ck_args &a, cudaStream_t s) {
     int64_t n = am_ck_threads(&a, ID);
@@ -58,15 +63,15 @@ void launch_plan(const am_ck_args &a, cudaStream_t s) {
     n = am_ck_threads(&a, AM_CK_COUNT);
     /* The flag is usually 0: one block reads it and exits; when set, the
      * grid-stride loop of few blocks covers the tensor. */
-    if (n > 0) am_k_count<<<grid_for(n) < 1024 ? grid_for(n) : 1024, AM_CUDA_BLOCK, 0, s>>>(a, n);
+    if (n > 0) am_k_count<<<counter_grid(n), AM_CUDA_BLOCK, 0, s>>>(a, n);
     launch_elem<AM_CK_DECIDE>(a, s);
     n = am_ck_threads(&a, AM_CK_AGREE);
-    if (n > 0) am_k_agree<<<grid_for(n), AM_CUDA_BLOCK, 0, s>>>(a, n);
+    if (n > 0) am_k_agree<<<counter_grid(n), AM_CUDA_BLOCK, 0, s>>>(a, n);
     launch_elem<AM_CK_BUMP>(a, s);
     launch_elem<AM_CK_APPLY>(a, s);
     launch_elem<AM_CK_COMMIT>(a, s);
     n = am_ck_threads(&a, AM_CK_FINISH_FLAT);
-    if (n > 0) am_k_finish_flat<<<grid_for(n), AM_CUDA_BLOCK, 0, s>>>(a, n);
+    if (n > 0) am_k_finish_flat<<<counter_grid(n), AM_CUDA_BLOCK, 0, s>>>(a, n);
     launch_elem<AM_CK_REPORT>(a, s);
 }
 

@@ -317,10 +317,33 @@ static void test_workspace_query(void **st) {
     assert_true(b > a && a > 0);
 }
 
+/* This test links the CPU-only library: its CUDA entry points must refuse
+ * with AM_ERR_UNSUPPORTED and touch nothing. */
+static void test_cpu_library_refuses_cuda(void **st) {
+    static const int64_t v[] = {5};
+    am_hparams hp = am_hparams_default();
+    am_rng_key key = {1, 1};
+    int n = -1;
+    int64_t step = 0;
+    pair q;
+    (void)st;
+    assert_int_equal(am_cuda_device_count(&n), AM_ERR_UNSUPPORTED);
+    assert_int_equal(n, 0);
+    pair_init(&q, 1, v, AM_DTYPE_FLOAT32, AM_DTYPE_FLOAT32);
+    fill_grad(&q, 1.0f);
+    assert_int_equal(am_update_cuda(&q.p_emu, &q.grad, &q.s_emu, &step, &hp, key,
+                                    q.ws_emu, q.ws_emu_bytes, NULL, NULL),
+                     AM_ERR_UNSUPPORTED);
+    assert_int_equal(step, 0);
+    assert_memory_equal(q.p_emu.data, q.p_cpu.data, 5 * sizeof(float));
+    pair_free(&q);
+}
+
 int main(void) {
     const char *env = getenv("AM_TEST_SEED");
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_workspace_query),
+        cmocka_unit_test(test_cpu_library_refuses_cuda),
         cmocka_unit_test(test_flat_sizes),
         cmocka_unit_test(test_matrices),
         cmocka_unit_test(test_nd),
