@@ -169,6 +169,14 @@ static inline int64_t am_ck_threads(const am_ck_args *a, int id) {
 
 /* ------------------------------------------------------- lane sums ----- */
 
+/* a / b for a, b >= 0: 32-bit division when both fit (a GPU divides 64-bit
+ * integers in software, several times slower). */
+AM_HD int64_t am_ck_div(int64_t a, int64_t b) {
+    if ((((uint64_t)a | (uint64_t)b) >> 32) == 0) return (int64_t)((uint32_t)a / (uint32_t)b);
+    return a / b;
+}
+
+
 /* One lane of one (row, column block) of the lanes kernels, thread t:
  * x = t / 8 is the (row, block) pair, t % 8 the lane. Returns the lane's
  * sequential float sum; 0 for the unused lanes of a short block. */
@@ -185,7 +193,7 @@ AM_HD float am_ck_lane(const am_ck_args *a, int id, int64_t t) {
             acc += u * u;
         }
     } else {
-        int64_t cb = x % a->ncb, r = x / a->ncb, base = r * a->C;
+        int64_t r = am_ck_div(x, a->ncb), cb = x - r * a->ncb, base = r * a->C;
         j0 = cb * AM_COL_BLOCK;
         j1 = j0 + AM_COL_BLOCK < a->C ? j0 + AM_COL_BLOCK : a->C;
         if (id == AM_CK_LANES_G2) {
@@ -195,7 +203,7 @@ AM_HD float am_ck_lane(const am_ck_args *a, int id, int64_t t) {
             }
         } else {
             const float rfr = a->rf[r];
-            const float *cfb = a->cf + (r / a->R) * a->C;
+            const float *cfb = a->cf + am_ck_div(r, a->R) * a->C;
             for (j = j0 + lane; j < j1; j += AM_LANES) {
                 float u = (rfr * cfb[j]) * am_load(a->g, a->gdt, base + j);
                 acc += u * u;
@@ -210,7 +218,7 @@ AM_HD void am_ck_lane_store(const am_ck_args *a, int id, int64_t x, float s) {
     if (id == AM_CK_LANES_FLAT) {
         a->tile_u2[x] = (double)s;
     } else {
-        int64_t cb = x % a->ncb, r = x / a->ncb, BR = a->B * a->R;
+        int64_t r = am_ck_div(x, a->ncb), cb = x - r * a->ncb, BR = a->B * a->R;
         if (id == AM_CK_LANES_G2) {
             if (a->ncb > 1) a->rowpart[cb * BR + r] = s;
             else a->row_sumsq[r] = s;
@@ -233,24 +241,50 @@ AM_HD uint32_t am_ck_word(const am_u32x4 *r, int64_t i) {
     return i == 0 ? r->v[0] : i == 1 ? r->v[1] : i == 2 ? r->v[2] : r->v[3];
 }
 
-/* Factored u of flat element f (SPEC 3.1 then 3.2), as ref_agree_rows. */
-AM_HD float am_ck_u(const am_ck_args *a, int64_t f, float scale) {
-    int64_t r = f / a->C, j = f - r * a->C;
-    float cfj = a->cf[(r / a->R) * a->C + j];
-    return ((a->rf[r] * cfj) * am_load(a->g, a->gdt, f)) / scale;
+/* Walks consecutive flat elements of a factored parameter, keeping the
+ * matrix row r, column j and the column-factor row base without dividing
+ * per element. */
+typedef struct am_ck_pos {
+    int64_t r, j;
+    const float *cfb; /* cf + (r / R) * C */
+} am_ck_pos;
+
+AM_HD am_ck_pos am_ck_pos_at(const am_ck_args *a, int64_t f) {
+    am_ck_pos p;
+    p.r = am_ck_div(f, a->C);
+    p.j = f - p.r * a->C;
+    p.cfb = a->cf + am_ck_div(p.r, a->R) * a->C;
+    return p;
+}
+
+AM_HD void am_ck_pos_next(const am_ck_args *a, am_ck_pos *p) {
+    if (++p->j == a->C) {
+        p->j = 0;
+        p->r++;
+        p->cfb = a->cf + am_ck_div(p->r, a->R) * a->C;
+    }
+}
+
+/* Factored u at pos p, gradient element f (SPEC 3.1 then 3.2), as
+ * ref_agree_rows and ref_apply_rows: ((rf[r] * cf[b, j]) * g) / scale. */
+AM_HD float am_ck_u(const am_ck_args *a, const am_ck_pos *p, int64_t f, float scale) {
+    return ((a->rf[p->r] * p->cfb[p->j]) * am_load(a->g, a->gdt, f)) / scale;
 }
 
 /* Polarity byte t of a factored parameter: the 8 (or fewer) elements of one
  * lr-row it covers. Writes the new byte, returns the number of matches and
  * the lr-row in *kr. */
 AM_HD unsigned am_ck_agree(const am_ck_args *a, int64_t t, int64_t *kr) {
-    int64_t row = t / a->pol_row_bytes, q0 = (t - row * a->pol_row_bytes) * 8;
-    int64_t q1 = q0 + 8 < a->m ? q0 + 8 : a->m, q;
+    int64_t row = am_ck_div(t, a->pol_row_bytes), q0 = (t - row * a->pol_row_bytes) * 8;
+    int64_t q1 = q0 + 8 < a->m ? q0 + 8 : a->m, q, f = row * a->m + q0;
     unsigned nb = 0, old = a->pol[t], mask = (1u << (unsigned)(q1 - q0)) - 1u;
     unsigned same, n = 0;
     float scale = a->h->scale;
-    for (q = q0; q < q1; q++)
-        nb |= (unsigned)(am_ck_u(a, row * a->m + q, scale) > 0.0f) << (q - q0);
+    am_ck_pos pos = am_ck_pos_at(a, f);
+    for (q = q0; q < q1; q++, f++) {
+        nb |= (unsigned)(am_ck_u(a, &pos, f, scale) > 0.0f) << (q - q0);
+        am_ck_pos_next(a, &pos);
+    }
     same = ~(nb ^ old) & mask;
     while (same) { n += same & 1u; same >>= 1; }
     a->pol[t] = (uint8_t)nb;
@@ -261,14 +295,18 @@ AM_HD unsigned am_ck_agree(const am_ck_args *a, int64_t t, int64_t *kr) {
 /* Elements 4t..4t+3 of a factored parameter (one Philox call). */
 AM_HD void am_ck_apply(const am_ck_args *a, int64_t t) {
     int64_t f0 = 4 * t, f1 = f0 + 4 < a->numel ? f0 + 4 : a->numel, f;
+    int64_t kr = am_ck_div(f0, a->m), qk = f0 - kr * a->m;
     am_u32x4 rnd = {{0, 0, 0, 0}};
     float scale = a->h->scale;
     int64_t step = *a->step;
+    am_ck_pos pos = am_ck_pos_at(a, f0);
     if (a->pdt != AM_DTYPE_FLOAT32) rnd = am_rng_quad(a->seed, a->param_id, step, t);
     for (f = f0; f < f1; f++) {
-        float u = am_ck_u(a, f, scale);
-        float v = am_apply(am_load(a->p, a->pdt, f), u, a->lr[f / a->m], a->k.wd);
+        float u = am_ck_u(a, &pos, f, scale);
+        float v = am_apply(am_load(a->p, a->pdt, f), u, a->lr[kr], a->k.wd);
         am_store_sr(a->p, a->pdt, f, v, am_ck_word(&rnd, f));
+        am_ck_pos_next(a, &pos);
+        if (++qk == a->m) { qk = 0; kr++; }
     }
 }
 
@@ -321,7 +359,8 @@ AM_HD void am_ck_elem(const am_ck_args *a, int id, int64_t t) {
         if (a->ndim >= 2 && t < a->lr_rows) a->row_matches[t] = 0;
         break;
     case AM_CK_COLS: {
-        int64_t rb = t / BC, y = t - rb * BC, b = y / a->C, j = y - b * a->C;
+        int64_t rb = am_ck_div(t, BC), y = t - rb * BC, b = am_ck_div(y, a->C);
+        int64_t j = y - b * a->C;
         int64_t i0 = rb * a->RB, i1 = i0 + a->RB < a->R ? i0 + a->RB : a->R;
         const int64_t base = b * a->R * a->C + j;
         float s = 0.0f;
@@ -366,7 +405,7 @@ AM_HD void am_ck_elem(const am_ck_args *a, int id, int64_t t) {
         break;
     }
     case AM_CK_RF:
-        a->rf[t] = am_rsqrt(a->new_row[t] / a->rmean[t / a->R]);
+        a->rf[t] = am_rsqrt(a->new_row[t] / a->rmean[am_ck_div(t, a->R)]);
         break;
     case AM_CK_TILE_U2: {
         int64_t cb = t % a->ncb, rb = (t / a->ncb) % a->nrb, b = t / (a->ncb * a->nrb);
