@@ -4,11 +4,13 @@ On a machine without a GPU only the first tests run (the CUDA library loads
 without a device and the errors name the device); the others skip with the
 reason. scripts/gpu_check.sh runs them all on a GPU.
 """
+import contextlib
 import importlib.util
 import os
 import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -53,6 +55,27 @@ def test_missing_library_names_the_device():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert "MSG" in out and "cuda:1" in out and "/nonexistent/x.so" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_without_a_device_the_update_fails_cleanly(monkeypatch):
+    # The whole marshalling path of _cuda.update_param down to the C call, on
+    # CPU tensors posing as CUDA ones: the first kernel launch fails (no
+    # device), the error quotes CUDA and nothing is modified.
+    if _cuda._load() is None:
+        pytest.skip(_cuda.unavailable_reason())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda d=None: types.SimpleNamespace(cuda_stream=0))
+    p = torch.nn.Parameter(torch.randn(4, 6))
+    opt = automagic.Automagic3([p], fused=False)
+    before = p.detach().clone()
+    p.grad = torch.randn(4, 6)
+    with pytest.raises(automagic.AutomagicError, match=r"CUDA update .* failed: .*CUDA error"):
+        _cuda.update_param(opt, p, opt.param_groups[0], automagic.AutomagicError)
+    assert torch.equal(p.detach(), before)
+    assert int(opt.state[p]["step"]) == 0
+    assert not opt.state[p]["polarity"].any()
 
 
 # -------------------------------------------------------------- GPU needed
