@@ -12,6 +12,11 @@ echo "== C library: configure, build, test"
 cmake -S . -B build/test -DCMAKE_BUILD_TYPE=RelWithDebInfo -DAM_WERROR="$WERROR" >/dev/null
 cmake --build build/test -j"$(nproc)"
 ctest --test-dir build/test --output-on-failure
+if [ -f build/test/libautomagic_cuda.so ]; then
+  echo "== CUDA code compiled (libautomagic_cuda.so); its GPU tests need a GPU (docs/CUDA.md)"
+else
+  echo "== nvcc not found: the CUDA code was NOT compiled"
+fi
 
 echo "== C library: ASan+UBSan, valgrind, TSan (AM_SANITIZERS=0 skips)"
 if [ "${AM_SANITIZERS:-1}" != 0 ]; then

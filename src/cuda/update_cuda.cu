@@ -61,8 +61,8 @@ void launch_plan(const am_ck_args &a, cudaStream_t s) {
     launch_lanes<AM_CK_LANES_FLAT>(a, s);
     launch_elem<AM_CK_SUM_U2>(a, s);
     n = am_ck_threads(&a, AM_CK_COUNT);
-    /* The flag is usually 0: one block reads it and exits; when set, the
-     * grid-stride loop of few blocks covers the tensor. */
+    /* The flag is usually 0: every block reads it and exits; when set, a
+     * grid-stride loop over at most AM_COUNTER_BLOCKS blocks counts. */
     if (n > 0) am_k_count<<<counter_grid(n), AM_CUDA_BLOCK, 0, s>>>(a, n);
     launch_elem<AM_CK_DECIDE>(a, s);
     n = am_ck_threads(&a, AM_CK_AGREE);
