@@ -118,17 +118,18 @@ typedef struct am_ck_args {
 enum {
     AM_CK_INIT = 0,        /* zero the header and per-lr-row counters */
     AM_CK_LANES_G2,        /* row lane sums of g*g       (lanes kernel) */
-    AM_CK_COLS,            /* column sums of g*g per row block */
-    AM_CK_COMBINE,         /* combine blocks, flag a non-finite row sum */
-    AM_CK_MOMENTS,         /* new row/col moments, column factors */
-    AM_CK_RMEAN,           /* mean of the new row moments per matrix */
-    AM_CK_RF,              /* row factors */
+    AM_CK_ROWS,            /* row sums, non-finite flag, new row moments */
+    AM_CK_COUNT_FAC,       /* count non-finite gradient elements if flagged */
+    AM_CK_COLS_RMEAN,      /* column sums of g*g per row block; in the first
+                              B threads, the mean of the new row moments */
+    AM_CK_COLS_FINAL,      /* column sums, new column moments, factors */
     AM_CK_LANES_U2,        /* row lane sums of u*u       (lanes kernel) */
     AM_CK_TILE_U2,         /* per-tile double sums of u*u */
     AM_CK_LANES_FLAT,      /* unfactored: tile lane sums (lanes kernel) */
-    AM_CK_SUM_U2,          /* total u*u; unfactored: flag if not finite */
-    AM_CK_COUNT,           /* count non-finite gradient elements if flagged */
-    AM_CK_DECIDE,          /* status and clip scale */
+    AM_CK_SUM_U2,          /* total u*u; factored: also DECIDE's work;
+                              unfactored: flag if not finite */
+    AM_CK_COUNT_FLAT,      /* as COUNT_FAC, for unfactored parameters */
+    AM_CK_DECIDE,          /* status and clip scale (unfactored) */
     AM_CK_AGREE,           /* new polarity bytes, matches per lr-row */
     AM_CK_BUMP,            /* agreement and lr bump per lr-row */
     AM_CK_APPLY,           /* parameter update, one quad of elements each */
@@ -146,17 +147,16 @@ static inline int64_t am_ck_threads(const am_ck_args *a, int id) {
     switch (id) {
     case AM_CK_INIT: return fac ? (a->lr_rows > 1 ? a->lr_rows : 1) : 1;
     case AM_CK_LANES_G2: return fac ? BR * a->ncb * AM_LANES : 0;
-    case AM_CK_COLS: return fac ? a->nrb * BC : 0;
-    case AM_CK_COMBINE: return fac ? mx : 0;
-    case AM_CK_MOMENTS: return fac ? mx : 0;
-    case AM_CK_RMEAN: return fac ? a->B : 0;
-    case AM_CK_RF: return fac ? BR : 0;
+    case AM_CK_ROWS: return fac ? BR : 0;
+    case AM_CK_COUNT_FAC: return fac ? a->numel : 0;
+    case AM_CK_COLS_RMEAN: return fac ? a->B + a->nrb * BC : 0;
+    case AM_CK_COLS_FINAL: return fac ? mx : 0;
     case AM_CK_LANES_U2: return fac ? BR * a->ncb * AM_LANES : 0;
     case AM_CK_TILE_U2: return fac ? a->ntiles : 0;
     case AM_CK_LANES_FLAT: return fac ? 0 : a->ntiles * AM_LANES;
     case AM_CK_SUM_U2: return 1;
-    case AM_CK_COUNT: return a->numel;
-    case AM_CK_DECIDE: return 1;
+    case AM_CK_COUNT_FLAT: return fac ? 0 : a->numel;
+    case AM_CK_DECIDE: return fac ? 0 : 1;
     case AM_CK_AGREE: return fac ? a->lr_rows * a->pol_row_bytes : 0;
     case AM_CK_BUMP: return fac ? a->lr_rows : 0;
     case AM_CK_APPLY: return fac ? (a->numel + 3) / 4 : 0;
@@ -168,6 +168,15 @@ static inline int64_t am_ck_threads(const am_ck_args *a, int id) {
 }
 
 /* ------------------------------------------------------- lane sums ----- */
+
+/* Unrolling a sequential chain keeps its order (the adds stay dependent) but
+ * lets the GPU issue the next loads before the adds: memory-level
+ * parallelism for the long chains the canonical order imposes. */
+#ifdef __CUDA_ARCH__
+#define AM_CK_UNROLL _Pragma("unroll 8")
+#else
+#define AM_CK_UNROLL
+#endif
 
 /* a / b for a, b >= 0: 32-bit division when both fit (a GPU divides 64-bit
  * integers in software, several times slower). */
@@ -186,6 +195,7 @@ AM_HD float am_ck_lane(const am_ck_args *a, int id, int64_t t) {
     if (id == AM_CK_LANES_FLAT) {
         j0 = x * AM_FLAT_CHUNK;
         j1 = j0 + AM_FLAT_CHUNK < a->numel ? j0 + AM_FLAT_CHUNK : a->numel;
+        AM_CK_UNROLL
         for (j = j0 + lane; j < j1; j += AM_LANES) {
             float v = am_load(a->g, a->gdt, j);
             float s = am_ema(a->sq[j], v * v, &a->k);
@@ -197,14 +207,16 @@ AM_HD float am_ck_lane(const am_ck_args *a, int id, int64_t t) {
         j0 = cb * AM_COL_BLOCK;
         j1 = j0 + AM_COL_BLOCK < a->C ? j0 + AM_COL_BLOCK : a->C;
         if (id == AM_CK_LANES_G2) {
-            for (j = j0 + lane; j < j1; j += AM_LANES) {
+            AM_CK_UNROLL
+        for (j = j0 + lane; j < j1; j += AM_LANES) {
                 float v = am_load(a->g, a->gdt, base + j);
                 acc += v * v;
             }
         } else {
             const float rfr = a->rf[r];
             const float *cfb = a->cf + am_ck_div(r, a->R) * a->C;
-            for (j = j0 + lane; j < j1; j += AM_LANES) {
+            AM_CK_UNROLL
+        for (j = j0 + lane; j < j1; j += AM_LANES) {
                 float u = (rfr * cfb[j]) * am_load(a->g, a->gdt, base + j);
                 acc += u * u;
             }
@@ -341,7 +353,22 @@ AM_HD unsigned am_ck_finish_flat(const am_ck_args *a, int64_t t) {
     return n;
 }
 
-/* Every kernel but the lanes ones, AGREE and FINISH_FLAT: thread t. Kernels
+/* The status of the update and the clip scale (SPEC 3.2, 6.2). */
+AM_HD void am_ck_decide(const am_ck_args *a) {
+    am_cuda_ws_header *h = a->h;
+    float norm, rms, scale;
+    if (h->nonfinite) { h->status = AM_SKIPPED_NONFINITE_GRAD; return; }
+    if (!isfinite(h->u2_sum)) { h->status = AM_SKIPPED_NONFINITE_UPDATE; return; }
+    /* In the reference's order: norm / sqrt(n) / clip, at least 1. */
+    norm = (float)sqrt(h->u2_sum);
+    rms = norm / (float)sqrt((double)a->numel);
+    scale = rms / a->k.clip;
+    if (!(scale >= 1.0f)) scale = 1.0f;
+    h->scale = scale;
+    h->status = AM_OK;
+}
+
+/* Every kernel but the lanes ones, COUNT_*, AGREE and FINISH_FLAT: thread t. Kernels
  * after DECIDE do nothing unless the status is AM_OK. */
 AM_HD void am_ck_elem(const am_ck_args *a, int id, int64_t t) {
     am_cuda_ws_header *h = a->h;
@@ -358,88 +385,79 @@ AM_HD void am_ck_elem(const am_ck_args *a, int id, int64_t t) {
         }
         if (a->ndim >= 2 && t < a->lr_rows) a->row_matches[t] = 0;
         break;
-    case AM_CK_COLS: {
-        int64_t rb = am_ck_div(t, BC), y = t - rb * BC, b = am_ck_div(y, a->C);
-        int64_t j = y - b * a->C;
-        int64_t i0 = rb * a->RB, i1 = i0 + a->RB < a->R ? i0 + a->RB : a->R;
-        const int64_t base = b * a->R * a->C + j;
-        float s = 0.0f;
-        for (i = i0; i < i1; i++) {
-            float v = am_load(a->g, a->gdt, base + i * a->C);
-            s += v * v;
+    case AM_CK_ROWS: {
+        float s = a->row_sumsq[t];
+        if (a->ncb > 1) {
+            s = a->rowpart[t];
+            for (p = 1; p < a->ncb; p++) s += a->rowpart[p * BR + t];
+            a->row_sumsq[t] = s;
         }
-        if (a->nrb > 1) a->colpart[rb * BC + y] = s;
-        else a->col_sumsq[y] = s;
+        /* A non-finite g makes its row's sum non-finite. */
+        if (!am_isfinite_f32(s)) h->flag = 1;
+        a->new_row[t] = am_ema(a->row[t], s / (float)a->C + a->k.eps, &a->k);
         break;
     }
-    case AM_CK_COMBINE:
-        if (t < BR) {
-            float s = a->row_sumsq[t];
-            if (a->ncb > 1) {
-                s = a->rowpart[t];
-                for (p = 1; p < a->ncb; p++) s += a->rowpart[p * BR + t];
-                a->row_sumsq[t] = s;
+    case AM_CK_COLS_RMEAN:
+        if (t < a->B) {
+            /* One sequential chain of R adds per matrix (the canonical
+             * order): it runs while the other threads stream the column
+             * sums, which hides most of its latency. */
+            float s = 0.0f;
+            AM_CK_UNROLL
+            for (i = 0; i < a->R; i++) s += a->new_row[t * a->R + i];
+            a->rmean[t] = s / (float)a->R;
+        } else {
+            int64_t c = t - a->B;
+            int64_t rb = am_ck_div(c, BC), y = c - rb * BC, b = am_ck_div(y, a->C);
+            int64_t j = y - b * a->C;
+            int64_t i0 = rb * a->RB, i1 = i0 + a->RB < a->R ? i0 + a->RB : a->R;
+            const int64_t base = b * a->R * a->C + j;
+            float s = 0.0f;
+            AM_CK_UNROLL
+            for (i = i0; i < i1; i++) {
+                float v = am_load(a->g, a->gdt, base + i * a->C);
+                s += v * v;
             }
-            /* A non-finite g makes its row's sum non-finite. */
-            if (!am_isfinite_f32(s)) h->flag = 1;
-        }
-        if (t < BC && a->nrb > 1) {
-            float s = a->colpart[t];
-            for (p = 1; p < a->nrb; p++) s += a->colpart[p * BC + t];
-            a->col_sumsq[t] = s;
+            if (a->nrb > 1) a->colpart[rb * BC + y] = s;
+            else a->col_sumsq[y] = s;
         }
         break;
-    case AM_CK_MOMENTS:
-        if (t < BR)
-            a->new_row[t] = am_ema(a->row[t], a->row_sumsq[t] / (float)a->C + a->k.eps, &a->k);
+    case AM_CK_COLS_FINAL:
         if (t < BC) {
-            float nc = am_ema(a->col[t], a->col_sumsq[t] / (float)a->R + a->k.eps, &a->k);
+            float s = a->col_sumsq[t], nc;
+            if (a->nrb > 1) {
+                s = a->colpart[t];
+                for (p = 1; p < a->nrb; p++) s += a->colpart[p * BC + t];
+                a->col_sumsq[t] = s;
+            }
+            nc = am_ema(a->col[t], s / (float)a->R + a->k.eps, &a->k);
             a->new_col[t] = nc;
             a->cf[t] = am_rsqrt(nc);
         }
-        break;
-    case AM_CK_RMEAN: {
-        float s = 0.0f;
-        for (i = 0; i < a->R; i++) s += a->new_row[t * a->R + i];
-        a->rmean[t] = s / (float)a->R;
-        break;
-    }
-    case AM_CK_RF:
-        a->rf[t] = am_rsqrt(a->new_row[t] / a->rmean[am_ck_div(t, a->R)]);
+        if (t < BR) a->rf[t] = am_rsqrt(a->new_row[t] / a->rmean[am_ck_div(t, a->R)]);
         break;
     case AM_CK_TILE_U2: {
         int64_t cb = t % a->ncb, rb = (t / a->ncb) % a->nrb, b = t / (a->ncb * a->nrb);
         int64_t i0 = rb * a->RB, i1 = i0 + a->RB < a->R ? i0 + a->RB : a->R;
         const double *src = a->rowu2 + cb * BR + b * a->R;
         double s = 0.0;
+        AM_CK_UNROLL
         for (i = i0; i < i1; i++) s += src[i];
         a->tile_u2[t] = s;
         break;
     }
     case AM_CK_SUM_U2: {
         double s = 0.0;
+        AM_CK_UNROLL
         for (i = 0; i < a->ntiles; i++) s += a->tile_u2[i];
         h->u2_sum = s;
-        if (a->ndim < 2 && !isfinite(s)) h->flag = 1;
+        if (a->ndim >= 2) am_ck_decide(a); /* non-finite elements already counted */
+        else if (!isfinite(s)) h->flag = 1;
         break;
     }
-    case AM_CK_COUNT:
-        /* Only reached with the flag set (the GPU wrapper and the emulation
-         * test it first); counts are integers, order-free. */
+    case AM_CK_DECIDE:
+        am_ck_decide(a);
         break;
-    case AM_CK_DECIDE: {
-        float norm, rms, scale;
-        if (h->nonfinite) { h->status = AM_SKIPPED_NONFINITE_GRAD; break; }
-        if (!isfinite(h->u2_sum)) { h->status = AM_SKIPPED_NONFINITE_UPDATE; break; }
-        /* SPEC 3.2, in the reference's order: norm / sqrt(n) / clip, >= 1. */
-        norm = (float)sqrt(h->u2_sum);
-        rms = norm / (float)sqrt((double)a->numel);
-        scale = rms / a->k.clip;
-        if (!(scale >= 1.0f)) scale = 1.0f;
-        h->scale = scale;
-        h->status = AM_OK;
-        break;
-    }
     case AM_CK_BUMP: {
         float ag;
         if (h->status != AM_OK) break;
@@ -473,7 +491,7 @@ AM_HD void am_ck_elem(const am_ck_args *a, int id, int64_t t) {
     }
 }
 
-/* Non-finite test of element t for AM_CK_COUNT. */
+/* Non-finite test of element t for AM_CK_COUNT_*. */
 AM_HD int am_ck_nonfinite(const am_ck_args *a, int64_t t) {
     return !am_isfinite_f32(am_load(a->g, a->gdt, t));
 }

@@ -47,23 +47,26 @@ void launch_lanes(const am_ck_args &a, cudaStream_t s) {
     if (n > 0) am_k_lanes<ID><<<grid_for(n), AM_CUDA_BLOCK, 0, s>>>(a, n);
 }
 
+/* The flag is usually 0: every block reads it and exits; when set, a
+ * grid-stride loop over at most AM_COUNTER_BLOCKS blocks counts. */
+void launch_count(const am_ck_args &a, int id, cudaStream_t s) {
+    int64_t n = am_ck_threads(&a, id);
+    if (n > 0) am_k_count<<<counter_grid(n), AM_CUDA_BLOCK, 0, s>>>(a, n);
+}
+
 /* The plan after AM_CK_INIT, in the order of the AM_CK_* ids. */
 void launch_plan(const am_ck_args &a, cudaStream_t s) {
     int64_t n;
     launch_lanes<AM_CK_LANES_G2>(a, s);
-    launch_elem<AM_CK_COLS>(a, s);
-    launch_elem<AM_CK_COMBINE>(a, s);
-    launch_elem<AM_CK_MOMENTS>(a, s);
-    launch_elem<AM_CK_RMEAN>(a, s);
-    launch_elem<AM_CK_RF>(a, s);
+    launch_elem<AM_CK_ROWS>(a, s);
+    launch_count(a, AM_CK_COUNT_FAC, s);
+    launch_elem<AM_CK_COLS_RMEAN>(a, s);
+    launch_elem<AM_CK_COLS_FINAL>(a, s);
     launch_lanes<AM_CK_LANES_U2>(a, s);
     launch_elem<AM_CK_TILE_U2>(a, s);
     launch_lanes<AM_CK_LANES_FLAT>(a, s);
     launch_elem<AM_CK_SUM_U2>(a, s);
-    n = am_ck_threads(&a, AM_CK_COUNT);
-    /* The flag is usually 0: every block reads it and exits; when set, a
-     * grid-stride loop over at most AM_COUNTER_BLOCKS blocks counts. */
-    if (n > 0) am_k_count<<<counter_grid(n), AM_CUDA_BLOCK, 0, s>>>(a, n);
+    launch_count(a, AM_CK_COUNT_FLAT, s);
     launch_elem<AM_CK_DECIDE>(a, s);
     n = am_ck_threads(&a, AM_CK_AGREE);
     if (n > 0) am_k_agree<<<counter_grid(n), AM_CUDA_BLOCK, 0, s>>>(a, n);

@@ -46,41 +46,52 @@ static void store(void *buf, am_dtype dt, int64_t i, float v) {
 
 /* --------------------------------------------------- the emulation ----- */
 
+/* Thread i of n in the order of this run: ascending, or descending when
+ * g_reverse is set. A GPU runs a kernel's threads in no particular order, so
+ * the results must not depend on it (no thread reads what another thread of
+ * the same kernel writes); running both orders checks that. */
+static int g_reverse;
+
+static int64_t order(int64_t i, int64_t n) { return g_reverse ? n - 1 - i : i; }
+
 static void emulate(const am_ck_args *a) {
     int id;
     for (id = 0; id < AM_CK_COUNT_IDS; id++) {
-        int64_t n = am_ck_threads(a, id), t;
+        int64_t n = am_ck_threads(a, id), i, t;
         switch (id) {
         case AM_CK_LANES_G2:
         case AM_CK_LANES_U2:
         case AM_CK_LANES_FLAT:
-            for (t = 0; t < n / AM_LANES; t++) {
+            for (i = 0; i < n / AM_LANES; i++) {
                 float part[AM_LANES];
                 int l;
+                t = order(i, n / AM_LANES);
                 for (l = 0; l < AM_LANES; l++)
                     part[l] = am_ck_lane(a, id, t * AM_LANES + l);
                 am_ck_lane_store(a, id, t, am_lanesum_finish(part));
             }
             break;
-        case AM_CK_COUNT:
+        case AM_CK_COUNT_FAC:
+        case AM_CK_COUNT_FLAT:
             if (a->h->flag)
-                for (t = 0; t < n; t++) a->h->nonfinite += (unsigned)am_ck_nonfinite(a, t);
+                for (i = 0; i < n; i++)
+                    a->h->nonfinite += (unsigned)am_ck_nonfinite(a, order(i, n));
             break;
         case AM_CK_AGREE:
             if (a->h->status != AM_OK) break;
-            for (t = 0; t < n; t++) {
+            for (i = 0; i < n; i++) {
                 int64_t kr;
-                unsigned m = am_ck_agree(a, t, &kr);
+                unsigned m = am_ck_agree(a, order(i, n), &kr);
                 a->row_matches[kr] += m;
                 a->h->matches += m;
             }
             break;
         case AM_CK_FINISH_FLAT:
             if (a->h->status != AM_OK) break;
-            for (t = 0; t < n; t++) a->h->matches += am_ck_finish_flat(a, t);
+            for (i = 0; i < n; i++) a->h->matches += am_ck_finish_flat(a, order(i, n));
             break;
         default:
-            for (t = 0; t < n; t++) am_ck_elem(a, id, t);
+            for (i = 0; i < n; i++) am_ck_elem(a, id, order(i, n));
         }
     }
 }
@@ -219,7 +230,8 @@ static void run_case(int ndim, const int64_t *dims, am_dtype pdt, am_dtype gdt,
     pair_init(&q, ndim, dims, pdt, gdt);
     for (s = 0; s < steps; s++) {
         /* Alternate small and large gradients so that the clip and both
-         * directions of the lr bump are exercised. */
+         * directions of the lr bump are exercised; alternate thread orders. */
+        g_reverse = s & 1;
         fill_grad(&q, (s & 1) ? 3.0f : 1e-3f);
         pair_step(&q, &hp, key, AM_OK);
     }
