@@ -91,6 +91,14 @@ static inline am_cuda_layout am_cuda_layout_of(const am_geom *g) {
 
 /* --------------------------------------------------------- arguments --- */
 
+/* lr-rows of AM_CK_FUSE_MIN..AM_CK_FUSE_MAX elements are finished one per
+ * block (AM_CK_ROW_FINISH): the row's gradient, read twice, stays in L1/L2
+ * between the reads (8192 float32 = 32 KiB; a thousand such blocks in flight
+ * fit an H200's L2), and shorter rows would leave most of a block idle.
+ * Tuning choices, not format ones: results do not depend on them. */
+#define AM_CK_FUSE_MIN 512
+#define AM_CK_FUSE_MAX 8192
+
 /* Everything every kernel reads, passed by value to each launch. Pointers
  * are device pointers on the GPU, host pointers in the emulation. */
 typedef struct am_ck_args {
@@ -109,6 +117,7 @@ typedef struct am_ck_args {
     unsigned long long *row_matches;
     int64_t numel, lr_rows, m, B, R, C, RB, nrb, ncb, ntiles, pol_row_bytes;
     int32_t ndim, pdt, gdt;
+    int32_t fuse_rows;    /* ROW_FINISH instead of AGREE, BUMP, APPLY */
     uint32_t param_id;
     uint64_t seed;
     am_consts k;
@@ -133,6 +142,9 @@ enum {
     AM_CK_AGREE,           /* new polarity bytes, matches per lr-row */
     AM_CK_BUMP,            /* agreement and lr bump per lr-row */
     AM_CK_APPLY,           /* parameter update, one quad of elements each */
+    AM_CK_ROW_FINISH,      /* lr-rows of at most AM_CK_FUSE_MAX elements:
+                              AGREE, BUMP and APPLY of one lr-row per block,
+                              its second read of g served by the caches */
     AM_CK_COMMIT,          /* new row/col moments into the state */
     AM_CK_FINISH_FLAT,     /* unfactored finish, one polarity byte each */
     AM_CK_REPORT,          /* report and step */
@@ -157,9 +169,10 @@ static inline int64_t am_ck_threads(const am_ck_args *a, int id) {
     case AM_CK_SUM_U2: return 1;
     case AM_CK_COUNT_FLAT: return fac ? 0 : a->numel;
     case AM_CK_DECIDE: return fac ? 0 : 1;
-    case AM_CK_AGREE: return fac ? a->lr_rows * a->pol_row_bytes : 0;
-    case AM_CK_BUMP: return fac ? a->lr_rows : 0;
-    case AM_CK_APPLY: return fac ? (a->numel + 3) / 4 : 0;
+    case AM_CK_AGREE: return fac && !a->fuse_rows ? a->lr_rows * a->pol_row_bytes : 0;
+    case AM_CK_BUMP: return fac && !a->fuse_rows ? a->lr_rows : 0;
+    case AM_CK_APPLY: return fac && !a->fuse_rows ? (a->numel + 3) / 4 : 0;
+    case AM_CK_ROW_FINISH: return fac && a->fuse_rows ? a->lr_rows : 0;
     case AM_CK_COMMIT: return fac ? mx : 0;
     case AM_CK_FINISH_FLAT: return fac ? 0 : (a->numel + 7) / 8;
     case AM_CK_REPORT: return 1;
@@ -304,9 +317,10 @@ AM_HD unsigned am_ck_agree(const am_ck_args *a, int64_t t, int64_t *kr) {
     return n;
 }
 
-/* Elements 4t..4t+3 of a factored parameter (one Philox call). */
-AM_HD void am_ck_apply(const am_ck_args *a, int64_t t) {
-    int64_t f0 = 4 * t, f1 = f0 + 4 < a->numel ? f0 + 4 : a->numel, f;
+/* Elements [max(4t, lo), min(4t + 4, hi)) of a factored parameter (one
+ * Philox call for the quad). */
+AM_HD void am_ck_apply_range(const am_ck_args *a, int64_t t, int64_t lo, int64_t hi) {
+    int64_t f0 = 4 * t > lo ? 4 * t : lo, f1 = 4 * t + 4 < hi ? 4 * t + 4 : hi, f;
     int64_t kr = am_ck_div(f0, a->m), qk = f0 - kr * a->m;
     am_u32x4 rnd = {{0, 0, 0, 0}};
     float scale = a->h->scale;
@@ -320,6 +334,13 @@ AM_HD void am_ck_apply(const am_ck_args *a, int64_t t) {
         am_ck_pos_next(a, &pos);
         if (++qk == a->m) { qk = 0; kr++; }
     }
+}
+
+/* Agreement of lr-row kr from its matches, and its lr bump (SPEC 3.3-3.4). */
+AM_HD void am_ck_bump(const am_ck_args *a, int64_t kr, unsigned long long matches) {
+    float ag = (float)matches / (float)a->m;
+    a->agree[kr] = ag;
+    if (*a->step > 0) a->lr[kr] = am_lr_bump(a->lr[kr], ag, &a->k);
 }
 
 /* Unfactored finish of polarity byte t (elements 8t..8t+7), as
@@ -458,16 +479,11 @@ AM_HD void am_ck_elem(const am_ck_args *a, int id, int64_t t) {
     case AM_CK_DECIDE:
         am_ck_decide(a);
         break;
-    case AM_CK_BUMP: {
-        float ag;
-        if (h->status != AM_OK) break;
-        ag = (float)a->row_matches[t] / (float)a->m;
-        a->agree[t] = ag;
-        if (*a->step > 0) a->lr[t] = am_lr_bump(a->lr[t], ag, &a->k);
+    case AM_CK_BUMP:
+        if (h->status == AM_OK) am_ck_bump(a, t, a->row_matches[t]);
         break;
-    }
     case AM_CK_APPLY:
-        if (h->status == AM_OK) am_ck_apply(a, t);
+        if (h->status == AM_OK) am_ck_apply_range(a, t, 0, a->numel);
         break;
     case AM_CK_COMMIT:
         if (h->status != AM_OK) break;
@@ -549,6 +565,7 @@ static inline void am_ck_args_init(am_ck_args *a, const am_geom *g,
     a->ntiles = g->ntiles;
     a->pol_row_bytes = g->pol_row_bytes;
     a->ndim = g->ndim;
+    a->fuse_rows = g->ndim >= 2 && g->m >= AM_CK_FUSE_MIN && g->m <= AM_CK_FUSE_MAX;
     a->param_id = key.param_id;
     a->seed = key.seed;
     a->k = am_consts_from(hp);

@@ -114,6 +114,30 @@ am_k_agree(const am_ck_args a, int64_t n) {
     if (threadIdx.x == 0 && total) atomicAdd(&a.h->matches, total);
 }
 
+/* One lr-row per block (grid-stride over lr-rows): the agreement of the row
+ * (block sum of matches), its lr bump by thread 0, then its quads. */
+__global__ void __launch_bounds__(AM_CUDA_BLOCK)
+am_k_row_finish(const am_ck_args a, int64_t n) {
+    unsigned long long total = 0;
+    if (a.h->status != AM_OK) return;
+    for (int64_t kr = blockIdx.x; kr < n; kr += gridDim.x) {
+        const int64_t b0 = kr * a.pol_row_bytes, b1 = b0 + a.pol_row_bytes;
+        const int64_t lo = kr * a.m, hi = lo + a.m;
+        unsigned long long mt = 0, s;
+        int64_t t, dummy;
+        for (t = b0 + threadIdx.x; t < b1; t += blockDim.x) mt += am_ck_agree(&a, t, &dummy);
+        s = am_block_sum(mt);
+        if (threadIdx.x == 0) {
+            total += s;
+            am_ck_bump(&a, kr, s);
+        }
+        __syncthreads(); /* the bumped lr[kr] is visible to the block */
+        for (t = lo / 4 + threadIdx.x; 4 * t < hi; t += blockDim.x)
+            am_ck_apply_range(&a, t, lo, hi);
+    }
+    if (threadIdx.x == 0 && total) atomicAdd(&a.h->matches, total);
+}
+
 __global__ void __launch_bounds__(AM_CUDA_BLOCK)
 am_k_finish_flat(const am_ck_args a, int64_t n) {
     unsigned long long total = 0;

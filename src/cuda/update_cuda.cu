@@ -72,6 +72,9 @@ void launch_plan(const am_ck_args &a, cudaStream_t s) {
     if (n > 0) am_k_agree<<<counter_grid(n), AM_CUDA_BLOCK, 0, s>>>(a, n);
     launch_elem<AM_CK_BUMP>(a, s);
     launch_elem<AM_CK_APPLY>(a, s);
+    n = am_ck_threads(&a, AM_CK_ROW_FINISH);
+    if (n > 0)
+        am_k_row_finish<<<(unsigned)(n < kMaxBlocks ? n : kMaxBlocks), AM_CUDA_BLOCK, 0, s>>>(a, n);
     launch_elem<AM_CK_COMMIT>(a, s);
     n = am_ck_threads(&a, AM_CK_FINISH_FLAT);
     if (n > 0) am_k_finish_flat<<<counter_grid(n), AM_CUDA_BLOCK, 0, s>>>(a, n);

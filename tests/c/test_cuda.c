@@ -217,8 +217,11 @@ static const am_dtype kDt[3] = {AM_DTYPE_FLOAT32, AM_DTYPE_BFLOAT16, AM_DTYPE_FL
 
 static void test_shapes(void **st) {
     static const int64_t flat[] = {1, 3, 8, 17, 65, 1023, 4097, 2 * 16384 + 5};
+    /* lr-rows of 1 to 70000 elements: both finish paths (one block per
+     * lr-row for 512..8192 elements, separate kernels otherwise). */
     static const int64_t mats[][2] = {{1, 1}, {3, 5}, {65, 33}, {1, 40000}, {200, 3},
-                                      {129, 17}, {2, 16385}, {1000, 1}, {300, 70000}};
+                                      {129, 17}, {2, 16385}, {1000, 1}, {300, 70000},
+                                      {3, 1501}, {2000, 4096}, {9, 512}, {4, 8193}};
     static const int64_t s4[] = {10, 5, 4, 3}, s3[] = {7, 1, 300};
     size_t i;
     int d;

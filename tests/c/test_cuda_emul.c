@@ -86,6 +86,22 @@ static void emulate(const am_ck_args *a) {
                 a->h->matches += m;
             }
             break;
+        case AM_CK_ROW_FINISH:
+            /* One block per lr-row on the GPU: agreement of the row, its
+             * bump, then its quads (those straddling the row's ends only
+             * for the row's own elements). */
+            if (a->h->status != AM_OK) break;
+            for (i = 0; i < n; i++) {
+                int64_t kr = order(i, n), b, q, dummy;
+                int64_t lo = kr * a->m, hi = lo + a->m;
+                unsigned long long mt = 0;
+                for (b = 0; b < a->pol_row_bytes; b++)
+                    mt += am_ck_agree(a, kr * a->pol_row_bytes + b, &dummy);
+                a->h->matches += mt;
+                am_ck_bump(a, kr, mt);
+                for (q = lo / 4; 4 * q < hi; q++) am_ck_apply_range(a, q, lo, hi);
+            }
+            break;
         case AM_CK_FINISH_FLAT:
             if (a->h->status != AM_OK) break;
             for (i = 0; i < n; i++) a->h->matches += am_ck_finish_flat(a, order(i, n));
@@ -256,8 +272,11 @@ static void test_flat_sizes(void **st) {
 }
 
 static void test_matrices(void **st) {
+    /* lr-rows from 1 to 40000 elements: both finish paths (one block per
+     * lr-row for 512..8192 elements, separate kernels otherwise). */
     static const int64_t shapes[][2] = {{1, 1}, {3, 5}, {7, 9}, {65, 33}, {1, 40000},
-                                        {200, 3}, {129, 17}, {2, 16385}, {1000, 1}};
+                                        {200, 3}, {129, 17}, {2, 16385}, {1000, 1},
+                                        {3, 1501}, {5, 8192}, {9, 512}, {4, 8193}};
     size_t i;
     int d;
     (void)st;
@@ -268,7 +287,7 @@ static void test_matrices(void **st) {
 
 static void test_nd(void **st) {
     static const int64_t s3[] = {4, 5, 6}, s4[] = {10, 5, 4, 3}, s4b[] = {2, 3, 1, 7},
-                         s5[] = {3, 1, 2, 70, 5};
+                         s5[] = {3, 1, 2, 70, 5}, s4c[] = {3, 2, 41, 30};
     int d;
     (void)st;
     for (d = 0; d < 3; d++) {
@@ -276,6 +295,7 @@ static void test_nd(void **st) {
         run_case(4, s4, kDt[d], kDt[d], 0.1, 3);
         run_case(4, s4b, kDt[d], kDt[(d + 1) % 3], 0.0, 3);
         run_case(5, s5, kDt[d], kDt[d], 0.0, 2);
+        run_case(4, s4c, kDt[d], kDt[(d + 2) % 3], 0.1, 3); /* lr-rows of 2460 */
     }
 }
 
