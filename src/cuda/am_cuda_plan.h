@@ -206,6 +206,9 @@ AM_HD float am_ck_lane(const am_ck_args *a, int id, int64_t t) {
     int64_t x = t >> 3, lane = t & 7, j, j0, j1;
     float acc = 0.0f;
     if (id == AM_CK_LANES_FLAT) {
+        /* As ref_u2_flat: a new sq that is not finite (g*g overflowed) makes
+         * the sum NaN, so that the update is skipped. */
+        int ovf = 0;
         j0 = x * AM_FLAT_CHUNK;
         j1 = j0 + AM_FLAT_CHUNK < a->numel ? j0 + AM_FLAT_CHUNK : a->numel;
         AM_CK_UNROLL
@@ -213,8 +216,10 @@ AM_HD float am_ck_lane(const am_ck_args *a, int id, int64_t t) {
             float v = am_load(a->g, a->gdt, j);
             float s = am_ema(a->sq[j], v * v, &a->k);
             float u = am_rsqrt(s + a->k.eps) * v;
+            ovf |= !am_isfinite_f32(s);
             acc += u * u;
         }
+        if (ovf) acc = am_bits_f32(0x7fc00000u); /* NaN */
     } else {
         int64_t r = am_ck_div(x, a->ncb), cb = x - r * a->ncb, base = r * a->C;
         j0 = cb * AM_COL_BLOCK;

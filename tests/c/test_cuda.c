@@ -253,6 +253,10 @@ static void test_skips(void **st) {
         CU(cudaMemcpy(q.g_dev.data, q.g_cpu.data, (size_t)q.sz.numel * 4, cudaMemcpyHostToDevice));
         both_step(&q, &hp, key, AM_SKIPPED_NONFINITE_GRAD, 0);
         fill_grad(&q, 1.0f);
+        ((float *)q.g_cpu.data)[3] = 3e30f; /* finite, its square is not */
+        CU(cudaMemcpy(q.g_dev.data, q.g_cpu.data, (size_t)q.sz.numel * 4, cudaMemcpyHostToDevice));
+        both_step(&q, &hp, key, AM_SKIPPED_NONFINITE_UPDATE, 0);
+        fill_grad(&q, 1.0f);
         both_step(&q, &hp, key, AM_OK, 0);
         pair_free(&q);
     }
