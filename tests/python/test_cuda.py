@@ -170,9 +170,10 @@ def test_cuda_tracks_the_reference_on_cuda():
     for po, pr in zip(ours, refs):
         diff = (po.detach() - pr.detach()).norm() / pr.detach().norm().clamp(min=1e-30)
         assert diff < 1e-5, (po.shape, float(diff))
-        # The reference's exp runs in float32 on the GPU, ours in double:
-        # the lrs agree to an ulp or so, not bit for bit.
-        assert torch.allclose(oo.state[po]["lr"], orf.state[pr]["lr"], rtol=1e-6,
+        # The reference's exp runs in float32 (not always correctly rounded),
+        # ours in double: the lrs drift apart by up to an ulp per bump (the
+        # CPU comparison in test_reference measured 1.2e-6 after 100 steps).
+        assert torch.allclose(oo.state[po]["lr"], orf.state[pr]["lr"], rtol=1e-5,
                               atol=0), po.shape
 
 
