@@ -85,15 +85,16 @@ def unavailable_reason() -> str:
 
 
 class _Buffers:
-    """Per (device, stream) scratch: the workspace, the report, the skip count."""
+    """Per (device, stream) scratch: the workspace and the device-side report."""
 
     def __init__(self, device):
         self.ws = torch.empty(0, dtype=torch.uint8, device=device)
         self.report = torch.zeros(_REPORT_BYTES, dtype=torch.uint8, device=device)
-        self.skips = torch.zeros((), dtype=torch.int64, device=device)
 
 
 def _buffers(opt, device, stream, nbytes):
+    # Keyed by stream: updates queued on different streams may run at once,
+    # so they must not share a workspace.
     table = opt.__dict__.setdefault("_am_cuda_buffers", {})
     key = (device.index, stream.cuda_stream)
     buf = table.get(key)
@@ -106,11 +107,22 @@ def _buffers(opt, device, stream, nbytes):
     return buf
 
 
+def _skips(opt, device):
+    # Keyed by device only, so that a count made in an eager warm-up step
+    # survives a later CUDA-graph capture on another stream (a counter
+    # created inside a capture would be re-zeroed by every replay).
+    table = opt.__dict__.setdefault("_am_cuda_skips", {})
+    t = table.get(device.index)
+    if t is None:
+        t = table[device.index] = torch.zeros((), dtype=torch.int64, device=device)
+    return t
+
+
 def nonfinite_skips(opt) -> int:
     """Updates of CUDA parameters skipped for a non-finite gradient or update
     (synchronises with the devices that hold the counts)."""
-    table = opt.__dict__.get("_am_cuda_buffers", {})
-    return int(sum(int(b.skips.item()) for b in table.values()))
+    table = opt.__dict__.get("_am_cuda_skips", {})
+    return int(sum(int(t.item()) for t in table.values()))
 
 
 def update_param(opt, p: torch.Tensor, group: dict, error_cls) -> None:
@@ -178,7 +190,7 @@ def update_param(opt, p: torch.Tensor, group: dict, error_cls) -> None:
                                             _lib.last_message()
                                             or lib.am_status_string(status).decode()))
         # Count skipped updates on the device, in stream order (no sync).
-        buf.skips.add_(buf.report[:4].view(torch.int32)[0].ne(0))
+        _skips(opt, p.device).add_(buf.report[:4].view(torch.int32)[0].ne(0))
         if target is not p:
             p.copy_(target)
     p.grad = None
