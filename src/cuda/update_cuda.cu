@@ -13,6 +13,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <mutex>
+
 #include <cuda_runtime.h>
 
 extern "C" {
@@ -79,6 +81,47 @@ void launch_plan(const am_ck_args &a, cudaStream_t s) {
     n = am_ck_threads(&a, AM_CK_FINISH_FLAT);
     if (n > 0) am_k_finish_flat<<<counter_grid(n), AM_CUDA_BLOCK, 0, s>>>(a, n);
     launch_elem<AM_CK_REPORT>(a, s);
+}
+
+/* With lazy module loading (the CUDA 12+ default) a kernel is loaded at its
+ * first launch. Loading them all at the first update of the process keeps a
+ * later CUDA-graph capture from being the first launch of, say, the other
+ * finish path. Per process, for the device current at that first call;
+ * failures are left to the launches to report. */
+template <int ID> void touch_elem() {
+    cudaFuncAttributes fa;
+    (void)cudaFuncGetAttributes(&fa, am_k_elem<ID>);
+}
+
+template <int ID> void touch_lanes() {
+    cudaFuncAttributes fa;
+    (void)cudaFuncGetAttributes(&fa, am_k_lanes<ID>);
+}
+
+void preload_kernels() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        cudaFuncAttributes fa;
+        touch_elem<AM_CK_INIT>();
+        touch_lanes<AM_CK_LANES_G2>();
+        touch_elem<AM_CK_ROWS>();
+        touch_elem<AM_CK_COLS_RMEAN>();
+        touch_elem<AM_CK_COLS_FINAL>();
+        touch_lanes<AM_CK_LANES_U2>();
+        touch_elem<AM_CK_TILE_U2>();
+        touch_lanes<AM_CK_LANES_FLAT>();
+        touch_elem<AM_CK_SUM_U2>();
+        touch_elem<AM_CK_DECIDE>();
+        touch_elem<AM_CK_BUMP>();
+        touch_elem<AM_CK_APPLY>();
+        touch_elem<AM_CK_COMMIT>();
+        touch_elem<AM_CK_REPORT>();
+        (void)cudaFuncGetAttributes(&fa, am_k_count);
+        (void)cudaFuncGetAttributes(&fa, am_k_agree);
+        (void)cudaFuncGetAttributes(&fa, am_k_row_finish);
+        (void)cudaFuncGetAttributes(&fa, am_k_finish_flat);
+        (void)cudaGetLastError();
+    });
 }
 
 am_status device_error(cudaError_t e, const char *what) {
@@ -168,6 +211,7 @@ am_status am_update_cuda(const am_tensor *param, const am_tensor *grad,
     AM_RETURN_IF(workspace_bytes < need, AM_ERR_BUFFER_SIZE,
                  "am_update_cuda: workspace: %zu bytes given, %zu needed",
                  workspace_bytes, need);
+    preload_kernels();
     /* Errors of this library's earlier calls must not be reported as ours. */
     (void)cudaGetLastError();
     if (g.numel == 0) {
