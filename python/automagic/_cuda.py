@@ -125,27 +125,26 @@ def nonfinite_skips(opt) -> int:
     return int(sum(int(t.item()) for t in table.values()))
 
 
+def library_present() -> bool:
+    """True when libautomagic_cuda.so is there (not loaded, no device needed)."""
+    return os.path.exists(_library_path())
+
+
 def update_param(opt, p: torch.Tensor, group: dict, error_cls) -> None:
-    """Queues the update of CUDA parameter p from p.grad; sets p.grad = None."""
-    from .optim import _DTYPES, _hparams, _shape
+    """Queues the update of CUDA parameter p from p.grad; sets p.grad = None.
+
+    Mirrors the CPU path of Automagic3._update_param, except that whether the
+    update was applied is known on the device only: lr_schedule="scale" is
+    undone on the device, skips are counted there, and nonfinite="raise"
+    synchronises to read the status (the only case that does)."""
+    from .optim import NonFiniteGradientError, _DTYPES, _hparams, _shape
 
     lib = _load()
     if lib is None:
         raise error_cls("Automagic3: parameter on device '%s': %s" % (p.device, _load_error))
     grad = p.grad
-    if grad.is_sparse:
-        raise error_cls("Automagic3 does not support sparse gradients.")
-    if p.dtype not in _DTYPES or grad.dtype not in _DTYPES:
-        raise error_cls("Automagic3: parameter dtype %s / gradient dtype %s: only float32, "
-                        "bfloat16 and float16 are supported" % (p.dtype, grad.dtype))
-    if grad.shape != p.shape:
-        raise error_cls("Automagic3: gradient shape %s differs from the parameter's %s"
-                        % (tuple(grad.shape), tuple(p.shape)))
-    if grad.device != p.device:
-        raise error_cls("Automagic3: gradient on %s, parameter on %s" % (grad.device, p.device))
-    if p.dim() > _lib.AM_MAX_DIMS:
-        raise error_cls("Automagic3: %d-D parameters are not supported (at most %d dims)"
-                        % (p.dim(), _lib.AM_MAX_DIMS))
+    opt._check(p, grad)
+    scale = opt._lr_scale(group)
     state = opt.state[p]
     if len(state) == 0:
         state = opt._init_state(p, group)
@@ -153,7 +152,7 @@ def update_param(opt, p: torch.Tensor, group: dict, error_cls) -> None:
         t = state.get(name)
         if t is not None and t.device != p.device:
             # e.g. a checkpoint loaded on the CPU: moved once.
-            state[name] = t = t.to(p.device)
+            state[name] = t.to(p.device)
     step = state["step"]
     if not (isinstance(step, torch.Tensor) and step.device == p.device
             and step.dtype == torch.int64):
@@ -162,7 +161,9 @@ def update_param(opt, p: torch.Tensor, group: dict, error_cls) -> None:
     with torch.cuda.device(p.device):
         stream = torch.cuda.current_stream(p.device)
         grad = grad.contiguous()
-        target = p if p.is_contiguous() else p.contiguous()
+        # scale 0: the state advances but the parameter must not move (as on
+        # the CPU, the update goes to a copy that is dropped).
+        target = p if p.is_contiguous() and scale != 0.0 else p.contiguous().clone()
         shape = _shape(p)
         need = ctypes.c_size_t(0)
         lib.am_cuda_workspace_bytes(ctypes.byref(shape), ctypes.byref(need))
@@ -178,19 +179,45 @@ def update_param(opt, p: torch.Tensor, group: dict, error_cls) -> None:
         else:
             st.sq = state["exp_avg_sq"].data_ptr()
         hp = _hparams(group)
-        key = _lib.RngKey(opt.seed, opt._param_ids[p] & 0xFFFFFFFF)
+        lr_before = None
+        if scale not in (0.0, 1.0):
+            # As the CPU path: the schedule scales the applied lr and the
+            # clamp bounds; the stored lr is divided back (on the device,
+            # only when the update was applied).
+            hp.min_lr *= scale
+            hp.max_lr *= scale
+            lr_before = state["lr"].clone()
+            state["lr"].mul_(scale)
+        key = _lib.RngKey(opt.seed, opt._param_index[p] & 0xFFFFFFFF)
         _lib.clear_message()
         status = lib.am_update_cuda(ctypes.byref(pt), ctypes.byref(gt), ctypes.byref(st),
                                     step.data_ptr(), ctypes.byref(hp), key,
                                     buf.ws.data_ptr(), buf.ws.numel(),
                                     stream.cuda_stream, buf.report.data_ptr())
         if status < 0:
+            if lr_before is not None:
+                state["lr"].copy_(lr_before)
             raise error_cls("Automagic3: CUDA update of a parameter of shape %s on %s "
                             "failed: %s" % (tuple(p.shape), p.device,
                                             _lib.last_message()
                                             or lib.am_status_string(status).decode()))
+        dev_status = buf.report[:4].view(torch.int32)[0]
+        if lr_before is not None:
+            # A 0-D device divisor: true division, as the CPU's div_.
+            div = torch.tensor(scale, dtype=torch.float32, device=p.device)
+            state["lr"].copy_(torch.where(dev_status == 0, state["lr"] / div, lr_before))
+        if opt.nonfinite == "raise":
+            code = int(dev_status.item())  # synchronises: raise mode only
+            if code != _lib.OK:
+                raise NonFiniteGradientError(
+                    "Automagic3: %s for a parameter of shape %s on %s; parameter and "
+                    "state are unchanged, p.grad kept"
+                    % (_lib.status_string(code), tuple(p.shape), p.device))
         # Count skipped updates on the device, in stream order (no sync).
-        _skips(opt, p.device).add_(buf.report[:4].view(torch.int32)[0].ne(0))
-        if target is not p:
+        _skips(opt, p.device).add_(dev_status.ne(0))
+        if target is not p and scale != 0.0:
             p.copy_(target)
+        # The memory may have changed behind autograd's back (the host does
+        # not know whether the update was applied, so always).
+        torch.autograd.graph.increment_version(p)
     p.grad = None

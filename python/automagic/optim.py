@@ -13,15 +13,16 @@ from typing import List, Optional
 
 import torch
 
-from . import _lib
+from . import _cuda, _lib
 from ._checkpoint import CheckpointError, prepare_load
 from ._fused import BackwardSteps
 
 _DTYPES = {torch.float32: _lib.DTYPE_FLOAT32, torch.bfloat16: _lib.DTYPE_BFLOAT16,
            torch.float16: _lib.DTYPE_FLOAT16}
 
-# Device types _update_param can hand to libautomagic.
-_SUPPORTED_DEVICE_TYPES = ("cpu",)
+# Device types _update_param can hand to libautomagic ("cuda": issue 7, when
+# libautomagic_cuda.so is installed; see _cuda.py).
+_SUPPORTED_DEVICE_TYPES = ("cpu", "cuda") if _cuda.library_present() else ("cpu",)
 
 # hp.lr is validated by C but not used by an update (the per-row lrs live in
 # the state), so every call passes this valid constant.
@@ -362,7 +363,6 @@ class Automagic3(torch.optim.Optimizer):
             return
         grad = p.grad
         if p.device.type == "cuda":  # CUDA path (issue 7): python/automagic/_cuda.py
-            from . import _cuda
             _cuda.update_param(self, p, group, AutomagicError)
             return
         self._check(p, grad)

@@ -131,6 +131,40 @@ def test_nonfinite_gradient_is_skipped_on_the_device():
 
 
 @needs_gpu
+def test_lr_schedule_scale_matches_the_cpu():
+    torch.manual_seed(0)
+    shapes = [(40, 30), (17,)]
+    cpu = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    gpu = [torch.nn.Parameter(p.detach().clone().cuda()) for p in cpu]
+    kw = dict(lr=1e-3, seed=4, fused=False, lr_schedule="scale")
+    oc, og = automagic.Automagic3(cpu, **kw), automagic.Automagic3(gpu, **kw)
+    for k, grads in enumerate(_grads(shapes, 4, seed=6)):
+        for o in (oc, og):
+            o.param_groups[0]["lr"] = 1e-3 * (0.5 ** k)  # what a scheduler does
+        for pc, pg, g in zip(cpu, gpu, grads):
+            pc.grad, pg.grad = g, g.cuda()
+        oc.step()
+        og.step()
+    for pc, pg in zip(cpu, gpu):
+        assert torch.equal(pc.detach(), pg.detach().cpu())
+        assert torch.equal(oc.state[pc]["lr"], og.state[pg]["lr"].cpu())
+
+
+@needs_gpu
+def test_nonfinite_raise_mode_on_cuda():
+    p = torch.nn.Parameter(torch.randn(6, 5, device="cuda"))
+    opt = automagic.Automagic3([p], fused=False, nonfinite="raise")
+    before = p.detach().clone()
+    g = torch.randn(6, 5, device="cuda")
+    g[0, 0] = float("inf")
+    p.grad = g
+    with pytest.raises(automagic.NonFiniteGradientError, match="cuda"):
+        opt.step()
+    assert torch.equal(p.detach(), before)
+    assert p.grad is not None
+
+
+@needs_gpu
 def test_fused_backward_on_cuda():
     torch.manual_seed(0)
     m = torch.nn.Linear(64, 32).cuda()
