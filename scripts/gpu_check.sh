@@ -6,6 +6,7 @@
 # limit; the whole script stays under about 8 minutes on an H200.
 #
 # Usage: scripts/gpu_check.sh OUT_DIR      (from anywhere; needs no network)
+#        GPU_CHECK_PACK=1 scripts/gpu_check.sh OUT_DIR   (logs in logs.tar.gz)
 # Writes to OUT_DIR: summary.txt (one line per stage: ok / FAILED / skipped,
 # seconds), nvidia-smi.txt, build.log, ctest.log, bench_c.jsonl, bench_c.txt,
 # bench_c.png, pytest.log, bench_python.{json,png,log}.
@@ -100,7 +101,10 @@ fi
 $PY - "$OUT" <<'EOF' >> "$OUT/summary.txt" 2>&1 || true
 import json, os, sys
 out = sys.argv[1]
-rows = [json.loads(l) for l in open(os.path.join(out, "bench_c.jsonl")) if '"case"' in l]
+path = os.path.join(out, "bench_c.jsonl")
+rows = [json.loads(l) for l in open(path) if '"case"' in l] if os.path.exists(path) else []
+if not rows:
+    sys.exit(0)
 for r in rows:
     if r["numel"] >= 1 << 24:
         print("bandwidth %-22s %-8s %5.1f%% of copy (target 70%%)"
@@ -122,6 +126,13 @@ ax.legend()
 fig.tight_layout()
 fig.savefig(os.path.join(out, "bench_c.png"), dpi=120)
 EOF
+
+# GPU_CHECK_PACK=1: at most 6 files in OUT_DIR (for tools that fetch only a
+# few files back): the logs go into logs.tar.gz.
+if [ "${GPU_CHECK_PACK:-0}" = 1 ]; then
+  (cd "$OUT" && ls *.log bench_c.txt nvidia-smi.txt 2>/dev/null | xargs tar czf logs.tar.gz &&
+   ls *.log bench_c.txt nvidia-smi.txt 2>/dev/null | xargs rm -f)
+fi
 
 echo "== summary ($OUT/summary.txt)"
 cat "$OUT/summary.txt"
