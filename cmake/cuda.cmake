@@ -48,6 +48,8 @@ if(AM_CUDA)
     CUDA_VISIBILITY_PRESET hidden
     C_VISIBILITY_PRESET hidden
     VERSION ${PROJECT_VERSION} SOVERSION ${PROJECT_VERSION_MAJOR})
+  # The checkpoint code of the CPU objects needs cJSON and zlib.
+  target_link_libraries(automagic_cuda PRIVATE PkgConfig::AM_CJSON ZLIB::ZLIB)
   if(AM_LIBM)
     target_link_libraries(automagic_cuda PUBLIC ${AM_LIBM})
   endif()

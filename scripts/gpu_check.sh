@@ -44,17 +44,25 @@ stage() {
   return $rc
 }
 
-# The C tests need cmocka and pkg-config; a GPU machine without network gets
-# them from .deps/ (scripts/gpu_prepare.sh), unpacked under /tmp.
-if ! pkg-config --exists cmocka 2>/dev/null && ls .deps/*.deb >/dev/null 2>&1; then
+# The build needs cJSON and zlib's headers, the C tests cmocka, CMake
+# pkg-config; a GPU machine without network gets those it lacks from .deps/
+# (scripts/gpu_prepare.sh), unpacked under /tmp.
+CMAKE_EXTRA=()
+if ! { pkg-config --exists cmocka && pkg-config --exists libcjson && [ -f /usr/include/zlib.h ]; } 2>/dev/null \
+   && ls .deps/*.deb >/dev/null 2>&1; then
   D=/tmp/am_deps
   for f in .deps/*.deb; do dpkg-deb -x "$f" "$D" 2>/dev/null || dpkg -x "$f" "$D"; done
+  L=$D/usr/lib/x86_64-linux-gnu
   mkdir -p "$D/pc"
   printf 'Name: cmocka\nDescription: cmocka\nVersion: 1.1.5\nLibs: -L%s -lcmocka\nCflags: -I%s\n' \
-    "$D/usr/lib/x86_64-linux-gnu" "$D/usr/include" > "$D/pc/cmocka.pc"
+    "$L" "$D/usr/include" > "$D/pc/cmocka.pc"
+  printf 'Name: libcjson\nDescription: cJSON\nVersion: 1.7.15\nLibs: -L%s -lcjson\nCflags: -I%s -I%s/cjson\n' \
+    "$L" "$D/usr/include" "$D/usr/include" > "$D/pc/libcjson.pc"
+  ln -sf "$D/lib/x86_64-linux-gnu/libz.so.1" "$L/libz.so" # the deb's link is absolute
   export PATH="$D/usr/bin:$PATH" PKG_CONFIG_PATH="$D/pc${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
-  export LD_LIBRARY_PATH="$D/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  echo "deps: cmocka/pkg-config unpacked from .deps into $D" | tee -a "$OUT/summary.txt"
+  export LD_LIBRARY_PATH="$L:$D/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  [ -f /usr/include/zlib.h ] || CMAKE_EXTRA=(-DZLIB_INCLUDE_DIR="$D/usr/include" -DZLIB_LIBRARY="$L/libz.so")
+  echo "deps: cmocka/cJSON/zlib/pkg-config unpacked from .deps into $D" | tee -a "$OUT/summary.txt"
 fi
 # The reference class beside the repository, as the tests expect it.
 if [ ! -f ../shared/reference/automagic3.py ] && [ -f .deps/reference/automagic3.py ]; then
@@ -66,8 +74,9 @@ echo "GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=cs
   | tee -a "$OUT/summary.txt"
 
 export OUT BUILD JOBS PY
+export CMAKE_EXTRA_ARGS="${CMAKE_EXTRA[*]}"
 if ! stage build 150 build.log \
-  'cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DAM_CUDA=ON -DAM_WERROR=ON &&
+  'cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DAM_CUDA=ON -DAM_WERROR=ON $CMAKE_EXTRA_ARGS &&
    cmake --build "$BUILD" -j"$JOBS"'; then
   echo "build failed: nothing else can run" | tee -a "$OUT/summary.txt"
   exit 1
