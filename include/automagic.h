@@ -494,7 +494,8 @@ AM_API am_status am_cuda_device_count(int *count);
  * step        : device pointer to the parameter's int64 step count. The
  *               kernels read it (it keys the noise and gates the lr bump) and
  *               increment it when the update is applied, so the host never
- *               has to know whether a step was skipped.
+ *               has to know whether a step was skipped. Being on the device,
+ *               it is not checked (am_update refuses step < 0 or INT64_MAX).
  * hp, key     : as am_update (hp is read on the host, at call time).
  * workspace, workspace_bytes : device scratch of at least
  *               am_cuda_workspace_bytes(); may be shared by updates queued on
