@@ -15,7 +15,7 @@ if [ -n "$missing" ]; then
 fi
 PY=${PYTHON:-python3}
 # torch==2.13.0 is a CPU build (a newer or unpinned torch is a multi-GB CUDA download).
-if ! out=$($PY -m pip install -q --disable-pip-version-check torch==2.13.0 pytest numpy matplotlib safetensors 2>&1); then
+if ! out=$($PY -m pip install -q --disable-pip-version-check torch==2.13.0 pytest numpy matplotlib safetensors pytest-timeout 2>&1); then
   echo "$out" >&2
   echo "setup_env.sh: pip install failed" >&2
   exit 1
