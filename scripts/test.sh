@@ -26,6 +26,10 @@ else
 fi
 
 echo "== Python package: install, test"
-$PY -m pip install -q --disable-pip-version-check . 2>&1 | grep -v "as the 'root' user" || true
+if ! out=$($PY -m pip install -q --disable-pip-version-check . 2>&1); then
+  echo "$out" >&2
+  echo "test.sh: pip install . failed" >&2
+  exit 1
+fi
 # A hung test fails after 15 minutes instead of stalling CI (pytest-timeout).
 $PY -m pytest -q --timeout=900 tests/python
