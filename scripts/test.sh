@@ -25,6 +25,9 @@ else
   echo "SKIPPED: sanitizer and valgrind runs (AM_SANITIZERS=0)"
 fi
 
+echo "== C library: install, then build a program against it (pkg-config, CMake)"
+bash tests/install/check_install.sh
+
 echo "== Python package: install, test"
 if ! out=$($PY -m pip install -q --disable-pip-version-check . 2>&1); then
   echo "$out" >&2
