@@ -1,34 +1,96 @@
 /*
- * dispatch.c — the kernel table in use and the parallel-for seam.
+ * dispatch.c — which kernel set runs, how many threads, and am_parallel_for.
  *
- * The table starts as the scalar reference; optimised kernel sets override
- * slots once the CPU has been checked (none yet: see the Speed issue). The
- * environment variable AUTOMAGIC_FORCE_SCALAR=1 keeps the reference;
- * AUTOMAGIC_DEBUG=1 logs the chosen set through the log callback.
+ * Kernel choice, once per process (pthread_once, so thread-safe): the AVX2 +
+ * F16C set when the library was built with it, cpuid reports AVX2, FMA, F16C
+ * and POPCNT, and the OS saves the ymm registers (OSXSAVE + XGETBV); the
+ * scalar reference otherwise. AUTOMAGIC_FORCE_SCALAR=1 keeps the reference;
+ * AUTOMAGIC_DEBUG=1 logs the chosen set (and why) through the log callback.
+ * FMA is required only as the marker of the Haswell-class feature set the
+ * kernels are tuned for; the kernels themselves never fuse (SPEC 5).
+ *
+ * Threads: am_parallel_for runs serially below AM_PAR_MIN_BYTES of work
+ * (measured: see docs/PERFORMANCE.md) and on the pool (parallel.c) above.
  */
-#include "internal.h"
+#define _POSIX_C_SOURCE 200809L
+#include "simd.h"
 
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
+#include <unistd.h>
 
-static am_kernels g_table;
-static int g_table_ready;
-static int g_num_threads = 1;
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 
-static void choose_table(void) {
+/* Work (bytes touched, as estimated by the caller) below which one thread
+ * is faster than waking the pool. */
+#define AM_PAR_MIN_BYTES (256.0 * 1024.0)
+
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+static const am_kernels *g_best;            /* best the CPU supports */
+static const am_kernels *_Atomic g_current; /* in use */
+static atomic_int g_num_threads = 1;
+
+#if defined(__x86_64__) || defined(__i386__)
+static unsigned long long xgetbv0(void) {
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return ((unsigned long long)hi << 32) | lo;
+}
+
+static int detect_avx2(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    /* FMA(12) POPCNT(23) OSXSAVE(27) AVX(28) F16C(29) */
+    if ((c & (1u << 12 | 1u << 23 | 1u << 27 | 1u << 28 | 1u << 29)) !=
+        (1u << 12 | 1u << 23 | 1u << 27 | 1u << 28 | 1u << 29))
+        return 0;
+    if ((xgetbv0() & 6u) != 6u) return 0; /* OS saves xmm and ymm */
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    return (b >> 5) & 1u; /* AVX2 */
+}
+#else
+static int detect_avx2(void) { return 0; }
+#endif
+
+static int g_has_avx2;
+
+static void choose(void) {
+    const char *force = getenv("AUTOMAGIC_FORCE_SCALAR");
     const char *dbg = getenv("AUTOMAGIC_DEBUG");
-    g_table = am_kernels_ref;
+    const char *why = "no optimised kernels for this CPU";
+    g_has_avx2 = detect_avx2();
+    g_best = &am_kernels_ref;
+    if (am_kernels_avx2() == NULL) why = "library built without AVX2 kernels";
+    else if (g_has_avx2) {
+        g_best = am_kernels_avx2();
+        why = "CPU and OS support AVX2, FMA, F16C";
+    }
+    atomic_store(&g_current, g_best);
+    if (force && force[0] == '1') {
+        atomic_store(&g_current, &am_kernels_ref);
+        why = "AUTOMAGIC_FORCE_SCALAR=1";
+    }
     if (dbg && dbg[0] == '1')
-        am_log(AM_LOG_INFO, "automagic: using %s kernels", g_table.name);
+        am_log(AM_LOG_INFO, "automagic: using %s kernels (%s)",
+               atomic_load(&g_current)->name, why);
+}
+
+int am_cpu_has_avx2(void) {
+    pthread_once(&g_once, choose);
+    return g_has_avx2;
 }
 
 const am_kernels *am_kernels_get(void) {
-    /* Benign race: every thread computes the same table. Replaced by a
-     * once-guard when optimised kernels arrive. */
-    if (!g_table_ready) {
-        choose_table();
-        g_table_ready = 1;
-    }
-    return &g_table;
+    pthread_once(&g_once, choose);
+    return atomic_load(&g_current);
+}
+
+void am_kernels_select(int force_scalar) {
+    pthread_once(&g_once, choose);
+    atomic_store(&g_current, force_scalar ? &am_kernels_ref : g_best);
 }
 
 const char *am_kernel_name(void) { return am_kernels_get()->name; }
@@ -36,15 +98,23 @@ const char *am_kernel_name(void) { return am_kernels_get()->name; }
 am_status am_set_num_threads(int n) {
     AM_RETURN_IF(n < 0, AM_ERR_INVALID_ARGUMENT,
                  "am_set_num_threads: n = %d must be >= 0", n);
-    g_num_threads = n == 0 ? 1 : n;
+    if (n == 0) {
+        long online = sysconf(_SC_NPROCESSORS_ONLN);
+        n = online >= 1 ? (int)online : 1;
+    }
+    atomic_store(&g_num_threads, n);
     return AM_OK;
 }
 
-int am_get_num_threads(void) { return g_num_threads; }
+int am_get_num_threads(void) { return atomic_load(&g_num_threads); }
 
 void am_parallel_for(int64_t ntasks, double cost_per_task, am_task_fn fn,
                      void *ctx) {
     int64_t t;
-    (void)cost_per_task;
+    int n = atomic_load(&g_num_threads);
+    if (n > 1 && ntasks > 1 && cost_per_task * (double)ntasks >= AM_PAR_MIN_BYTES) {
+        if (n > ntasks) n = (int)ntasks;
+        if (am_pool_run(n, ntasks, fn, ctx)) return;
+    }
     for (t = 0; t < ntasks; t++) fn(ctx, t);
 }

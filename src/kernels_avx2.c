@@ -1,0 +1,510 @@
+/*
+ * kernels_avx2.c — AVX2 + F16C kernels, bit-identical to kernels_ref.c.
+ *
+ * How the bits stay identical:
+ *   - every lane sum keeps the reference's 8 lanes: a 256-bit vector holds
+ *     lanes 0..7 of the span, element j of a span in lane (j - j0) % 8, and
+ *     the tail (< 8 elements) is added to the stored lanes in scalar code
+ *     before am_lanesum_finish combines them in the canonical order;
+ *   - column sums are vectorised across columns, each column still summed
+ *     over rows in ascending order;
+ *   - no fused multiply-add (the file is built with -mavx2 -mf16c only, and
+ *     -ffp-contract=off), IEEE sqrt/div (1/sqrt is am_rsqrt, not rsqrt_ps);
+ *   - conversions: bf16 widening is a shift, F16C's half->float is exact,
+ *     stochastic rounding adds the same Philox words (SPEC 5) and falls back
+ *     to am_sr_f16 per lane outside the normal half range.
+ * Per-element dtypes are compile-time constants inside each kernel body
+ * (always-inlined bodies behind a switch), so the inner loops do not branch.
+ * Built only for x86-64; dispatch.c checks the CPU before using it.
+ */
+#include "simd.h"
+
+#if defined(__x86_64__) && defined(__AVX2__) && defined(__F16C__)
+
+#include <immintrin.h>
+
+#define AM_INLINE static inline __attribute__((always_inline))
+
+/* ------------------------------------------------------ loads/stores ---- */
+
+/* Elements i..i+7 of a float32/bfloat16/float16 buffer as float32. */
+AM_INLINE __m256 ld8(const void *base, const int dt, int64_t i) {
+    __m128i h;
+    if (dt == AM_DTYPE_FLOAT32) return _mm256_loadu_ps((const float *)base + i);
+    h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
+    if (dt == AM_DTYPE_BFLOAT16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+/* Stores v into elements i..i+7, stochastically rounded with rnd (one
+ * word per element) for 16-bit types; same bits as am_store_sr. */
+AM_INLINE void st8(void *base, const int dt, int64_t i, __m256 v, __m256i rnd) {
+    __m256i b, ab, r;
+    if (dt == AM_DTYPE_FLOAT32) {
+        _mm256_storeu_ps((float *)base + i, v);
+        return;
+    }
+    b = _mm256_castps_si256(v);
+    ab = _mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff));
+    if (dt == AM_DTYPE_BFLOAT16) {
+        /* finite: (b + rnd16) >> 16; inf: b >> 16; NaN: (b >> 16) | 0x40 */
+        __m256i special = _mm256_cmpgt_epi32(ab, _mm256_set1_epi32(0x7f7fffff));
+        __m256i isnan = _mm256_cmpgt_epi32(ab, _mm256_set1_epi32(0x7f800000));
+        __m256i sp = _mm256_or_si256(_mm256_srli_epi32(b, 16),
+                                     _mm256_and_si256(isnan, _mm256_set1_epi32(0x40)));
+        r = _mm256_add_epi32(b, _mm256_and_si256(rnd, _mm256_set1_epi32(0xffff)));
+        r = _mm256_blendv_epi8(_mm256_srli_epi32(r, 16), sp, special);
+        _mm_storeu_si128((__m128i *)((uint16_t *)base + i),
+                         _mm_packus_epi32(_mm256_castsi256_si128(r),
+                                          _mm256_extracti128_si256(r, 1)));
+    } else {
+        /* Normal half range: add 13 random bits, truncate, then the value is
+         * on the half grid and F16C's round-to-nearest converts it exactly
+         * (or overflows to inf exactly as am_f32_to_f16_rne does). */
+        __m256i sign = _mm256_andnot_si256(_mm256_set1_epi32(0x7fffffff), b);
+        __m256i t = _mm256_add_epi32(ab, _mm256_and_si256(rnd, _mm256_set1_epi32(0x1fff)));
+        __m256i bad = _mm256_or_si256(
+            _mm256_cmpgt_epi32(_mm256_set1_epi32(0x38800000), ab),
+            _mm256_cmpgt_epi32(ab, _mm256_set1_epi32(0x7f7fffff)));
+        __m128i h;
+        t = _mm256_or_si256(_mm256_and_si256(t, _mm256_set1_epi32(~0x1fff)), sign);
+        h = _mm256_cvtps_ph(_mm256_castsi256_ps(t), _MM_FROUND_TO_NEAREST_INT);
+        if (!_mm256_testz_si256(bad, bad)) {
+            /* Rare: half subnormals, zeros, inf, NaN — the scalar rule. */
+            uint16_t hv[8];
+            float vf[8];
+            uint32_t rv[8], bv[8];
+            int l;
+            _mm_storeu_si128((__m128i *)hv, h);
+            _mm256_storeu_ps(vf, v);
+            _mm256_storeu_si256((__m256i *)rv, rnd);
+            _mm256_storeu_si256((__m256i *)bv, bad);
+            for (l = 0; l < 8; l++)
+                if (bv[l]) hv[l] = am_sr_f16(vf[l], rv[l]);
+            h = _mm_loadu_si128((const __m128i *)hv);
+        }
+        _mm_storeu_si128((__m128i *)((uint16_t *)base + i), h);
+    }
+}
+
+/* ------------------------------------------------------------ Philox ---- */
+
+/* am_rng_quad for quads q0..q0+7, written as 32 words: out[4k + w] is word w
+ * of quad q0 + k. Eight Philox4x32-10 instances, one per 32-bit lane. */
+static void philox8(uint64_t seed, uint32_t pid, int64_t step, int64_t q0,
+                    uint32_t *out) {
+    uint32_t lo[8], hi[8];
+    uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+    const __m256i M0 = _mm256_set1_epi32((int)0xD2511F53u);
+    const __m256i M1 = _mm256_set1_epi32((int)0xCD9E8D57u);
+    __m256i c0, c1, c2, c3, t0, t1, t2, t3, u0, u1, u2, u3;
+    int k, r;
+    for (k = 0; k < 8; k++) {
+        uint64_t q = (uint64_t)q0 + (uint64_t)k;
+        lo[k] = (uint32_t)q;
+        hi[k] = (uint32_t)(q >> 32);
+    }
+    c0 = _mm256_loadu_si256((const __m256i *)lo);
+    c1 = _mm256_loadu_si256((const __m256i *)hi);
+    c2 = _mm256_set1_epi32((int)pid);
+    c3 = _mm256_set1_epi32((int)(uint32_t)(uint64_t)step);
+    for (r = 0; r < 10; r++) {
+        /* 32x32->64 products of the even and odd lanes, split into lo/hi */
+        __m256i pe0 = _mm256_mul_epu32(c0, M0);
+        __m256i po0 = _mm256_mul_epu32(_mm256_srli_epi64(c0, 32), M0);
+        __m256i pe1 = _mm256_mul_epu32(c2, M1);
+        __m256i po1 = _mm256_mul_epu32(_mm256_srli_epi64(c2, 32), M1);
+        __m256i lo0 = _mm256_blend_epi32(pe0, _mm256_slli_epi64(po0, 32), 0xAA);
+        __m256i hi0 = _mm256_blend_epi32(_mm256_srli_epi64(pe0, 32), po0, 0xAA);
+        __m256i lo1 = _mm256_blend_epi32(pe1, _mm256_slli_epi64(po1, 32), 0xAA);
+        __m256i hi1 = _mm256_blend_epi32(_mm256_srli_epi64(pe1, 32), po1, 0xAA);
+        __m256i n0 = _mm256_xor_si256(_mm256_xor_si256(hi1, c1), _mm256_set1_epi32((int)k0));
+        __m256i n2 = _mm256_xor_si256(_mm256_xor_si256(hi0, c3), _mm256_set1_epi32((int)k1));
+        c0 = n0;
+        c1 = lo1;
+        c2 = n2;
+        c3 = lo0;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    /* 4x8 transpose: lane k of c0..c3 becomes words 4k..4k+3 */
+    t0 = _mm256_unpacklo_epi32(c0, c1);
+    t1 = _mm256_unpackhi_epi32(c0, c1);
+    t2 = _mm256_unpacklo_epi32(c2, c3);
+    t3 = _mm256_unpackhi_epi32(c2, c3);
+    u0 = _mm256_unpacklo_epi64(t0, t2); /* quads 0 | 4 */
+    u1 = _mm256_unpackhi_epi64(t0, t2); /* quads 1 | 5 */
+    u2 = _mm256_unpacklo_epi64(t1, t3); /* quads 2 | 6 */
+    u3 = _mm256_unpackhi_epi64(t1, t3); /* quads 3 | 7 */
+    _mm256_storeu_si256((__m256i *)out, _mm256_permute2x128_si256(u0, u1, 0x20));
+    _mm256_storeu_si256((__m256i *)(out + 8), _mm256_permute2x128_si256(u2, u3, 0x20));
+    _mm256_storeu_si256((__m256i *)(out + 16), _mm256_permute2x128_si256(u0, u1, 0x31));
+    _mm256_storeu_si256((__m256i *)(out + 24), _mm256_permute2x128_si256(u2, u3, 0x31));
+}
+
+/* A window of random words for flat element indices [4*q0, 4*q0 + 64). */
+typedef struct rngwin {
+    uint64_t seed;
+    uint32_t pid;
+    int64_t step, q0;
+    int valid;
+    uint32_t w[64];
+} rngwin;
+
+/* The words of elements f..f+7 (regenerating the window when needed). */
+AM_INLINE __m256i rnd8(rngwin *w, int64_t f) {
+    if (!w->valid || f < 4 * w->q0 || f + 8 > 4 * w->q0 + 64) {
+        w->q0 = f >> 2;
+        philox8(w->seed, w->pid, w->step, w->q0, w->w);
+        philox8(w->seed, w->pid, w->step, w->q0 + 8, w->w + 32);
+        w->valid = 1;
+    }
+    return _mm256_loadu_si256((const __m256i *)(w->w + (f - 4 * w->q0)));
+}
+
+static void rng_init(rngwin *w, uint64_t seed, uint32_t pid, int64_t step) {
+    w->seed = seed;
+    w->pid = pid;
+    w->step = step;
+    w->q0 = 0;
+    w->valid = 0;
+}
+
+/* -------------------------------------------------- polarity writer ---- */
+
+/* Appends bits to a packed bit array (bit 0 of a byte first), counting how
+ * many equal the bits they replace. Bits past the end are left untouched. */
+typedef struct bitw {
+    uint8_t *p;
+    uint64_t buf;
+    int n;
+    int64_t matches;
+} bitw;
+
+AM_INLINE void bw_put(bitw *w, uint32_t bits, int k) {
+    w->buf |= (uint64_t)bits << w->n;
+    w->n += k;
+    if (w->n >= 8) {
+        uint8_t nb = (uint8_t)w->buf, ob = *w->p;
+        w->matches += 8 - __builtin_popcount((unsigned)(nb ^ ob));
+        *w->p++ = nb;
+        w->buf >>= 8;
+        w->n -= 8;
+    }
+}
+
+static void bw_flush(bitw *w) {
+    if (w->n > 0) {
+        uint8_t mask = (uint8_t)((1u << w->n) - 1u), ob = *w->p;
+        w->matches += w->n - __builtin_popcount((unsigned)((w->buf ^ ob) & mask));
+        *w->p = (uint8_t)((ob & ~mask) | (w->buf & mask));
+        w->n = 0;
+    }
+}
+
+/* ------------------------------------------------------------ stats ---- */
+
+AM_INLINE void stats_body(const void *g, const int gdt, int64_t C, int64_t i0,
+                          int64_t i1, int64_t j0, int64_t j1, float *rowpart,
+                          float *colpart) {
+    int64_t n = j1 - j0, nv = n & ~(int64_t)7, i, j;
+    for (j = 0; j < n; j++) colpart[j] = 0.0f;
+    for (i = i0; i < i1; i++) {
+        const int64_t base = i * C + j0;
+        __m256 acc = _mm256_setzero_ps();
+        float a[AM_LANES];
+        for (j = 0; j < nv; j += 8) {
+            __m256 x = ld8(g, gdt, base + j);
+            __m256 x2 = _mm256_mul_ps(x, x);
+            acc = _mm256_add_ps(acc, x2);
+            _mm256_storeu_ps(colpart + j, _mm256_add_ps(_mm256_loadu_ps(colpart + j), x2));
+        }
+        _mm256_storeu_ps(a, acc);
+        for (; j < n; j++) {
+            float x = am_load(g, gdt, base + j), x2 = x * x;
+            a[j & 7] += x2;
+            colpart[j] += x2;
+        }
+        rowpart[i - i0] = am_lanesum_finish(a);
+    }
+}
+
+static void avx2_stats_tile(const void *g, int gdt, int64_t C, int64_t i0,
+                            int64_t i1, int64_t j0, int64_t j1, float *rowpart,
+                            float *colpart) {
+    switch (gdt) {
+    case AM_DTYPE_FLOAT32: stats_body(g, 0, C, i0, i1, j0, j1, rowpart, colpart); break;
+    case AM_DTYPE_BFLOAT16: stats_body(g, 1, C, i0, i1, j0, j1, rowpart, colpart); break;
+    default: stats_body(g, 2, C, i0, i1, j0, j1, rowpart, colpart); break;
+    }
+}
+
+AM_INLINE double u2_tile_body(const void *g, const int gdt, int64_t C,
+                              int64_t i0, int64_t i1, int64_t j0, int64_t j1,
+                              const float *rf, const float *cf) {
+    int64_t n = j1 - j0, nv = n & ~(int64_t)7, i, j;
+    const float *cfj = cf + j0;
+    double total = 0.0;
+    for (i = i0; i < i1; i++) {
+        const int64_t base = i * C + j0;
+        const __m256 rfv = _mm256_set1_ps(rf[i]);
+        __m256 acc = _mm256_setzero_ps();
+        float a[AM_LANES];
+        for (j = 0; j < nv; j += 8) {
+            __m256 u = _mm256_mul_ps(_mm256_mul_ps(rfv, _mm256_loadu_ps(cfj + j)),
+                                     ld8(g, gdt, base + j));
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(u, u));
+        }
+        _mm256_storeu_ps(a, acc);
+        for (; j < n; j++) {
+            float u = (rf[i] * cfj[j]) * am_load(g, gdt, base + j);
+            a[j & 7] += u * u;
+        }
+        total += (double)am_lanesum_finish(a);
+    }
+    return total;
+}
+
+static double avx2_u2_tile(const void *g, int gdt, int64_t C, int64_t i0,
+                           int64_t i1, int64_t j0, int64_t j1, const float *rf,
+                           const float *cf) {
+    switch (gdt) {
+    case AM_DTYPE_FLOAT32: return u2_tile_body(g, 0, C, i0, i1, j0, j1, rf, cf);
+    case AM_DTYPE_BFLOAT16: return u2_tile_body(g, 1, C, i0, i1, j0, j1, rf, cf);
+    default: return u2_tile_body(g, 2, C, i0, i1, j0, j1, rf, cf);
+    }
+}
+
+/* u = rsqrt(ema(sq, g*g) + eps) * g, lanes as the reference. */
+AM_INLINE __m256 flat_u(__m256 x, __m256 sqv, const am_consts *k, __m256 *vout) {
+    __m256 v = _mm256_add_ps(_mm256_mul_ps(sqv, _mm256_set1_ps(k->beta2)),
+                             _mm256_mul_ps(_mm256_mul_ps(x, x),
+                                           _mm256_set1_ps(k->one_m_beta2)));
+    __m256 r = _mm256_div_ps(_mm256_set1_ps(1.0f),
+                             _mm256_sqrt_ps(_mm256_add_ps(v, _mm256_set1_ps(k->eps))));
+    *vout = v;
+    return _mm256_mul_ps(r, x);
+}
+
+AM_INLINE double u2_flat_body(const void *g, const int gdt, const float *sq,
+                              int64_t e0, int64_t e1, const am_consts *k) {
+    __m256 acc = _mm256_setzero_ps(), v;
+    float a[AM_LANES];
+    int64_t e = e0;
+    for (; e + 8 <= e1; e += 8) {
+        __m256 u = flat_u(ld8(g, gdt, e), _mm256_loadu_ps(sq + e), k, &v);
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(u, u));
+    }
+    _mm256_storeu_ps(a, acc);
+    for (; e < e1; e++) {
+        float x = am_load(g, gdt, e);
+        float vv = am_ema(sq[e], x * x, k);
+        float u = am_rsqrt(vv + k->eps) * x;
+        a[(e - e0) & 7] += u * u;
+    }
+    return (double)am_lanesum_finish(a);
+}
+
+static double avx2_u2_flat(const void *g, int gdt, const float *sq, int64_t e0,
+                           int64_t e1, const am_consts *k) {
+    switch (gdt) {
+    case AM_DTYPE_FLOAT32: return u2_flat_body(g, 0, sq, e0, e1, k);
+    case AM_DTYPE_BFLOAT16: return u2_flat_body(g, 1, sq, e0, e1, k);
+    default: return u2_flat_body(g, 2, sq, e0, e1, k);
+    }
+}
+
+/* ----------------------------------------------------------- finish ---- */
+
+AM_INLINE int64_t agree_body(const void *g, const int gdt, int64_t R,
+                             int64_t C, int64_t r0, int64_t r1,
+                             const float *rf, const float *cf, float scale,
+                             uint8_t *pol_row) {
+    const __m256 sv = _mm256_set1_ps(scale), zero = _mm256_setzero_ps();
+    const int64_t nv = C & ~(int64_t)7;
+    bitw w = {pol_row, 0, 0, 0};
+    int64_t r, j;
+    for (r = r0; r < r1; r++) {
+        const float *cfb = cf + (r / R) * C;
+        const __m256 rfv = _mm256_set1_ps(rf[r]);
+        const int64_t base = r * C;
+        for (j = 0; j < nv; j += 8) {
+            __m256 u = _mm256_div_ps(
+                _mm256_mul_ps(_mm256_mul_ps(rfv, _mm256_loadu_ps(cfb + j)),
+                              ld8(g, gdt, base + j)), sv);
+            bw_put(&w, (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(u, zero, _CMP_GT_OQ)), 8);
+        }
+        for (; j < C; j++) {
+            float u = ((rf[r] * cfb[j]) * am_load(g, gdt, base + j)) / scale;
+            bw_put(&w, u > 0.0f, 1);
+        }
+    }
+    bw_flush(&w);
+    return w.matches;
+}
+
+static int64_t avx2_agree_rows(const void *g, int gdt, int64_t R, int64_t C,
+                               int64_t r0, int64_t r1, const float *rf,
+                               const float *cf, float scale, uint8_t *pol_row) {
+    switch (gdt) {
+    case AM_DTYPE_FLOAT32: return agree_body(g, 0, R, C, r0, r1, rf, cf, scale, pol_row);
+    case AM_DTYPE_BFLOAT16: return agree_body(g, 1, R, C, r0, r1, rf, cf, scale, pol_row);
+    default: return agree_body(g, 2, R, C, r0, r1, rf, cf, scale, pol_row);
+    }
+}
+
+/* p - lr * (u + wd * p), the wd == 0 case without the add (am_apply). */
+AM_INLINE __m256 apply8(__m256 p, __m256 u, __m256 lrv, __m256 wdv, int has_wd) {
+    __m256 t = has_wd ? _mm256_add_ps(u, _mm256_mul_ps(wdv, p)) : u;
+    return _mm256_sub_ps(p, _mm256_mul_ps(lrv, t));
+}
+
+AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
+                          int64_t R, int64_t C, int64_t r0, int64_t r1,
+                          const float *rf, const float *cf, float scale,
+                          float lr, const am_consts *k, uint64_t seed,
+                          uint32_t param_id, int64_t step) {
+    const __m256 sv = _mm256_set1_ps(scale), lrv = _mm256_set1_ps(lr);
+    const __m256 wdv = _mm256_set1_ps(k->wd);
+    const int has_wd = k->wd != 0.0f;
+    const int64_t nv = C & ~(int64_t)7;
+    rngwin w;
+    int64_t r, j;
+    rng_init(&w, seed, param_id, step);
+    for (r = r0; r < r1; r++) {
+        const float *cfb = cf + (r / R) * C;
+        const __m256 rfv = _mm256_set1_ps(rf[r]);
+        const int64_t base = r * C;
+        for (j = 0; j < nv; j += 8) {
+            const int64_t f = base + j;
+            __m256 u = _mm256_div_ps(
+                _mm256_mul_ps(_mm256_mul_ps(rfv, _mm256_loadu_ps(cfb + j)),
+                              ld8(g, gdt, f)), sv);
+            __m256 v = apply8(ld8(p, pdt, f), u, lrv, wdv, has_wd);
+            st8(p, pdt, f, v, pdt == AM_DTYPE_FLOAT32 ? _mm256_setzero_si256() : rnd8(&w, f));
+        }
+        for (; j < C; j++) {
+            const int64_t f = base + j;
+            float u = ((rf[r] * cfb[j]) * am_load(g, gdt, f)) / scale;
+            float v = am_apply(am_load(p, pdt, f), u, lr, k->wd);
+            uint32_t rnd = 0;
+            if (pdt != AM_DTYPE_FLOAT32)
+                rnd = am_rng_quad(seed, param_id, step, f >> 2).v[f & 3];
+            am_store_sr(p, pdt, f, v, rnd);
+        }
+    }
+}
+
+#define AM_APPLY_CASE(PD, GD)                                                 \
+    apply_body(p, PD, g, GD, R, C, r0, r1, rf, cf, scale, lr, k, seed,       \
+               param_id, step)
+
+static void avx2_apply_rows(void *p, int pdt, const void *g, int gdt,
+                            int64_t R, int64_t C, int64_t r0, int64_t r1,
+                            const float *rf, const float *cf, float scale,
+                            float lr, const am_consts *k, uint64_t seed,
+                            uint32_t param_id, int64_t step) {
+    switch (pdt * 3 + gdt) {
+    case 0: AM_APPLY_CASE(0, 0); break;
+    case 1: AM_APPLY_CASE(0, 1); break;
+    case 2: AM_APPLY_CASE(0, 2); break;
+    case 3: AM_APPLY_CASE(1, 0); break;
+    case 4: AM_APPLY_CASE(1, 1); break;
+    case 5: AM_APPLY_CASE(1, 2); break;
+    case 6: AM_APPLY_CASE(2, 0); break;
+    case 7: AM_APPLY_CASE(2, 1); break;
+    default: AM_APPLY_CASE(2, 2); break;
+    }
+}
+
+AM_INLINE int64_t finish_flat_body(void *p, const int pdt, const void *g,
+                                   const int gdt, float *sq, float *lr,
+                                   uint8_t *pol, int64_t e0, int64_t e1,
+                                   float scale, const am_consts *k,
+                                   uint64_t seed, uint32_t param_id,
+                                   int64_t step) {
+    const __m256 sv = _mm256_set1_ps(scale), zero = _mm256_setzero_ps();
+    const __m256 wdv = _mm256_set1_ps(k->wd);
+    const __m256 up = _mm256_set1_ps(k->bump_up), down = _mm256_set1_ps(k->bump_down);
+    const __m256 lo = _mm256_set1_ps(k->min_lr), hi = _mm256_set1_ps(k->max_lr);
+    const __m256i lanebit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const int has_wd = k->wd != 0.0f;
+    int64_t e = e0, matches = 0;
+    rngwin w;
+    rng_init(&w, seed, param_id, step);
+    /* e0 % 8 == 0: every full vector owns one whole polarity byte */
+    for (; e + 8 <= e1; e += 8) {
+        __m256 v, lrv;
+        __m256 u = _mm256_div_ps(flat_u(ld8(g, gdt, e), _mm256_loadu_ps(sq + e), k, &v), sv);
+        unsigned pb = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(u, zero, _CMP_GT_OQ));
+        unsigned mb = ~(pb ^ pol[e >> 3]) & 0xffu;
+        _mm256_storeu_ps(sq + e, v);
+        matches += __builtin_popcount(mb);
+        pol[e >> 3] = (uint8_t)pb;
+        lrv = _mm256_loadu_ps(lr + e);
+        if (step > 0) {
+            __m256i mm = _mm256_and_si256(_mm256_set1_epi32((int)mb), lanebit);
+            __m256 match = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mm, lanebit));
+            lrv = _mm256_mul_ps(lrv, _mm256_blendv_ps(down, up, match));
+            lrv = _mm256_blendv_ps(lrv, lo, _mm256_cmp_ps(lrv, lo, _CMP_LT_OQ));
+            lrv = _mm256_blendv_ps(lrv, hi, _mm256_cmp_ps(lrv, hi, _CMP_GT_OQ));
+            _mm256_storeu_ps(lr + e, lrv);
+        }
+        st8(p, pdt, e, apply8(ld8(p, pdt, e), u, lrv, wdv, has_wd),
+            pdt == AM_DTYPE_FLOAT32 ? _mm256_setzero_si256() : rnd8(&w, e));
+    }
+    for (; e < e1; e++) { /* the tail of the tensor: the reference's loop */
+        float x = am_load(g, gdt, e);
+        float v = am_ema(sq[e], x * x, k);
+        float u = (am_rsqrt(v + k->eps) * x) / scale;
+        int polv = u > 0.0f;
+        uint8_t mask = (uint8_t)(1u << (e & 7));
+        int match = polv == ((pol[e >> 3] & mask) != 0);
+        float wv;
+        uint32_t rnd = 0;
+        sq[e] = v;
+        matches += match;
+        pol[e >> 3] = (uint8_t)(polv ? (pol[e >> 3] | mask) : (pol[e >> 3] & ~mask));
+        if (step > 0) lr[e] = am_lr_scale(lr[e], match ? k->bump_up : k->bump_down, k);
+        wv = am_apply(am_load(p, pdt, e), u, lr[e], k->wd);
+        if (pdt != AM_DTYPE_FLOAT32)
+            rnd = am_rng_quad(seed, param_id, step, e >> 2).v[e & 3];
+        am_store_sr(p, pdt, e, wv, rnd);
+    }
+    return matches;
+}
+
+#define AM_FLAT_CASE(PD, GD)                                                  \
+    return finish_flat_body(p, PD, g, GD, sq, lr, pol, e0, e1, scale, k,     \
+                            seed, param_id, step)
+
+static int64_t avx2_finish_flat(void *p, int pdt, const void *g, int gdt,
+                                float *sq, float *lr, uint8_t *pol, int64_t e0,
+                                int64_t e1, float scale, const am_consts *k,
+                                uint64_t seed, uint32_t param_id, int64_t step) {
+    switch (pdt * 3 + gdt) {
+    case 0: AM_FLAT_CASE(0, 0);
+    case 1: AM_FLAT_CASE(0, 1);
+    case 2: AM_FLAT_CASE(0, 2);
+    case 3: AM_FLAT_CASE(1, 0);
+    case 4: AM_FLAT_CASE(1, 1);
+    case 5: AM_FLAT_CASE(1, 2);
+    case 6: AM_FLAT_CASE(2, 0);
+    case 7: AM_FLAT_CASE(2, 1);
+    default: AM_FLAT_CASE(2, 2);
+    }
+}
+
+static const am_kernels avx2_table = {
+    "avx2",          avx2_stats_tile, avx2_u2_tile,     avx2_u2_flat,
+    avx2_agree_rows, avx2_apply_rows, avx2_finish_flat,
+};
+
+const am_kernels *am_kernels_avx2(void) { return &avx2_table; }
+
+#else /* not built for x86-64 with AVX2 + F16C */
+
+const am_kernels *am_kernels_avx2(void) { return NULL; }
+
+#endif

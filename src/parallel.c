@@ -1,0 +1,138 @@
+/*
+ * parallel.c — a small persistent thread pool behind am_parallel_for.
+ *
+ * One job at a time: the caller publishes (fn, ctx, ntasks), wakes the
+ * workers it wants, runs tasks itself, and waits until every worker has
+ * left the job. Tasks are claimed in chunks from an atomic counter, so which
+ * thread runs a task varies from run to run — harmless, because tasks write
+ * disjoint memory and every reduction order is fixed by the task index
+ * (internal.h), never by the thread.
+ *
+ * A second caller arriving while a job runs (am_update on two parameters
+ * from two user threads) does not wait: am_pool_run returns 0 and it runs
+ * its tasks serially. Workers sleep on a condition variable between jobs
+ * (no spinning: the machine may be shared). After fork() the child has no
+ * workers; an atfork handler forgets them so the child starts fresh ones.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "simd.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+#define AM_POOL_MAX 256
+
+typedef struct job {
+    am_task_fn fn;
+    void *ctx;
+    int64_t ntasks, chunk;
+    int nwant;            /* threads on this job, the caller included */
+} job;
+
+static pthread_mutex_t g_busy = PTHREAD_MUTEX_INITIALIZER; /* one caller */
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER; /* state below */
+static pthread_cond_t g_wake = PTHREAD_COND_INITIALIZER;
+static pthread_cond_t g_done = PTHREAD_COND_INITIALIZER;
+static int g_nworkers;       /* started and alive */
+static uint64_t g_gen;       /* incremented per job */
+static job g_job;
+static int g_active;         /* workers still inside the current job */
+static atomic_llong g_next;  /* next unclaimed task */
+static pthread_once_t g_atfork_once = PTHREAD_ONCE_INIT;
+/* g_gen when worker i was created: a job published before the new thread
+ * first takes g_lock must still be seen as new by it. */
+static uint64_t g_start_gen[AM_POOL_MAX];
+
+static void run_tasks(const job *j) {
+    for (;;) {
+        int64_t s = (int64_t)atomic_fetch_add(&g_next, (long long)j->chunk), e, t;
+        if (s >= j->ntasks) return;
+        e = s + j->chunk < j->ntasks ? s + j->chunk : j->ntasks;
+        for (t = s; t < e; t++) j->fn(j->ctx, t);
+    }
+}
+
+static void *worker(void *arg) {
+    int idx = (int)(intptr_t)arg;
+    uint64_t seen;
+    pthread_mutex_lock(&g_lock);
+    seen = g_start_gen[idx];
+    for (;;) {
+        job j;
+        while (g_gen == seen) pthread_cond_wait(&g_wake, &g_lock);
+        seen = g_gen;
+        if (idx >= g_job.nwant - 1) continue; /* not needed this time */
+        j = g_job;
+        pthread_mutex_unlock(&g_lock);
+        run_tasks(&j);
+        pthread_mutex_lock(&g_lock);
+        if (--g_active == 0) pthread_cond_signal(&g_done);
+    }
+    return NULL;
+}
+
+static void atfork_child(void) {
+    /* Only the forking thread survives: no workers, nothing running. */
+    pthread_mutex_init(&g_busy, NULL);
+    pthread_mutex_init(&g_lock, NULL);
+    pthread_cond_init(&g_wake, NULL);
+    pthread_cond_init(&g_done, NULL);
+    g_nworkers = 0;
+    g_active = 0;
+}
+
+static void register_atfork(void) { pthread_atfork(NULL, NULL, atfork_child); }
+
+/* Starts workers until there are want of them (or creation fails). Called
+ * with g_busy held and no job running. */
+static void grow(int want) {
+    pthread_once(&g_atfork_once, register_atfork);
+    if (want > AM_POOL_MAX) want = AM_POOL_MAX;
+    while (g_nworkers < want) {
+        pthread_t th;
+        pthread_attr_t attr;
+        int rc;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pthread_mutex_lock(&g_lock);
+        g_start_gen[g_nworkers] = g_gen;
+        rc = pthread_create(&th, &attr, worker, (void *)(intptr_t)g_nworkers);
+        if (rc == 0) g_nworkers++;
+        pthread_mutex_unlock(&g_lock);
+        pthread_attr_destroy(&attr);
+        if (rc != 0) break;
+    }
+}
+
+int am_pool_run(int nthreads, int64_t ntasks, am_task_fn fn, void *ctx) {
+    job j;
+    if (nthreads < 2 || ntasks < 2) return 0;
+    if (pthread_mutex_trylock(&g_busy) != 0) return 0;
+    grow(nthreads - 1);
+    if (g_nworkers == 0) {
+        pthread_mutex_unlock(&g_busy);
+        return 0;
+    }
+    j.fn = fn;
+    j.ctx = ctx;
+    j.ntasks = ntasks;
+    j.nwant = nthreads < g_nworkers + 1 ? nthreads : g_nworkers + 1;
+    if ((int64_t)j.nwant > ntasks) j.nwant = (int)ntasks;
+    /* a few chunks per thread: balance against claim overhead */
+    j.chunk = ntasks / ((int64_t)j.nwant * 4);
+    if (j.chunk < 1) j.chunk = 1;
+    pthread_mutex_lock(&g_lock);
+    g_job = j;
+    atomic_store(&g_next, 0);
+    g_active = j.nwant - 1;
+    g_gen++;
+    pthread_cond_broadcast(&g_wake);
+    pthread_mutex_unlock(&g_lock);
+    run_tasks(&j);
+    pthread_mutex_lock(&g_lock);
+    while (g_active > 0) pthread_cond_wait(&g_done, &g_lock);
+    pthread_mutex_unlock(&g_lock);
+    pthread_mutex_unlock(&g_busy);
+    return 1;
+}

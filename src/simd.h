@@ -1,0 +1,31 @@
+/*
+ * simd.h — the optimised kernel sets and the thread pool, as seen by
+ * dispatch.c and the tests. Nothing here is public API.
+ */
+#ifndef AM_SIMD_H
+#define AM_SIMD_H
+
+#include "internal.h"
+
+/* The AVX2+F16C kernel set (kernels_avx2.c): the reference table with the
+ * slots it implements overridden, bit-identical to the reference. Only valid
+ * to call through when am_cpu_has_avx2() is true. NULL when the library was
+ * built without it (not x86-64, or a compiler without the intrinsics). */
+const am_kernels *am_kernels_avx2(void);
+
+/* 1 when the CPU and the OS support AVX2, FMA and F16C with the ymm state
+ * enabled (cpuid + xgetbv); checked once, thread-safe. */
+int am_cpu_has_avx2(void);
+
+/* For tests and benchmarks: 1 selects the scalar reference, 0 the best set
+ * the CPU supports (the default, unless AUTOMAGIC_FORCE_SCALAR=1). Not
+ * thread-safe with respect to updates running at the same time. */
+void am_kernels_select(int force_scalar);
+
+/* Thread pool (parallel.c). am_pool_run runs fn(ctx, t) for t in [0, ntasks)
+ * on nthreads threads (the caller included), returns 0 when it could not
+ * (pool busy with another caller, or threads unavailable): the caller then
+ * runs the tasks itself. */
+int am_pool_run(int nthreads, int64_t ntasks, am_task_fn fn, void *ctx);
+
+#endif /* AM_SIMD_H */

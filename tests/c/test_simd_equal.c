@@ -1,0 +1,293 @@
+/* test_simd_equal.c — the optimised kernels give the scalar reference's bits,
+ * for every thread count.
+ *
+ * 1. Kernel slots, one by one: the AVX2 table against am_kernels_ref on
+ *    awkward sizes, offsets and every dtype pair (skipped, saying so, when the
+ *    CPU or the build has no AVX2).
+ * 2. Whole updates (3 steps) through am_update: scalar on 1 thread is the
+ *    baseline; the best kernels on 1, 2 and 3 threads and the scalar kernels
+ *    on 3 threads must reproduce parameter, lr, polarity, second moments and
+ *    reports bit for bit. Shapes 0-D..4-D, sizes around every multiple of 8,
+ *    multi-tile shapes, a long single lr-row.
+ * Randomised data; the seed is printed and AM_TEST_SEED overrides it. */
+#include "simd.h"
+
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static uint64_t g_seed = 0x5EED5EEDull;
+
+/* ------------------------------------------------------------ data ---- */
+
+static uint64_t rng_next(uint64_t *s) { /* splitmix64 */
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static float rng_unit(uint64_t *s) { /* (-1, 1) */
+    return (float)((double)(rng_next(s) >> 11) * (2.0 / 9007199254740992.0) - 1.0);
+}
+
+/* Gradient-like values: random sign and magnitudes over 8 decades, some
+ * exact zeros (polarity treats 0 as not positive). */
+static float rand_value(uint64_t *s) {
+    uint64_t r = rng_next(s);
+    float mag;
+    if ((r & 31) == 0) return 0.0f;
+    mag = (float)(1.0 + (double)((r >> 8) & 0xffff) / 65536.0);
+    mag *= (float)(1e-6 * (double)(1ull << ((r >> 24) % 24)));
+    return (r >> 40) & 1 ? mag : -mag;
+}
+
+static void fill(void *buf, int dt, int64_t n, uint64_t *s, int param) {
+    int64_t i;
+    for (i = 0; i < n; i++) {
+        /* parameters near zero too: half subnormals take the fallback path */
+        float v = param ? (i % 7 == 3 ? rand_value(s) * 1e-3f : rng_unit(s)) : rand_value(s);
+        if (dt == AM_DTYPE_FLOAT32) ((float *)buf)[i] = v;
+        else if (dt == AM_DTYPE_BFLOAT16) ((uint16_t *)buf)[i] = am_f32_to_bf16_rne(v);
+        else ((uint16_t *)buf)[i] = am_f32_to_f16_rne(v);
+    }
+}
+
+static void *xmalloc(size_t n) {
+    void *p = malloc(n ? n : 1);
+    assert_non_null(p);
+    return p;
+}
+
+/* ------------------------------------------- 1. kernel slot by slot ---- */
+
+static const int64_t SIZES[] = {0, 1, 2, 3, 5, 7, 8, 15, 16, 17, 31, 33, 63, 65, 127, 1023, 4097};
+#define NSIZES ((int)(sizeof SIZES / sizeof SIZES[0]))
+
+static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int gdt,
+                        int pdt, uint64_t *s) {
+    const int64_t R = 3, j0 = C > 9 ? 5 : 0, n = R * C;
+    const size_t gs = am_dtype_size((am_dtype)gdt), ps = am_dtype_size((am_dtype)pdt);
+    void *g = xmalloc((size_t)n * gs), *p1 = xmalloc((size_t)n * ps), *p2 = xmalloc((size_t)n * ps);
+    float *rp1 = xmalloc(4 * R), *rp2 = xmalloc(4 * R);
+    float *cp1 = xmalloc(4 * (size_t)C), *cp2 = xmalloc(4 * (size_t)C);
+    float *rf = xmalloc(4 * R), *cf = xmalloc(4 * (size_t)C);
+    float *sq1 = xmalloc(4 * (size_t)n), *sq2 = xmalloc(4 * (size_t)n);
+    float *lr1 = xmalloc(4 * (size_t)n), *lr2 = xmalloc(4 * (size_t)n);
+    uint8_t *pol1 = xmalloc((size_t)n / 8 + 2), *pol2 = xmalloc((size_t)n / 8 + 2);
+    am_hparams hp = am_hparams_default();
+    am_consts k;
+    int64_t i, m1, m2;
+    hp.weight_decay = (C & 1) ? 0.1 : 0.0;
+    k = am_consts_from(&hp);
+    fill(g, gdt, n, s, 0);
+    fill(p1, pdt, n, s, 1);
+    memcpy(p2, p1, (size_t)n * ps);
+    for (i = 0; i < R; i++) rf[i] = 0.5f + rng_unit(s) * 0.25f;
+    for (i = 0; i < C; i++) cf[i] = 1e3f * (1.5f + rng_unit(s));
+    for (i = 0; i < n; i++) {
+        sq1[i] = sq2[i] = rand_value(s) * rand_value(s);
+        lr1[i] = lr2[i] = 1e-4f * (1.5f + rng_unit(s));
+    }
+    for (i = 0; i < n / 8 + 2; i++) pol1[i] = pol2[i] = (uint8_t)rng_next(s);
+
+    if (C - j0 > 0) {
+        a->stats_tile(g, gdt, C, 0, R, j0, C, rp1, cp1);
+        b->stats_tile(g, gdt, C, 0, R, j0, C, rp2, cp2);
+        assert_memory_equal(rp1, rp2, 4 * R);
+        assert_memory_equal(cp1, cp2, 4 * (size_t)(C - j0));
+        {
+            double u1 = a->u2_tile(g, gdt, C, 1, R, j0, C, rf, cf);
+            double u2 = b->u2_tile(g, gdt, C, 1, R, j0, C, rf, cf);
+            assert_memory_equal(&u1, &u2, sizeof u1);
+        }
+    }
+    {
+        double u1 = a->u2_flat(g, gdt, sq1, j0, n, &k), u2 = b->u2_flat(g, gdt, sq1, j0, n, &k);
+        assert_memory_equal(&u1, &u2, sizeof u1);
+    }
+    if (n > 0) {
+        /* an lr-row of the 2 last matrix rows of a (2, R=... ) view: bits
+         * start mid-byte when C % 8 != 0 */
+        m1 = a->agree_rows(g, gdt, R, C, 1, R, rf, cf, 1.5f, pol1);
+        m2 = b->agree_rows(g, gdt, R, C, 1, R, rf, cf, 1.5f, pol2);
+        assert_int_equal(m1, m2);
+        assert_memory_equal(pol1, pol2, (size_t)n / 8 + 2);
+        a->apply_rows(p1, pdt, g, gdt, R, C, 1, R, rf, cf, 1.5f, 3e-3f, &k, 99, 7, 5);
+        b->apply_rows(p2, pdt, g, gdt, R, C, 1, R, rf, cf, 1.5f, 3e-3f, &k, 99, 7, 5);
+        assert_memory_equal(p1, p2, (size_t)n * ps);
+    }
+    {
+        int64_t step;
+        for (step = 0; step < 2; step++) {
+            m1 = a->finish_flat(p1, pdt, g, gdt, sq1, lr1, pol1, 8, n, 1.25f, &k, 42, 3, step);
+            m2 = b->finish_flat(p2, pdt, g, gdt, sq2, lr2, pol2, 8, n, 1.25f, &k, 42, 3, step);
+            assert_int_equal(m1, m2);
+            assert_memory_equal(p1, p2, (size_t)n * ps);
+            assert_memory_equal(sq1, sq2, 4 * (size_t)n);
+            assert_memory_equal(lr1, lr2, 4 * (size_t)n);
+            assert_memory_equal(pol1, pol2, (size_t)n / 8 + 2);
+        }
+    }
+    free(g); free(p1); free(p2); free(rp1); free(rp2); free(cp1); free(cp2);
+    free(rf); free(cf); free(sq1); free(sq2); free(lr1); free(lr2); free(pol1); free(pol2);
+}
+
+static void test_slots(void **unused) {
+    const am_kernels *simd = am_kernels_avx2();
+    uint64_t s = g_seed;
+    int si, gdt, pdt;
+    (void)unused;
+    if (!simd || !am_cpu_has_avx2()) {
+        print_message("SKIPPED: no AVX2 kernels on this build/CPU; nothing to compare\n");
+        skip();
+    }
+    for (si = 0; si < NSIZES; si++)
+        for (gdt = 0; gdt < 3; gdt++)
+            for (pdt = 0; pdt < 3; pdt++)
+                check_slots(&am_kernels_ref, simd, SIZES[si], gdt, pdt, &s);
+}
+
+/* ---------------------------------------------- 2. whole updates ---- */
+
+#define STEPS 3
+
+typedef struct run_out {
+    am_state_sizes sz;
+    void *p;
+    float *lr, *row, *col, *sq;
+    uint8_t *pol;
+    am_report rep[STEPS];
+} run_out;
+
+static void run_updates(const am_shape *sh, int pdt, int gdt, double wd,
+                        int scalar, int threads, run_out *o) {
+    am_hparams hp = am_hparams_default();
+    am_state st;
+    am_tensor pt, gt;
+    am_rng_key key = {1234, 9};
+    uint64_t s = g_seed ^ (uint64_t)(sh->dims[0] * 131 + sh->ndim * 7 + pdt * 3 + gdt);
+    void *ws, *g;
+    int step;
+    hp.weight_decay = wd;
+    hp.lr = 1e-3; /* big enough that bf16/fp16 parameters move */
+    assert_int_equal(am_state_get_sizes(sh, &o->sz), AM_OK);
+    o->p = xmalloc((size_t)o->sz.numel * am_dtype_size((am_dtype)pdt));
+    g = xmalloc((size_t)o->sz.numel * am_dtype_size((am_dtype)gdt));
+    o->lr = xmalloc(4 * (size_t)o->sz.lr_count);
+    o->pol = xmalloc((size_t)o->sz.polarity_bytes);
+    o->row = o->sz.row_count ? xmalloc(4 * (size_t)o->sz.row_count) : NULL;
+    o->col = o->sz.col_count ? xmalloc(4 * (size_t)o->sz.col_count) : NULL;
+    o->sq = o->sz.sq_count ? xmalloc(4 * (size_t)o->sz.sq_count) : NULL;
+    ws = xmalloc((size_t)o->sz.workspace_bytes);
+    st.lr = o->lr; st.polarity = o->pol; st.row = o->row; st.col = o->col; st.sq = o->sq;
+    assert_int_equal(am_state_init(sh, &st, 1e-3), AM_OK);
+    fill(o->p, pdt, o->sz.numel, &s, 1);
+    pt.data = o->p; pt.dtype = (am_dtype)pdt; pt.shape = *sh;
+    gt.data = g; gt.dtype = (am_dtype)gdt; gt.shape = *sh;
+    am_kernels_select(scalar);
+    assert_int_equal(am_set_num_threads(threads), AM_OK);
+    for (step = 0; step < STEPS; step++) {
+        fill(g, gdt, o->sz.numel, &s, 0);
+        am_update(&pt, &gt, &st, &hp, key, ws, (size_t)o->sz.workspace_bytes, &o->rep[step]);
+        assert_false(am_status_is_error(o->rep[step].status));
+    }
+    am_kernels_select(0);
+    am_set_num_threads(1);
+    free(g);
+    free(ws);
+}
+
+static void free_out(run_out *o) {
+    free(o->p); free(o->lr); free(o->pol); free(o->row); free(o->col); free(o->sq);
+}
+
+static int same(const run_out *a, const run_out *b, int pdt) {
+    return memcmp(a->p, b->p, (size_t)a->sz.numel * am_dtype_size((am_dtype)pdt)) == 0 &&
+           memcmp(a->lr, b->lr, 4 * (size_t)a->sz.lr_count) == 0 &&
+           memcmp(a->pol, b->pol, (size_t)a->sz.polarity_bytes) == 0 &&
+           (!a->row || memcmp(a->row, b->row, 4 * (size_t)a->sz.row_count) == 0) &&
+           (!a->col || memcmp(a->col, b->col, 4 * (size_t)a->sz.col_count) == 0) &&
+           (!a->sq || memcmp(a->sq, b->sq, 4 * (size_t)a->sz.sq_count) == 0) &&
+           memcmp(a->rep, b->rep, sizeof a->rep) == 0;
+}
+
+static void check_shape(const am_shape *sh, double wd, int *failures) {
+    static const struct { int scalar, threads; } variants[] = {{0, 1}, {0, 2}, {0, 3}, {1, 3}};
+    int pdt, gdt, v;
+    for (pdt = 0; pdt < 3; pdt++)
+        for (gdt = 0; gdt < 3; gdt++) {
+            run_out base;
+            run_updates(sh, pdt, gdt, wd, 1, 1, &base);
+            for (v = 0; v < 4; v++) {
+                run_out o;
+                run_updates(sh, pdt, gdt, wd, variants[v].scalar, variants[v].threads, &o);
+                if (!same(&base, &o, pdt)) {
+                    int d;
+                    (*failures)++;
+                    fprintf(stderr, "MISMATCH seed=%llu shape=(", (unsigned long long)g_seed);
+                    for (d = 0; d < sh->ndim; d++)
+                        fprintf(stderr, "%lld,", (long long)sh->dims[d]);
+                    fprintf(stderr, ") pdt=%d gdt=%d wd=%g %s threads=%d vs scalar x1\n", pdt,
+                            gdt, wd, variants[v].scalar ? "scalar" : am_kernels_avx2() ? "best" : "scalar",
+                            variants[v].threads);
+                }
+                free_out(&o);
+            }
+            free_out(&base);
+        }
+}
+
+static am_shape mk(int nd, int64_t a, int64_t b, int64_t c, int64_t d) {
+    am_shape sh;
+    memset(&sh, 0, sizeof sh);
+    sh.ndim = nd;
+    sh.dims[0] = a; sh.dims[1] = b; sh.dims[2] = c; sh.dims[3] = d;
+    return sh;
+}
+
+static void test_updates(void **unused) {
+    static const int64_t rows[] = {1, 3, 17};
+    int failures = 0, si, ri, x;
+    am_shape extra[16];
+    int nextra = 0;
+    (void)unused;
+    for (si = 0; si < NSIZES; si++) {
+        am_shape sh = mk(1, SIZES[si], 0, 0, 0);
+        check_shape(&sh, si & 1 ? 0.1 : 0.0, &failures);
+        for (ri = 0; ri < 3; ri++) {
+            sh = mk(2, rows[ri], SIZES[si], 0, 0);
+            check_shape(&sh, (si + ri) & 1 ? 0.1 : 0.0, &failures);
+        }
+    }
+    extra[nextra++] = mk(0, 0, 0, 0, 0);         /* a scalar parameter */
+    extra[nextra++] = mk(1, 70001, 0, 0, 0);     /* 5 flat tiles, threads engage */
+    extra[nextra++] = mk(2, 130, 129, 0, 0);     /* 3 row blocks */
+    extra[nextra++] = mk(2, 2, 40001, 0, 0);     /* 3 column blocks */
+    extra[nextra++] = mk(2, 1, 300007, 0, 0);    /* one long lr-row */
+    extra[nextra++] = mk(2, 600, 1023, 0, 0);    /* threads engage */
+    extra[nextra++] = mk(3, 3, 5, 7, 0);
+    extra[nextra++] = mk(3, 7, 1, 9, 0);
+    extra[nextra++] = mk(4, 4, 3, 3, 3);
+    extra[nextra++] = mk(4, 2, 3, 5, 17);
+    extra[nextra++] = mk(4, 64, 33, 3, 3);       /* conv-like, lr-rows of 297 */
+    extra[nextra++] = mk(3, 1, 1, 1, 0);
+    for (x = 0; x < nextra; x++) check_shape(&extra[x], x & 1 ? 0.1 : 0.0, &failures);
+    if (failures) fail_msg("%d mismatches (seed %llu)", failures, (unsigned long long)g_seed);
+}
+
+int main(void) {
+    const char *env = getenv("AM_TEST_SEED");
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_slots),
+        cmocka_unit_test(test_updates),
+    };
+    if (env) g_seed = strtoull(env, NULL, 0);
+    printf("test_simd_equal: seed %llu (set AM_TEST_SEED to reproduce), kernels %s\n",
+           (unsigned long long)g_seed, am_kernel_name());
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
