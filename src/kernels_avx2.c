@@ -22,6 +22,8 @@
 #if defined(__x86_64__) && defined(__AVX2__) && defined(__F16C__)
 
 #include <immintrin.h>
+#include <math.h>
+#include <string.h>
 
 #define AM_INLINE static inline __attribute__((always_inline))
 
@@ -317,24 +319,57 @@ static double avx2_u2_flat(const void *g, int gdt, const float *sq, int64_t e0,
 
 /* ----------------------------------------------------------- finish ---- */
 
+/* The smallest float t with fl(t / scale) > 0. Division by a positive
+ * constant is monotonic, so (u >= t) == (u / scale > 0) for every u, NaN
+ * included (both false): the sign test needs no division. */
+static float pos_threshold(float scale) {
+    float t = (float)((double)scale * 0x1p-150);
+    if (!(t > 0.0f)) t = nextafterf(0.0f, 1.0f);
+    while (!(t / scale > 0.0f)) t = nextafterf(t, INFINITY);
+    for (;;) {
+        float below = nextafterf(t, 0.0f);
+        if (below > 0.0f && below / scale > 0.0f) t = below;
+        else break;
+    }
+    return t;
+}
+
+/* Appends 64 bits at once (any bit alignment). */
+AM_INLINE void bw_put64(bitw *w, uint64_t bits) {
+    uint64_t out = w->buf | (bits << w->n), old;
+    memcpy(&old, w->p, 8);
+    w->matches += 64 - __builtin_popcountll(out ^ old);
+    memcpy(w->p, &out, 8);
+    w->p += 8;
+    w->buf = w->n ? bits >> (64 - w->n) : 0;
+}
+
 AM_INLINE int64_t agree_body(const void *g, const int gdt, int64_t R,
                              int64_t C, int64_t r0, int64_t r1,
                              const float *rf, const float *cf, float scale,
                              uint8_t *pol_row) {
-    const __m256 sv = _mm256_set1_ps(scale), zero = _mm256_setzero_ps();
-    const int64_t nv = C & ~(int64_t)7;
+    const __m256 tv = _mm256_set1_ps(pos_threshold(scale));
+    const int64_t nv = C & ~(int64_t)7, n64 = C & ~(int64_t)63;
     bitw w = {pol_row, 0, 0, 0};
     int64_t r, j;
     for (r = r0; r < r1; r++) {
         const float *cfb = cf + (r / R) * C;
         const __m256 rfv = _mm256_set1_ps(rf[r]);
         const int64_t base = r * C;
-        for (j = 0; j < nv; j += 8) {
-            __m256 u = _mm256_div_ps(
-                _mm256_mul_ps(_mm256_mul_ps(rfv, _mm256_loadu_ps(cfb + j)),
-                              ld8(g, gdt, base + j)), sv);
-            bw_put(&w, (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(u, zero, _CMP_GT_OQ)), 8);
+#define AM_POL8(J)                                                            \
+    ((uint64_t)(uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(                    \
+        _mm256_mul_ps(_mm256_mul_ps(rfv, _mm256_loadu_ps(cfb + (J))),         \
+                      ld8(g, gdt, base + (J))),                               \
+        tv, _CMP_GE_OQ)))
+        for (j = 0; j < n64; j += 64) {
+            uint64_t bits = AM_POL8(j) | AM_POL8(j + 8) << 8 | AM_POL8(j + 16) << 16 |
+                            AM_POL8(j + 24) << 24 | AM_POL8(j + 32) << 32 |
+                            AM_POL8(j + 40) << 40 | AM_POL8(j + 48) << 48 |
+                            AM_POL8(j + 56) << 56;
+            bw_put64(&w, bits);
         }
+        for (; j < nv; j += 8) bw_put(&w, (uint32_t)AM_POL8(j), 8);
+#undef AM_POL8
         for (; j < C; j++) {
             float u = ((rf[r] * cfb[j]) * am_load(g, gdt, base + j)) / scale;
             bw_put(&w, u > 0.0f, 1);
@@ -367,7 +402,7 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
                           uint32_t param_id, int64_t step) {
     const __m256 sv = _mm256_set1_ps(scale), lrv = _mm256_set1_ps(lr);
     const __m256 wdv = _mm256_set1_ps(k->wd);
-    const int has_wd = k->wd != 0.0f;
+    const int has_wd = k->wd != 0.0f, unscaled = scale == 1.0f;
     const int64_t nv = C & ~(int64_t)7;
     rngwin w;
     int64_t r, j;
@@ -378,10 +413,11 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
         const int64_t base = r * C;
         for (j = 0; j < nv; j += 8) {
             const int64_t f = base + j;
-            __m256 u = _mm256_div_ps(
-                _mm256_mul_ps(_mm256_mul_ps(rfv, _mm256_loadu_ps(cfb + j)),
-                              ld8(g, gdt, f)), sv);
-            __m256 v = apply8(ld8(p, pdt, f), u, lrv, wdv, has_wd);
+            __m256 u = _mm256_mul_ps(_mm256_mul_ps(rfv, _mm256_loadu_ps(cfb + j)),
+                                     ld8(g, gdt, f));
+            __m256 v;
+            if (!unscaled) u = _mm256_div_ps(u, sv); /* x / 1 == x exactly */
+            v = apply8(ld8(p, pdt, f), u, lrv, wdv, has_wd);
             st8(p, pdt, f, v, pdt == AM_DTYPE_FLOAT32 ? _mm256_setzero_si256() : rnd8(&w, f));
         }
         for (; j < C; j++) {

@@ -152,6 +152,37 @@ static void test_slots(void **unused) {
                 check_slots(&am_kernels_ref, simd, SIZES[si], gdt, pdt, &s);
 }
 
+/* Polarity where u / scale underflows to zero: the SIMD sign test compares
+ * u against a threshold instead of dividing; it must match at the edge. */
+static void test_agree_underflow(void **unused) {
+    const am_kernels *simd = am_kernels_avx2();
+    static const float scales[] = {1.0f, 1.5f, 2.0f, 2.9999998f, 3.0f, 7.25f, 1e30f};
+    enum { C = 200 };
+    float g[C], rf[1] = {1.0f}, cf[C];
+    uint8_t pa[C / 8 + 1], pb[C / 8 + 1];
+    int si, j;
+    (void)unused;
+    if (!simd || !am_cpu_has_avx2()) {
+        print_message("SKIPPED: no AVX2 kernels on this build/CPU; nothing to compare\n");
+        skip();
+    }
+    for (j = 0; j < C; j++) {
+        /* k * 2^-149 for small k, both signs, then values near 2^-126 */
+        float v = j < 120 ? (float)(j / 2) * 1.40129846e-45f : (float)(j - 119) * 1.1754944e-38f;
+        g[j] = (j & 1) ? -v : v;
+        cf[j] = 1.0f;
+    }
+    for (si = 0; si < (int)(sizeof scales / sizeof scales[0]); si++) {
+        int64_t ma, mb;
+        memset(pa, 0x55, sizeof pa);
+        memset(pb, 0x55, sizeof pb);
+        ma = am_kernels_ref.agree_rows(g, AM_DTYPE_FLOAT32, 1, C, 0, 1, rf, cf, scales[si], pa);
+        mb = simd->agree_rows(g, AM_DTYPE_FLOAT32, 1, C, 0, 1, rf, cf, scales[si], pb);
+        assert_int_equal(ma, mb);
+        assert_memory_equal(pa, pb, sizeof pa);
+    }
+}
+
 /* ---------------------------------------------- 2. whole updates ---- */
 
 #define STEPS 3
@@ -284,6 +315,7 @@ int main(void) {
     const char *env = getenv("AM_TEST_SEED");
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_slots),
+        cmocka_unit_test(test_agree_underflow),
         cmocka_unit_test(test_updates),
     };
     if (env) g_seed = strtoull(env, NULL, 0);

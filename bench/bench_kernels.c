@@ -1,0 +1,196 @@
+/*
+ * bench_kernels.c — times am_update on one parameter per case and, right
+ * before each case, a STREAM-style triad with the same thread count, so the
+ * fraction of bandwidth is a ratio measured under the same conditions.
+ *
+ * Usage: bench_kernels [--threads N] [--scalar] [--min-time SEC]
+ *                      [--min-reps N] CASE...
+ *   CASE is SHAPExDTYPE-free text "DIMS:DTYPE", DIMS like 4096x4096 or
+ *   16777216, DTYPE one of f32 bf16 f16 (gradient has the parameter's dtype).
+ * Prints one JSON object per line (the driver bench/bench.py parses them).
+ *
+ * Timing: each case runs one warm-up update, then repeats until min-time
+ * seconds and min-reps updates have passed; the minimum and the median are
+ * reported (the machine is shared: the minimum is the least disturbed run).
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "simd.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* ------------------------------------------------------------ triad ---- */
+
+#define TRIAD_N (1 << 24)          /* 64 MiB per array, 3 arrays */
+#define TRIAD_CHUNK (1 << 16)
+
+typedef struct triad {
+    float *a, *b, *c;
+    float s;
+} triad;
+
+static void triad_task(void *ctx, int64_t t) {
+    triad *tr = (triad *)ctx;
+    int64_t i, i0 = t * TRIAD_CHUNK, i1 = i0 + TRIAD_CHUNK;
+    for (i = i0; i < i1; i++) tr->a[i] = tr->b[i] + tr->s * tr->c[i];
+}
+
+/* Best of 5 triads, in GB/s counted as STREAM does: 12 bytes per element
+ * (two reads, one write; the write-allocate read is not counted). */
+static double run_triad(triad *tr) {
+    double best = 1e30;
+    int r;
+    for (r = 0; r < 5; r++) {
+        double t0 = now();
+        am_parallel_for(TRIAD_N / TRIAD_CHUNK, TRIAD_CHUNK * 12.0, triad_task, tr);
+        t0 = now() - t0;
+        if (t0 < best) best = t0;
+    }
+    return 12.0 * TRIAD_N / best / 1e9;
+}
+
+/* -------------------------------------------------------- one case ---- */
+
+/* Bytes per element of one update under the traffic model
+ * (docs/PERFORMANCE.md): gradient read 3x (stats, u2, agree; the apply
+ * re-read hits cache), parameter read + written once, polarity bits read +
+ * written; unfactored adds sq read 2x + written, lr read + written. */
+static double model_bytes(int ndim, size_t es) {
+    if (ndim >= 2) return 3.0 * (double)es + 2.0 * (double)es + 0.25;
+    return 2.0 * (double)es + 2.0 * (double)es + 12.0 + 8.0 + 0.25;
+}
+
+static int parse_case(const char *arg, am_shape *sh, am_dtype *dt) {
+    char buf[256], *colon, *tok, *save = NULL;
+    memset(sh, 0, sizeof *sh);
+    if (strlen(arg) >= sizeof buf) return 0;
+    strcpy(buf, arg);
+    colon = strchr(buf, ':');
+    if (!colon) return 0;
+    *colon = 0;
+    if (!strcmp(colon + 1, "f32")) *dt = AM_DTYPE_FLOAT32;
+    else if (!strcmp(colon + 1, "bf16")) *dt = AM_DTYPE_BFLOAT16;
+    else if (!strcmp(colon + 1, "f16")) *dt = AM_DTYPE_FLOAT16;
+    else return 0;
+    for (tok = strtok_r(buf, "x", &save); tok; tok = strtok_r(NULL, "x", &save)) {
+        if (sh->ndim >= AM_MAX_DIMS) return 0;
+        sh->dims[sh->ndim++] = strtoll(tok, NULL, 10);
+    }
+    return sh->ndim > 0;
+}
+
+static void fill(void *buf, am_dtype dt, int64_t n, uint64_t seed, float scale) {
+    int64_t i;
+    uint64_t s = seed;
+    for (i = 0; i < n; i++) {
+        float v;
+        s = s * 6364136223846793005ull + 1442695040888963407ull;
+        v = scale * ((float)(int32_t)(s >> 32) * (1.0f / 2147483648.0f));
+        if (dt == AM_DTYPE_FLOAT32) ((float *)buf)[i] = v;
+        else if (dt == AM_DTYPE_BFLOAT16) ((uint16_t *)buf)[i] = am_f32_to_bf16_rne(v);
+        else ((uint16_t *)buf)[i] = am_f32_to_f16_rne(v);
+    }
+}
+
+static int run_case(const char *arg, double min_time, int min_reps, triad *tr) {
+    am_shape sh;
+    am_dtype dt;
+    am_state_sizes sz;
+    am_state st;
+    am_tensor pt, gt;
+    am_hparams hp = am_hparams_default();
+    am_rng_key key = {1, 0};
+    double times[4096], t_start, triad_gbs, bytes;
+    void *p, *g, *ws;
+    int reps = 0, d;
+    size_t es;
+    if (!parse_case(arg, &sh, &dt) || am_state_get_sizes(&sh, &sz) != AM_OK) {
+        fprintf(stderr, "bench_kernels: bad case '%s' (want DIMS:f32|bf16|f16)\n", arg);
+        return 1;
+    }
+    es = am_dtype_size(dt);
+    p = malloc((size_t)sz.numel * es);
+    g = malloc((size_t)sz.numel * es);
+    st.lr = malloc(4 * (size_t)sz.lr_count);
+    st.polarity = malloc((size_t)sz.polarity_bytes + 1);
+    st.row = sz.row_count ? malloc(4 * (size_t)sz.row_count) : NULL;
+    st.col = sz.col_count ? malloc(4 * (size_t)sz.col_count) : NULL;
+    st.sq = sz.sq_count ? malloc(4 * (size_t)sz.sq_count) : NULL;
+    ws = malloc((size_t)sz.workspace_bytes);
+    if (!p || !g || !st.lr || !st.polarity || !ws) {
+        fprintf(stderr, "bench_kernels: out of memory for '%s'\n", arg);
+        return 1;
+    }
+    am_state_init(&sh, &st, 1e-6);
+    fill(p, dt, sz.numel, 1, 0.05f);
+    fill(g, dt, sz.numel, 2, 1e-3f);
+    pt.data = p; pt.dtype = dt; pt.shape = sh;
+    gt.data = g; gt.dtype = dt; gt.shape = sh;
+    triad_gbs = run_triad(tr);
+    am_update(&pt, &gt, &st, &hp, key, ws, (size_t)sz.workspace_bytes, NULL); /* warm-up */
+    t_start = now();
+    while (reps < (int)(sizeof times / sizeof times[0]) &&
+           (reps < min_reps || now() - t_start < min_time)) {
+        double t0 = now();
+        am_status s = am_update(&pt, &gt, &st, &hp, key, ws, (size_t)sz.workspace_bytes, NULL);
+        times[reps++] = now() - t0;
+        if (am_status_is_error(s)) {
+            fprintf(stderr, "bench_kernels: am_update failed: %s\n", am_status_string(s));
+            return 1;
+        }
+    }
+    qsort(times, (size_t)reps, sizeof times[0], cmp_double);
+    bytes = model_bytes(sh.ndim, es);
+    printf("{\"kind\": \"update\", \"case\": \"%s\", \"shape\": [", arg);
+    for (d = 0; d < sh.ndim; d++) printf("%s%lld", d ? ", " : "", (long long)sh.dims[d]);
+    printf("], \"dtype\": \"%s\", \"threads\": %d, \"kernels\": \"%s\", \"numel\": %lld, "
+           "\"reps\": %d, \"sec_min\": %.9g, \"sec_median\": %.9g, "
+           "\"model_bytes_per_elem\": %.4g, \"triad_gbs\": %.6g}\n",
+           am_dtype_name(dt), am_get_num_threads(), am_kernel_name(), (long long)sz.numel,
+           reps, times[0], times[reps / 2], bytes, triad_gbs);
+    fflush(stdout);
+    free(p); free(g); free(st.lr); free(st.polarity); free(st.row); free(st.col);
+    free(st.sq); free(ws);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    int threads = 1, min_reps = 3, i, rc = 0;
+    double min_time = 1.0;
+    triad tr;
+    for (i = 1; i < argc && !strncmp(argv[i], "--", 2); i++) {
+        if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--scalar")) am_kernels_select(1);
+        else if (!strcmp(argv[i], "--min-time") && i + 1 < argc) min_time = atof(argv[++i]);
+        else if (!strcmp(argv[i], "--min-reps") && i + 1 < argc) min_reps = atoi(argv[++i]);
+        else {
+            fprintf(stderr, "bench_kernels: unknown option %s\n", argv[i]);
+            return 2;
+        }
+    }
+    if (am_set_num_threads(threads) != AM_OK) return 2;
+    tr.a = malloc(sizeof(float) * TRIAD_N);
+    tr.b = malloc(sizeof(float) * TRIAD_N);
+    tr.c = malloc(sizeof(float) * TRIAD_N);
+    tr.s = 1.0001f;
+    if (!tr.a || !tr.b || !tr.c) return 1;
+    fill(tr.a, AM_DTYPE_FLOAT32, TRIAD_N, 3, 1.0f);
+    fill(tr.b, AM_DTYPE_FLOAT32, TRIAD_N, 4, 1.0f);
+    fill(tr.c, AM_DTYPE_FLOAT32, TRIAD_N, 5, 1.0f);
+    for (; i < argc; i++) rc |= run_case(argv[i], min_time, min_reps, &tr);
+    free(tr.a); free(tr.b); free(tr.c);
+    return rc;
+}
