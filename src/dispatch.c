@@ -51,22 +51,44 @@ static int detect_avx2(void) {
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
     return (b >> 5) & 1u; /* AVX2 */
 }
+
+static int detect_avx512(void) {
+    unsigned a, b, c, d;
+    if (!detect_avx2()) return 0;
+    if ((xgetbv0() & 0xE6u) != 0xE6u) return 0; /* opmask, zmm state saved */
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    return (b >> 16) & 1u; /* AVX-512F */
+}
 #else
 static int detect_avx2(void) { return 0; }
+static int detect_avx512(void) { return 0; }
 #endif
 
-static int g_has_avx2;
+static int g_has_avx2, g_has_avx512;
+static pthread_once_t g_cpu_once = PTHREAD_ONCE_INIT;
+
+static void detect(void) {
+    g_has_avx2 = detect_avx2();
+    g_has_avx512 = detect_avx512();
+}
+
+int am_cpu_has_avx512(void) {
+    pthread_once(&g_cpu_once, detect);
+    return g_has_avx512;
+}
 
 static void choose(void) {
     const char *force = getenv("AUTOMAGIC_FORCE_SCALAR");
     const char *dbg = getenv("AUTOMAGIC_DEBUG");
     const char *why = "no optimised kernels for this CPU";
-    g_has_avx2 = detect_avx2();
+    pthread_once(&g_cpu_once, detect);
     g_best = &am_kernels_ref;
     if (am_kernels_avx2() == NULL) why = "library built without AVX2 kernels";
     else if (g_has_avx2) {
         g_best = am_kernels_avx2();
-        why = "CPU and OS support AVX2, FMA, F16C";
+        why = g_has_avx512 && am_philox32_avx512()
+                  ? "CPU and OS support AVX2, FMA, F16C; AVX-512F random numbers"
+                  : "CPU and OS support AVX2, FMA, F16C";
     }
     atomic_store(&g_current, g_best);
     if (force && force[0] == '1') {
@@ -79,7 +101,7 @@ static void choose(void) {
 }
 
 int am_cpu_has_avx2(void) {
-    pthread_once(&g_once, choose);
+    pthread_once(&g_cpu_once, detect);
     return g_has_avx2;
 }
 

@@ -92,74 +92,72 @@ AM_INLINE void st8(void *base, const int dt, int64_t i, __m256 v, __m256i rnd) {
 
 /* ------------------------------------------------------------ Philox ---- */
 
-/* am_rng_quad for quads q0..q0+7, written as 32 words: out[4k + w] is word w
- * of quad q0 + k. Eight Philox4x32-10 instances, one per 32-bit lane. */
-static void philox8(uint64_t seed, uint32_t pid, int64_t step, int64_t q0,
-                    uint32_t *out) {
-    uint32_t lo[8], hi[8];
+/* am_rng_quad for quads q0..q0+31, written as 128 words: out[4k + w] is
+ * word w of quad q0 + k. One Philox instance per 64-bit lane, its 32-bit
+ * words in the low halves (_mm256_mul_epu32 reads exactly those, so the
+ * upper halves may hold garbage between rounds); four independent chains of
+ * four instances at a time hide the multiply latency. */
+static void philox_16(uint64_t seed, uint32_t pid, int64_t step, int64_t q0,
+                      uint32_t *out) {
+    const __m256i M0 = _mm256_set1_epi64x(0xD2511F53), M1 = _mm256_set1_epi64x(0xCD9E8D57);
+    const __m256i lo32 = _mm256_set1_epi64x(0xffffffff);
+    const __m256i lane = _mm256_setr_epi64x(0, 1, 2, 3);
+    __m256i c0[4], c1[4], c2[4], c3[4];
     uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
-    const __m256i M0 = _mm256_set1_epi32((int)0xD2511F53u);
-    const __m256i M1 = _mm256_set1_epi32((int)0xCD9E8D57u);
-    __m256i c0, c1, c2, c3, t0, t1, t2, t3, u0, u1, u2, u3;
-    int k, r;
-    for (k = 0; k < 8; k++) {
-        uint64_t q = (uint64_t)q0 + (uint64_t)k;
-        lo[k] = (uint32_t)q;
-        hi[k] = (uint32_t)(q >> 32);
+    int r, ch;
+    for (ch = 0; ch < 4; ch++) {
+        __m256i q = _mm256_add_epi64(_mm256_set1_epi64x((long long)(q0 + 4 * ch)), lane);
+        c0[ch] = q;
+        c1[ch] = _mm256_srli_epi64(q, 32);
+        c2[ch] = _mm256_set1_epi64x(pid);
+        c3[ch] = _mm256_set1_epi64x((uint32_t)(uint64_t)step);
     }
-    c0 = _mm256_loadu_si256((const __m256i *)lo);
-    c1 = _mm256_loadu_si256((const __m256i *)hi);
-    c2 = _mm256_set1_epi32((int)pid);
-    c3 = _mm256_set1_epi32((int)(uint32_t)(uint64_t)step);
     for (r = 0; r < 10; r++) {
-        /* 32x32->64 products of the even and odd lanes, split into lo/hi */
-        __m256i pe0 = _mm256_mul_epu32(c0, M0);
-        __m256i po0 = _mm256_mul_epu32(_mm256_srli_epi64(c0, 32), M0);
-        __m256i pe1 = _mm256_mul_epu32(c2, M1);
-        __m256i po1 = _mm256_mul_epu32(_mm256_srli_epi64(c2, 32), M1);
-        __m256i lo0 = _mm256_blend_epi32(pe0, _mm256_slli_epi64(po0, 32), 0xAA);
-        __m256i hi0 = _mm256_blend_epi32(_mm256_srli_epi64(pe0, 32), po0, 0xAA);
-        __m256i lo1 = _mm256_blend_epi32(pe1, _mm256_slli_epi64(po1, 32), 0xAA);
-        __m256i hi1 = _mm256_blend_epi32(_mm256_srli_epi64(pe1, 32), po1, 0xAA);
-        __m256i n0 = _mm256_xor_si256(_mm256_xor_si256(hi1, c1), _mm256_set1_epi32((int)k0));
-        __m256i n2 = _mm256_xor_si256(_mm256_xor_si256(hi0, c3), _mm256_set1_epi32((int)k1));
-        c0 = n0;
-        c1 = lo1;
-        c2 = n2;
-        c3 = lo0;
+        const __m256i K0 = _mm256_set1_epi64x(k0), K1 = _mm256_set1_epi64x(k1);
+        for (ch = 0; ch < 4; ch++) {
+            __m256i p0 = _mm256_mul_epu32(c0[ch], M0), p1 = _mm256_mul_epu32(c2[ch], M1);
+            c0[ch] = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p1, 32), c1[ch]), K0);
+            c2[ch] = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p0, 32), c3[ch]), K1);
+            c1[ch] = p1;
+            c3[ch] = p0;
+        }
         k0 += 0x9E3779B9u;
         k1 += 0xBB67AE85u;
     }
-    /* 4x8 transpose: lane k of c0..c3 becomes words 4k..4k+3 */
-    t0 = _mm256_unpacklo_epi32(c0, c1);
-    t1 = _mm256_unpackhi_epi32(c0, c1);
-    t2 = _mm256_unpacklo_epi32(c2, c3);
-    t3 = _mm256_unpackhi_epi32(c2, c3);
-    u0 = _mm256_unpacklo_epi64(t0, t2); /* quads 0 | 4 */
-    u1 = _mm256_unpackhi_epi64(t0, t2); /* quads 1 | 5 */
-    u2 = _mm256_unpacklo_epi64(t1, t3); /* quads 2 | 6 */
-    u3 = _mm256_unpackhi_epi64(t1, t3); /* quads 3 | 7 */
-    _mm256_storeu_si256((__m256i *)out, _mm256_permute2x128_si256(u0, u1, 0x20));
-    _mm256_storeu_si256((__m256i *)(out + 8), _mm256_permute2x128_si256(u2, u3, 0x20));
-    _mm256_storeu_si256((__m256i *)(out + 16), _mm256_permute2x128_si256(u0, u1, 0x31));
-    _mm256_storeu_si256((__m256i *)(out + 24), _mm256_permute2x128_si256(u2, u3, 0x31));
+    for (ch = 0; ch < 4; ch++) {
+        /* a: words 0,1 of each quad; b: words 2,3; interleave a0 b0 a1 b1.. */
+        __m256i a = _mm256_or_si256(_mm256_and_si256(c0[ch], lo32), _mm256_slli_epi64(c1[ch], 32));
+        __m256i b = _mm256_or_si256(_mm256_and_si256(c2[ch], lo32), _mm256_slli_epi64(c3[ch], 32));
+        __m256i l = _mm256_unpacklo_epi64(a, b), h = _mm256_unpackhi_epi64(a, b);
+        _mm256_storeu_si256((__m256i *)(out + 16 * ch), _mm256_permute2x128_si256(l, h, 0x20));
+        _mm256_storeu_si256((__m256i *)(out + 16 * ch + 8), _mm256_permute2x128_si256(l, h, 0x31));
+    }
 }
 
-/* A window of random words for flat element indices [4*q0, 4*q0 + 64). */
+static void philox32_avx2(uint64_t seed, uint32_t pid, int64_t step,
+                          int64_t q0, uint32_t *out) {
+    philox_16(seed, pid, step, q0, out);
+    philox_16(seed, pid, step, q0 + 16, out + 64);
+}
+
+/* The generator in use: AVX-512 when the CPU has it (set once by
+ * am_kernels_avx2, before any kernel runs), AVX2 otherwise. */
+static am_philox_fn g_philox = philox32_avx2;
+
+/* A window of random words for flat element indices [4*q0, 4*q0 + 128). */
 typedef struct rngwin {
     uint64_t seed;
     uint32_t pid;
     int64_t step, q0;
     int valid;
-    uint32_t w[64];
+    uint32_t w[128];
 } rngwin;
 
 /* The words of elements f..f+7 (regenerating the window when needed). */
 AM_INLINE __m256i rnd8(rngwin *w, int64_t f) {
-    if (!w->valid || f < 4 * w->q0 || f + 8 > 4 * w->q0 + 64) {
+    if (!w->valid || f < 4 * w->q0 || f + 8 > 4 * w->q0 + 128) {
         w->q0 = f >> 2;
-        philox8(w->seed, w->pid, w->step, w->q0, w->w);
-        philox8(w->seed, w->pid, w->step, w->q0 + 8, w->w + 32);
+        g_philox(w->seed, w->pid, w->step, w->q0, w->w);
         w->valid = 1;
     }
     return _mm256_loadu_si256((const __m256i *)(w->w + (f - 4 * w->q0)));
@@ -537,10 +535,19 @@ static const am_kernels avx2_table = {
     avx2_agree_rows, avx2_apply_rows, avx2_finish_flat,
 };
 
-const am_kernels *am_kernels_avx2(void) { return &avx2_table; }
+am_philox_fn am_philox32_avx2(void) { return philox32_avx2; }
+
+const am_kernels *am_kernels_avx2(void) {
+    /* Called from dispatch.c's pthread_once before any kernel runs. */
+    if (am_philox32_avx512() && am_cpu_has_avx512()) g_philox = am_philox32_avx512();
+    return &avx2_table;
+}
 
 #else /* not built for x86-64 with AVX2 + F16C */
 
+am_philox_fn am_philox32_avx2(void) { return philox32_avx2; }
+
 const am_kernels *am_kernels_avx2(void) { return NULL; }
+am_philox_fn am_philox32_avx2(void) { return NULL; }
 
 #endif

@@ -13,6 +13,21 @@
  * built without it (not x86-64, or a compiler without the intrinsics). */
 const am_kernels *am_kernels_avx2(void);
 
+/* Philox words of 32 consecutive quads (SPEC 5): out[4k + w] is word w of
+ * am_rng_quad(seed, pid, step, q0 + k), k < 32, w < 4 (128 words). */
+typedef void (*am_philox_fn)(uint64_t seed, uint32_t pid, int64_t step,
+                             int64_t q0, uint32_t *out);
+
+/* The AVX2 generator (kernels_avx2.c), NULL when not built. */
+am_philox_fn am_philox32_avx2(void);
+
+/* The AVX-512F generator (philox_avx512.c), NULL when not built. Only valid
+ * to call when am_cpu_has_avx512() is true. */
+am_philox_fn am_philox32_avx512(void);
+
+/* 1 when the CPU and the OS support AVX-512F (zmm state enabled). */
+int am_cpu_has_avx512(void);
+
 /* 1 when the CPU and the OS support AVX2, FMA and F16C with the ymm state
  * enabled (cpuid + xgetbv); checked once, thread-safe. */
 int am_cpu_has_avx2(void);

@@ -152,6 +152,35 @@ static void test_slots(void **unused) {
                 check_slots(&am_kernels_ref, simd, SIZES[si], gdt, pdt, &s);
 }
 
+/* Both vector Philox generators give am_rng_quad's words, counters crossing
+ * the 2^32 boundary of the quad index included. */
+static void test_philox(void **unused) {
+    static const int64_t q0s[] = {0, 1, 5, 1000003, 4294967290ll, (int64_t)1 << 40};
+    am_philox_fn gens[2];
+    uint32_t out[128];
+    int gi, qi, k, w, tested = 0;
+    (void)unused;
+    gens[0] = am_cpu_has_avx2() ? am_philox32_avx2() : NULL;
+    gens[1] = am_cpu_has_avx512() ? am_philox32_avx512() : NULL;
+    for (gi = 0; gi < 2; gi++) {
+        if (!gens[gi]) continue;
+        tested++;
+        for (qi = 0; qi < (int)(sizeof q0s / sizeof q0s[0]); qi++) {
+            uint64_t seed = g_seed * 0x9E3779B97F4A7C15ull + (uint64_t)qi;
+            gens[gi](seed, 77u + (uint32_t)qi, 123456789012ll + qi, q0s[qi], out);
+            for (k = 0; k < 32; k++) {
+                am_u32x4 ref = am_rng_quad(seed, 77u + (uint32_t)qi, 123456789012ll + qi,
+                                           q0s[qi] + k);
+                for (w = 0; w < 4; w++) assert_int_equal(out[4 * k + w], ref.v[w]);
+            }
+        }
+    }
+    if (!tested) {
+        print_message("SKIPPED: no vector Philox on this build/CPU\n");
+        skip();
+    }
+}
+
 /* Polarity where u / scale underflows to zero: the SIMD sign test compares
  * u against a threshold instead of dividing; it must match at the edge. */
 static void test_agree_underflow(void **unused) {
@@ -314,6 +343,7 @@ static void test_updates(void **unused) {
 int main(void) {
     const char *env = getenv("AM_TEST_SEED");
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_philox),
         cmocka_unit_test(test_slots),
         cmocka_unit_test(test_agree_underflow),
         cmocka_unit_test(test_updates),
