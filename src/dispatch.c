@@ -25,8 +25,10 @@
 #endif
 
 /* Work (bytes touched, as estimated by the caller) below which one thread
- * is faster than waking the pool. */
+ * is faster than waking the pool. AUTOMAGIC_PAR_MIN_BYTES overrides it (for
+ * measuring it: bench/bench.py --threshold). */
 #define AM_PAR_MIN_BYTES (256.0 * 1024.0)
+static double g_par_min_bytes = AM_PAR_MIN_BYTES;
 
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 static const am_kernels *g_best;            /* best the CPU supports */
@@ -80,8 +82,10 @@ int am_cpu_has_avx512(void) {
 static void choose(void) {
     const char *force = getenv("AUTOMAGIC_FORCE_SCALAR");
     const char *dbg = getenv("AUTOMAGIC_DEBUG");
+    const char *pmb = getenv("AUTOMAGIC_PAR_MIN_BYTES");
     const char *why = "no optimised kernels for this CPU";
     pthread_once(&g_cpu_once, detect);
+    if (pmb && pmb[0]) g_par_min_bytes = atof(pmb);
     g_best = &am_kernels_ref;
     if (am_kernels_avx2() == NULL) why = "library built without AVX2 kernels";
     else if (g_has_avx2) {
@@ -134,7 +138,8 @@ void am_parallel_for(int64_t ntasks, double cost_per_task, am_task_fn fn,
                      void *ctx) {
     int64_t t;
     int n = atomic_load(&g_num_threads);
-    if (n > 1 && ntasks > 1 && cost_per_task * (double)ntasks >= AM_PAR_MIN_BYTES) {
+    pthread_once(&g_once, choose);
+    if (n > 1 && ntasks > 1 && cost_per_task * (double)ntasks >= g_par_min_bytes) {
         if (n > ntasks) n = (int)ntasks;
         if (am_pool_run(n, ntasks, fn, ctx)) return;
     }

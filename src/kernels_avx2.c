@@ -29,6 +29,11 @@
 
 /* ------------------------------------------------------ loads/stores ---- */
 
+/* Software prefetch distance, elements ahead of the parameter stream. */
+#define AM_PREFETCH 512
+
+AM_INLINE int64_t esize(const int dt) { return dt == AM_DTYPE_FLOAT32 ? 4 : 2; }
+
 /* Elements i..i+7 of a float32/bfloat16/float16 buffer as float32. */
 AM_INLINE __m256 ld8(const void *base, const int dt, int64_t i) {
     __m128i h;
@@ -216,6 +221,7 @@ AM_INLINE void stats_body(const void *g, const int gdt, int64_t C, int64_t i0,
         float a[AM_LANES];
         for (j = 0; j < nv; j += 8) {
             __m256 x = ld8(g, gdt, base + j);
+            _mm_prefetch((const char *)g + (base + j + AM_PREFETCH) * esize(gdt), _MM_HINT_T0);
             __m256 x2 = _mm256_mul_ps(x, x);
             acc = _mm256_add_ps(acc, x2);
             _mm256_storeu_ps(colpart + j, _mm256_add_ps(_mm256_loadu_ps(colpart + j), x2));
@@ -254,6 +260,7 @@ AM_INLINE double u2_tile_body(const void *g, const int gdt, int64_t C,
         for (j = 0; j < nv; j += 8) {
             __m256 u = _mm256_mul_ps(_mm256_mul_ps(rfv, _mm256_loadu_ps(cfj + j)),
                                      ld8(g, gdt, base + j));
+            _mm_prefetch((const char *)g + (base + j + AM_PREFETCH) * esize(gdt), _MM_HINT_T0);
             acc = _mm256_add_ps(acc, _mm256_mul_ps(u, u));
         }
         _mm256_storeu_ps(a, acc);
@@ -360,7 +367,10 @@ AM_INLINE int64_t agree_body(const void *g, const int gdt, int64_t R,
                       ld8(g, gdt, base + (J))),                               \
         tv, _CMP_GE_OQ)))
         for (j = 0; j < n64; j += 64) {
-            uint64_t bits = AM_POL8(j) | AM_POL8(j + 8) << 8 | AM_POL8(j + 16) << 16 |
+            uint64_t bits;
+            _mm_prefetch((const char *)g + (base + j + AM_PREFETCH) * esize(gdt), _MM_HINT_T0);
+            _mm_prefetch((const char *)g + (base + j + 32 + AM_PREFETCH) * esize(gdt), _MM_HINT_T0);
+            bits = AM_POL8(j) | AM_POL8(j + 8) << 8 | AM_POL8(j + 16) << 16 |
                             AM_POL8(j + 24) << 24 | AM_POL8(j + 32) << 32 |
                             AM_POL8(j + 40) << 40 | AM_POL8(j + 48) << 48 |
                             AM_POL8(j + 56) << 56;
@@ -413,6 +423,8 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
             const int64_t f = base + j;
             __m256 u = _mm256_mul_ps(_mm256_mul_ps(rfv, _mm256_loadu_ps(cfb + j)),
                                      ld8(g, gdt, f));
+            /* the parameter comes from memory (g was just read by agree) */
+            _mm_prefetch((const char *)p + (f + AM_PREFETCH) * (int64_t)esize(pdt), _MM_HINT_T0);
             __m256 v;
             if (!unscaled) u = _mm256_div_ps(u, sv); /* x / 1 == x exactly */
             v = apply8(ld8(p, pdt, f), u, lrv, wdv, has_wd);
