@@ -349,6 +349,74 @@ AM_INLINE void bw_put64(bitw *w, uint64_t bits) {
     w->buf = w->n ? bits >> (64 - w->n) : 0;
 }
 
+/* Narrow matrices (C < 16: conv kernels, e.g. C = 3): rows are too short
+ * for vectors, so the lr-row's rows [r0, r1) are walked as one flat stream
+ * f = r0*C .. r1*C, with the factor rf[r] * cf[b, j] of each element made in
+ * scalar code (the same product the reference rounds). */
+#define AM_SMALL_C 16
+
+typedef struct facwalk {
+    const float *rf, *cfb;
+    int64_t r, r1, i, j, R, C;
+    float fr;
+} facwalk;
+
+static void fw_init(facwalk *w, const float *rf, const float *cf, int64_t R,
+                    int64_t C, int64_t r0, int64_t r1) {
+    w->rf = rf;
+    w->cfb = cf + (r0 / R) * C;
+    w->r = r0;
+    w->r1 = r1;
+    w->i = r0 % R;
+    w->j = 0;
+    w->R = R;
+    w->C = C;
+    w->fr = r0 < r1 ? rf[r0] : 0.0f;
+}
+
+/* The factor of the next element of the stream. */
+AM_INLINE float fw_next(facwalk *w) {
+    float fac = w->fr * w->cfb[w->j];
+    if (++w->j == w->C) {
+        w->j = 0;
+        if (++w->r < w->r1) w->fr = w->rf[w->r];
+        if (++w->i == w->R) {
+            w->i = 0;
+            w->cfb += w->C;
+        }
+    }
+    return fac;
+}
+
+AM_INLINE __m256 fw_next8(facwalk *w) {
+    float fac[8];
+    int l;
+    for (l = 0; l < 8; l++) fac[l] = fw_next(w);
+    return _mm256_loadu_ps(fac);
+}
+
+AM_INLINE int64_t agree_small(const void *g, const int gdt, int64_t R,
+                              int64_t C, int64_t r0, int64_t r1,
+                              const float *rf, const float *cf, float scale,
+                              uint8_t *pol_row) {
+    const __m256 tv = _mm256_set1_ps(pos_threshold(scale));
+    const int64_t f1 = r1 * C;
+    bitw w = {pol_row, 0, 0, 0};
+    facwalk fw;
+    int64_t f = r0 * C;
+    fw_init(&fw, rf, cf, R, C, r0, r1);
+    for (; f + 8 <= f1; f += 8) {
+        __m256 u = _mm256_mul_ps(fw_next8(&fw), ld8(g, gdt, f));
+        bw_put(&w, (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(u, tv, _CMP_GE_OQ)), 8);
+    }
+    for (; f < f1; f++) {
+        float u = (fw_next(&fw) * am_load(g, gdt, f)) / scale;
+        bw_put(&w, u > 0.0f, 1);
+    }
+    bw_flush(&w);
+    return w.matches;
+}
+
 AM_INLINE int64_t agree_body(const void *g, const int gdt, int64_t R,
                              int64_t C, int64_t r0, int64_t r1,
                              const float *rf, const float *cf, float scale,
@@ -390,6 +458,11 @@ AM_INLINE int64_t agree_body(const void *g, const int gdt, int64_t R,
 static int64_t avx2_agree_rows(const void *g, int gdt, int64_t R, int64_t C,
                                int64_t r0, int64_t r1, const float *rf,
                                const float *cf, float scale, uint8_t *pol_row) {
+    if (C < AM_SMALL_C) switch (gdt) {
+        case AM_DTYPE_FLOAT32: return agree_small(g, 0, R, C, r0, r1, rf, cf, scale, pol_row);
+        case AM_DTYPE_BFLOAT16: return agree_small(g, 1, R, C, r0, r1, rf, cf, scale, pol_row);
+        default: return agree_small(g, 2, R, C, r0, r1, rf, cf, scale, pol_row);
+        }
     switch (gdt) {
     case AM_DTYPE_FLOAT32: return agree_body(g, 0, R, C, r0, r1, rf, cf, scale, pol_row);
     case AM_DTYPE_BFLOAT16: return agree_body(g, 1, R, C, r0, r1, rf, cf, scale, pol_row);
@@ -442,9 +515,42 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
     }
 }
 
+AM_INLINE void apply_small(void *p, const int pdt, const void *g, const int gdt,
+                           int64_t R, int64_t C, int64_t r0, int64_t r1,
+                           const float *rf, const float *cf, float scale,
+                           float lr, const am_consts *k, uint64_t seed,
+                           uint32_t param_id, int64_t step) {
+    const __m256 sv = _mm256_set1_ps(scale), lrv = _mm256_set1_ps(lr);
+    const __m256 wdv = _mm256_set1_ps(k->wd);
+    const int has_wd = k->wd != 0.0f, unscaled = scale == 1.0f;
+    const int64_t f1 = r1 * C;
+    facwalk fw;
+    rngwin w;
+    int64_t f = r0 * C;
+    rng_init(&w, seed, param_id, step);
+    fw_init(&fw, rf, cf, R, C, r0, r1);
+    for (; f + 8 <= f1; f += 8) {
+        __m256 u = _mm256_mul_ps(fw_next8(&fw), ld8(g, gdt, f)), v;
+        if (!unscaled) u = _mm256_div_ps(u, sv);
+        v = apply8(ld8(p, pdt, f), u, lrv, wdv, has_wd);
+        st8(p, pdt, f, v, pdt == AM_DTYPE_FLOAT32 ? _mm256_setzero_si256() : rnd8(&w, f));
+    }
+    for (; f < f1; f++) {
+        float u = (fw_next(&fw) * am_load(g, gdt, f)) / scale;
+        float v = am_apply(am_load(p, pdt, f), u, lr, k->wd);
+        uint32_t rnd = 0;
+        if (pdt != AM_DTYPE_FLOAT32) rnd = am_rng_quad(seed, param_id, step, f >> 2).v[f & 3];
+        am_store_sr(p, pdt, f, v, rnd);
+    }
+}
+
 #define AM_APPLY_CASE(PD, GD)                                                 \
-    apply_body(p, PD, g, GD, R, C, r0, r1, rf, cf, scale, lr, k, seed,       \
-               param_id, step)
+    if (C < AM_SMALL_C)                                                       \
+        apply_small(p, PD, g, GD, R, C, r0, r1, rf, cf, scale, lr, k, seed,  \
+                    param_id, step);                                          \
+    else                                                                      \
+        apply_body(p, PD, g, GD, R, C, r0, r1, rf, cf, scale, lr, k, seed,   \
+                   param_id, step)
 
 static void avx2_apply_rows(void *p, int pdt, const void *g, int gdt,
                             int64_t R, int64_t C, int64_t r0, int64_t r1,

@@ -1,0 +1,437 @@
+#!/usr/bin/env python3
+"""The automagic CPU benchmark: one command, a table, JSON and a PNG plot.
+
+    python bench/bench.py                 # full run (about 10-20 minutes)
+    python bench/bench.py --quick         # smaller shapes, one rep, smoke test
+
+What it measures, all in the same run (the machine may be shared, so every
+comparison is a ratio of numbers measured next to each other):
+  1. C kernels (bench/bench_kernels.c): am_update per shape x dtype x threads,
+     ns/element, effective GB/s under the traffic model of
+     docs/PERFORMANCE.md, and the fraction of a STREAM-style triad measured
+     right before each case with the same thread count.
+  2. The same parameters in PyTorch (same thread count): ours through the
+     front end (automagic.Automagic3, step mode), the reference Automagic3
+     (../shared/reference, skipped with a message when absent) and
+     torch.optim.AdamW foreach and fused: time per step and speedups.
+  3. GPT-2 small's parameter list (124M, float32): full step time for ours,
+     the reference and AdamW (foreach, fused); the sum of our kernels' times
+     for the same list (front-end overhead); optimizer state bytes/parameter.
+Results: bench/results/bench.json and bench/results/bench.png (--out DIR).
+"""
+import argparse
+import contextlib
+import io
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (768, 3072), (256, 256, 3, 3),
+          (4096,), (16777216,)]
+QUICK_SHAPES = [(1024, 1024), (256, 64, 3, 3), (4096,), (1048576,)]
+DTYPES = ["float32", "bfloat16", "float16"]
+SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def gpt2_small_shapes():
+    """(name, shape) of GPT-2 small (HF layout, Conv1D weights (in, out),
+    lm_head tied to wte): 124,439,808 parameters."""
+    d, ff, n_layer, vocab, ctx = 768, 3072, 12, 50257, 1024
+    out = [("wte", (vocab, d)), ("wpe", (ctx, d))]
+    for i in range(n_layer):
+        h = "h.%d." % i
+        out += [(h + "ln_1.weight", (d,)), (h + "ln_1.bias", (d,)),
+                (h + "attn.c_attn.weight", (d, 3 * d)), (h + "attn.c_attn.bias", (3 * d,)),
+                (h + "attn.c_proj.weight", (d, d)), (h + "attn.c_proj.bias", (d,)),
+                (h + "ln_2.weight", (d,)), (h + "ln_2.bias", (d,)),
+                (h + "mlp.c_fc.weight", (d, ff)), (h + "mlp.c_fc.bias", (ff,)),
+                (h + "mlp.c_proj.weight", (ff, d)), (h + "mlp.c_proj.bias", (d,))]
+    out += [("ln_f.weight", (d,)), ("ln_f.bias", (d,))]
+    return out
+
+
+def numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def case_name(shape, dtype):
+    return "x".join(str(s) for s in shape) + ":" + SHORT[dtype]
+
+
+# ------------------------------------------------------------------ setup
+
+def ensure_matplotlib():
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("== installing matplotlib (for the plot)", flush=True)
+        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q",
+                               "--disable-pip-version-check", "matplotlib"])
+
+
+def build_bench(build_dir):
+    print("== building bench_kernels (Release) in %s" % build_dir, flush=True)
+    subprocess.check_call(["cmake", "-S", ROOT, "-B", build_dir, "-DCMAKE_BUILD_TYPE=Release",
+                           "-DAM_BUILD_TESTS=OFF", "-DAM_BUILD_EXAMPLES=OFF"],
+                          stdout=subprocess.DEVNULL)
+    subprocess.check_call(["cmake", "--build", build_dir, "--target", "bench_kernels",
+                           "automagic", "-j2"], stdout=subprocess.DEVNULL)
+    return os.path.join(build_dir, "bench", "bench_kernels")
+
+
+def run_kernels(exe, cases, threads, min_time, min_reps, scalar=False):
+    cmd = [exe, "--threads", str(threads), "--min-time", str(min_time),
+           "--min-reps", str(min_reps)] + (["--scalar"] if scalar else []) + cases
+    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def load_reference():
+    path = os.path.join(ROOT, "..", "shared", "reference")
+    if not os.path.exists(os.path.join(path, "automagic3.py")):
+        print("!! reference Automagic3 not found at %s: reference columns skipped" % path)
+        return None
+    sys.path.insert(0, os.path.abspath(path))
+    from automagic3 import Automagic3 as Ref  # noqa: E402
+    return Ref
+
+
+# ---------------------------------------------------------- torch timing
+
+def make_params(torch, shapes, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ps, gs = [], []
+    for shape in shapes:
+        ps.append(torch.nn.Parameter((torch.randn(shape, generator=g) * 0.05).to(dtype)))
+        gs.append((torch.randn(shape, generator=g) * 1e-3).to(dtype))
+    return ps, gs
+
+
+class Runner:
+    """One optimizer over params; step() applies one update with grads gs."""
+
+    def __init__(self, torch, kind, ps, gs, Ref):
+        self.torch, self.kind, self.ps, self.gs = torch, kind, ps, gs
+        if kind == "ours":
+            import automagic
+            self.opt = automagic.Automagic3(ps, fused=False)
+        elif kind == "reference":
+            with contextlib.redirect_stdout(io.StringIO()):  # it prints a count
+                self.opt = Ref(ps)
+            self.group = self.opt.param_groups[0]
+        elif kind == "adamw_foreach":
+            self.opt = torch.optim.AdamW(ps, lr=1e-4, foreach=True)
+        elif kind == "adamw_fused":
+            self.opt = torch.optim.AdamW(ps, lr=1e-4, fused=True)
+        else:
+            raise ValueError(kind)
+
+    def step(self):
+        for p, g in zip(self.ps, self.gs):
+            p.grad = g
+        if self.kind == "reference":
+            for p in self.ps:
+                self.opt._update_param(p, self.group)
+        else:
+            self.opt.step()
+
+    def state_bytes(self):
+        total = 0
+        for st in self.opt.state.values():
+            for v in st.values():
+                if hasattr(v, "element_size"):
+                    total += v.numel() * v.element_size()
+        return total
+
+
+def time_runners(runners, reps, min_time):
+    """Round-robin timing: rep r of every runner runs before rep r+1 of any,
+    so a burst of load from other processes hits all of them alike. Returns
+    {kind: (min seconds, median seconds)}."""
+    times = {k: [] for k in runners}
+    for r in runners.values():
+        r.step()  # warm-up: state allocation, first-step paths
+    t_start = time.perf_counter()
+    while True:
+        for k, r in runners.items():
+            t0 = time.perf_counter()
+            r.step()
+            times[k].append(time.perf_counter() - t0)
+        if len(times[next(iter(times))]) >= reps and time.perf_counter() - t_start > min_time:
+            break
+    return {k: (min(v), sorted(v)[len(v) // 2]) for k, v in times.items()}
+
+
+def torch_case(torch, shape, dtype, threads, Ref, reps, min_time):
+    torch.set_num_threads(threads)
+    tdt = getattr(torch, dtype)
+    runners, errors = {}, {}
+    kinds = ["ours", "reference", "adamw_foreach", "adamw_fused"]
+    for kind in kinds:
+        if kind == "reference" and Ref is None:
+            continue
+        ps, gs = make_params(torch, [shape], tdt)
+        try:
+            runners[kind] = Runner(torch, kind, ps, gs, Ref)
+            runners[kind].step()
+        except Exception as e:  # e.g. a dtype an optimizer does not support
+            errors[kind] = "%s: %s" % (type(e).__name__, e)
+            runners.pop(kind, None)
+    res = time_runners(runners, reps, min_time)
+    out = {k: {"sec_min": v[0], "sec_median": v[1]} for k, v in res.items()}
+    for k, e in errors.items():
+        out[k] = {"error": e}
+    return out
+
+
+# ------------------------------------------------------------------ main
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small shapes, 1 rep: a smoke test")
+    ap.add_argument("--threads", default="1,2", help="thread counts (default 1,2)")
+    ap.add_argument("--dtypes", default=",".join(DTYPES))
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--build-dir", default=os.path.join(ROOT, "build", "bench"))
+    ap.add_argument("--no-gpt2", action="store_true", help="skip the GPT-2 small step")
+    ap.add_argument("--threshold", action="store_true",
+                    help="also measure small updates with and without threads "
+                         "(the threading threshold)")
+    args = ap.parse_args()
+
+    ensure_matplotlib()
+    os.makedirs(args.out, exist_ok=True)
+    exe = build_bench(args.build_dir)
+    import torch
+    # The front end from this tree, on the library just built (the same code
+    # as bench_kernels), whatever is installed.
+    os.environ["AUTOMAGIC_LIBRARY"] = os.path.join(args.build_dir, "libautomagic.so")
+    sys.path.insert(0, os.path.join(ROOT, "python"))
+    import automagic
+    print("== front end %s on %s (kernels: %s)" % (
+        automagic.__file__, os.environ["AUTOMAGIC_LIBRARY"],
+        automagic._lib.lib.am_kernel_name().decode()), flush=True)
+    Ref = load_reference()
+
+    threads = [int(t) for t in args.threads.split(",")]
+    dtypes = args.dtypes.split(",")
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    min_time, reps = (0.0, 1) if args.quick else (0.5, 3)
+    result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                          "torch": torch.__version__, "python": platform.python_version(),
+                          "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())},
+              "kernels": [], "torch": [], "gpt2": None, "threshold": []}
+
+    cases = [case_name(s, d) for s in shapes for d in dtypes]
+    for t in threads:
+        print("== C kernels, %d thread(s)" % t, flush=True)
+        result["kernels"] += run_kernels(exe, cases, t, min_time, max(reps, 3))
+    print("== scalar reference kernels, 1 thread (SIMD speedup)", flush=True)
+    result["kernels"] += run_kernels(exe, [case_name(shapes[0], d) for d in dtypes], 1,
+                                     0.0, 1, scalar=True)
+
+    for t in threads:
+        for s in shapes:
+            for d in dtypes:
+                print("== torch: %s %s, %d thread(s)" % (s, d, t), flush=True)
+                r = torch_case(torch, s, d, t, Ref, reps, min_time)
+                result["torch"].append({"shape": list(s), "dtype": d, "threads": t, **r})
+
+    if not args.no_gpt2:
+        result["gpt2"] = gpt2_bench(torch, exe, threads[-1], Ref, 1 if args.quick else 3)
+    if args.threshold:
+        result["threshold"] = threshold_bench(exe)
+
+    path = os.path.join(args.out, "bench.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print_tables(result)
+    png = os.path.join(args.out, "bench.png")
+    plot(result, png)
+    print("\nwrote %s and %s" % (path, png))
+
+
+def gpt2_bench(torch, exe, threads, Ref, reps):
+    shapes = [s for _, s in gpt2_small_shapes()]
+    n = sum(numel(s) for s in shapes)
+    print("== GPT-2 small: %d tensors, %d parameters, float32, %d thread(s)"
+          % (len(shapes), n, threads), flush=True)
+    torch.set_num_threads(threads)
+    out = {"params": n, "tensors": len(shapes), "threads": threads, "dtype": "float32",
+           "step": {}, "state_bytes_per_param": {}}
+    for kind in ["ours", "reference", "adamw_foreach", "adamw_fused"]:
+        if kind == "reference" and Ref is None:
+            continue
+        ps, gs = make_params(torch, shapes, torch.float32)
+        r = Runner(torch, kind, ps, gs, Ref)
+        res = time_runners({kind: r}, reps, 0.0)
+        out["step"][kind] = {"sec_min": res[kind][0], "sec_median": res[kind][1]}
+        out["state_bytes_per_param"][kind] = r.state_bytes() / n
+        del r, ps, gs
+    # The sum of our kernels' times over the same list, from the C program
+    # (one am_update per tensor, no Python): the front end's overhead is the
+    # difference.
+    uniq = {}
+    for s in shapes:
+        uniq[s] = uniq.get(s, 0) + 1
+    recs = run_kernels(exe, [case_name(s, "float32") for s in uniq], threads, 0.0, reps)
+    ksum = 0.0
+    for rec in recs:
+        ksum += rec["sec_min"] * uniq[tuple(rec["shape"])]
+    out["kernel_sum_sec"] = ksum
+    return out
+
+
+def threshold_bench(exe):
+    """Small float32 updates at 2 threads with the pool always used vs never:
+    the work size where threads start to pay (AM_PAR_MIN_BYTES)."""
+    cases = [case_name((r, 1024), "float32") for r in (4, 16, 64, 256, 1024)]
+    rows = []
+    for label, env in (("pool", "0"), ("serial", "1e18")):
+        e = dict(os.environ, AUTOMAGIC_PAR_MIN_BYTES=env)
+        cmd = [exe, "--threads", "2", "--min-time", "0.3", "--min-reps", "20"] + cases
+        res = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, env=e).stdout
+        for line in res.splitlines():
+            rec = json.loads(line)
+            rec["mode"] = label
+            rows.append(rec)
+    return rows
+
+
+# -------------------------------------------------------------- reports
+
+def kernel_rows(result):
+    rows = []
+    for k in result["kernels"]:
+        n = k["numel"]
+        gbs = n * k["model_bytes_per_elem"] / k["sec_min"] / 1e9
+        rows.append(dict(k, ns_per_elem=k["sec_min"] / n * 1e9,
+                         cpu_ns_per_elem=k["cpu_sec_min"] / n * 1e9, gbs=gbs,
+                         frac=gbs / k["triad_gbs"]))
+    return rows
+
+
+def torch_lookup(result, shape, dtype, threads):
+    for r in result["torch"]:
+        if r["shape"] == list(shape) and r["dtype"] == dtype and r["threads"] == threads:
+            return r
+    return None
+
+
+def ratio(r, a, b):
+    if not r or "sec_min" not in r.get(a, {}) or "sec_min" not in r.get(b, {}):
+        return float("nan")
+    return r[a]["sec_min"] / r[b]["sec_min"]
+
+
+def print_tables(result):
+    print("\nC kernels (am_update; min over reps; frac = effective GB/s under the traffic "
+          "model / STREAM triad GB/s measured just before, same threads)")
+    hdr = "%-22s %-8s %3s %-6s %9s %9s %8s %8s %6s" % (
+        "shape", "dtype", "thr", "kern", "ns/elem", "cpu ns/el", "GB/s", "triad", "frac")
+    print(hdr)
+    print("-" * len(hdr))
+    for k in kernel_rows(result):
+        print("%-22s %-8s %3d %-6s %9.3f %9.3f %8.2f %8.2f %5.0f%%" % (
+            "x".join(map(str, k["shape"])), k["dtype"], k["threads"], k["kernels"],
+            k["ns_per_elem"], k["cpu_ns_per_elem"], k["gbs"], k["triad_gbs"], 100 * k["frac"]))
+    print("\nPyTorch, same parameters, same threads (ms per step, min over reps; "
+          "speedup = their time / ours through the front end)")
+    hdr = "%-22s %-8s %3s %9s %9s %9s %9s %8s %8s %8s" % (
+        "shape", "dtype", "thr", "ours", "ref", "adamw_fe", "adamw_fu", "x ref", "x fe",
+        "x fused")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in result["torch"]:
+        def ms(kind):
+            v = r.get(kind, {})
+            return "%9.2f" % (v["sec_min"] * 1e3) if "sec_min" in v else "%9s" % "n/a"
+        print("%-22s %-8s %3d %s %s %s %s %8.1f %8.2f %8.2f" % (
+            "x".join(map(str, r["shape"])), r["dtype"], r["threads"], ms("ours"),
+            ms("reference"), ms("adamw_foreach"), ms("adamw_fused"),
+            ratio(r, "reference", "ours"), ratio(r, "adamw_foreach", "ours"),
+            ratio(r, "adamw_fused", "ours")))
+        for kind in ("ours", "reference", "adamw_foreach", "adamw_fused"):
+            if "error" in r.get(kind, {}):
+                print("    %s: %s" % (kind, r[kind]["error"]))
+    g = result.get("gpt2")
+    if g:
+        print("\nGPT-2 small (%d tensors, %d parameters, %s, %d thread(s))" % (
+            g["tensors"], g["params"], g["dtype"], g["threads"]))
+        ours = g["step"]["ours"]["sec_min"]
+        for kind, v in g["step"].items():
+            print("  %-14s %8.1f ms/step  (%.2fx ours)  state %.3f bytes/param" % (
+                kind, v["sec_min"] * 1e3, v["sec_min"] / ours,
+                g["state_bytes_per_param"][kind]))
+        print("  sum of our kernels' times: %.1f ms; front end adds %.1f%%" % (
+            g["kernel_sum_sec"] * 1e3, 100 * (ours / g["kernel_sum_sec"] - 1)))
+    if result.get("threshold"):
+        print("\nThreading threshold (2 threads, pool forced on vs off, us per update)")
+        by = {}
+        for rec in result["threshold"]:
+            by.setdefault(rec["case"], {})[rec["mode"]] = rec["sec_min"] * 1e6
+        for case, v in by.items():
+            print("  %-14s pool %9.1f  serial %9.1f" % (case, v.get("pool", 0), v.get("serial", 0)))
+
+
+def plot(result, png):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [k for k in kernel_rows(result) if k["kernels"] != "scalar"]
+    threads = sorted({k["threads"] for k in rows})
+    dtypes = [d for d in DTYPES if any(k["dtype"] == d for k in rows)]
+    shapes = []
+    for k in rows:
+        s = "x".join(map(str, k["shape"]))
+        if s not in shapes:
+            shapes.append(s)
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5.5))
+    width = 0.8 / (len(threads) * len(dtypes))
+    ax = axes[0]
+    i = 0
+    for t in threads:
+        for d in dtypes:
+            ys = []
+            for s in shapes:
+                m = [k for k in rows if "x".join(map(str, k["shape"])) == s
+                     and k["dtype"] == d and k["threads"] == t]
+                ys.append(100 * m[0]["frac"] if m else 0)
+            ax.bar([x + i * width for x in range(len(shapes))], ys, width,
+                   label="%s, %d thr" % (d, t))
+            i += 1
+    ax.axhline(80, color="k", ls="--", lw=0.8)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(shapes))])
+    ax.set_xticklabels(shapes, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("% of STREAM triad bandwidth (traffic model)")
+    ax.set_title("am_update: fraction of the bandwidth bound")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    i = 0
+    tr = [r for r in result["torch"] if r["threads"] == threads[-1]]
+    labels = ["x".join(map(str, r["shape"])) + "\n" + SHORT[r["dtype"]] for r in tr]
+    for kind, lab in (("reference", "vs reference"), ("adamw_foreach", "vs AdamW foreach"),
+                      ("adamw_fused", "vs AdamW fused")):
+        ys = [ratio(r, kind, "ours") for r in tr]
+        ax.bar([x + i * 0.27 for x in range(len(tr))], ys, 0.27, label=lab)
+        i += 1
+    ax.set_yscale("log")
+    ax.axhline(1, color="k", lw=0.8)
+    ax.set_xticks([x + 0.27 for x in range(len(tr))])
+    ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=6)
+    ax.set_ylabel("speedup of ours (their time / ours), log")
+    ax.set_title("PyTorch, same params, %d thread(s)" % threads[-1])
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
