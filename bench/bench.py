@@ -151,6 +151,18 @@ class Runner:
         return total
 
 
+_EVICT = None
+
+
+def evict(torch):
+    """Writes 256 MB (untimed) so every step starts with cold caches, as
+    bench_kernels does (see there)."""
+    global _EVICT
+    if _EVICT is None:
+        _EVICT = torch.empty(64 << 20, dtype=torch.float32)
+    _EVICT.fill_(1.0)
+
+
 def time_runners(runners, reps, min_time):
     """Round-robin timing: rep r of every runner runs before rep r+1 of any,
     so a burst of load from other processes hits all of them alike. Returns
@@ -161,6 +173,7 @@ def time_runners(runners, reps, min_time):
     t_start = time.perf_counter()
     while True:
         for k, r in runners.items():
+            evict(r.torch)
             t0 = time.perf_counter()
             r.step()
             times[k].append(time.perf_counter() - t0)

@@ -3,15 +3,17 @@
  * before each case, a STREAM-style triad with the same thread count, so the
  * fraction of bandwidth is a ratio measured under the same conditions.
  *
- * Usage: bench_kernels [--threads N] [--scalar] [--min-time SEC]
- *                      [--min-reps N] CASE...
- *   CASE is SHAPExDTYPE-free text "DIMS:DTYPE", DIMS like 4096x4096 or
+ * Usage: bench_kernels [--threads N] [--scalar] [--no-evict]
+ *                      [--min-time SEC] [--min-reps N] CASE...
+ *   CASE is "DIMS:DTYPE", DIMS like 4096x4096 or
  *   16777216, DTYPE one of f32 bf16 f16 (gradient has the parameter's dtype).
  * Prints one JSON object per line (the driver bench/bench.py parses them).
  *
  * Timing: each case runs one warm-up update, then repeats until min-time
  * seconds and min-reps updates have passed; the minimum and the median are
  * reported (the machine is shared: the minimum is the least disturbed run).
+ * Before each timed update the caches are flushed (see evict; --no-evict
+ * keeps them warm).
  */
 #define _POSIX_C_SOURCE 200809L
 #include "simd.h"
@@ -68,6 +70,23 @@ static double run_triad(triad *tr) {
         if (t0 < best) best = t0;
     }
     return 12.0 * TRIAD_N / best / 1e9;
+}
+
+/* ----------------------------------------------------------- evict ---- */
+
+/* Written before every timed update (untimed) so that each update starts
+ * with its tensors out of the caches, as in training, where forward and
+ * backward touch everything else between two updates of a tensor. Larger
+ * than this machine's last-level cache as seen by one VM (measured: triad
+ * bandwidth drops to the DRAM level above ~100 MB). */
+#define EVICT_BYTES ((size_t)256 << 20)
+static unsigned char *g_evict;
+static int g_do_evict = 1;
+
+static void evict(void) {
+    static unsigned char v;
+    if (!g_do_evict) return;
+    memset(g_evict, ++v, EVICT_BYTES);
 }
 
 /* -------------------------------------------------------- one case ---- */
@@ -152,7 +171,10 @@ static int run_case(const char *arg, double min_time, int min_reps, triad *tr) {
     t_start = now();
     while (reps < (int)(sizeof times / sizeof times[0]) &&
            (reps < min_reps || now() - t_start < min_time)) {
-        double t0 = now(), c0 = cpu_now();
+        double t0, c0;
+        evict();
+        t0 = now();
+        c0 = cpu_now();
         am_status s = am_update(&pt, &gt, &st, &hp, key, ws, (size_t)sz.workspace_bytes, NULL);
         times[reps] = now() - t0;
         cpu[reps++] = cpu_now() - c0;
@@ -168,9 +190,9 @@ static int run_case(const char *arg, double min_time, int min_reps, triad *tr) {
     for (d = 0; d < sh.ndim; d++) printf("%s%lld", d ? ", " : "", (long long)sh.dims[d]);
     printf("], \"dtype\": \"%s\", \"threads\": %d, \"kernels\": \"%s\", \"numel\": %lld, "
            "\"reps\": %d, \"sec_min\": %.9g, \"sec_median\": %.9g, \"cpu_sec_min\": %.9g, "
-           "\"model_bytes_per_elem\": %.4g, \"triad_gbs\": %.6g}\n",
+           "\"model_bytes_per_elem\": %.4g, \"triad_gbs\": %.6g, \"evict\": %d}\n",
            am_dtype_name(dt), am_get_num_threads(), am_kernel_name(), (long long)sz.numel,
-           reps, times[0], times[reps / 2], cpu[0], bytes, triad_gbs);
+           reps, times[0], times[reps / 2], cpu[0], bytes, triad_gbs, g_do_evict);
     fflush(stdout);
     free(p); free(g); free(st.lr); free(st.polarity); free(st.row); free(st.col);
     free(st.sq); free(ws);
@@ -184,6 +206,7 @@ int main(int argc, char **argv) {
     for (i = 1; i < argc && !strncmp(argv[i], "--", 2); i++) {
         if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--scalar")) am_kernels_select(1);
+        else if (!strcmp(argv[i], "--no-evict")) g_do_evict = 0;
         else if (!strcmp(argv[i], "--min-time") && i + 1 < argc) min_time = atof(argv[++i]);
         else if (!strcmp(argv[i], "--min-reps") && i + 1 < argc) min_reps = atoi(argv[++i]);
         else {
@@ -196,11 +219,12 @@ int main(int argc, char **argv) {
     tr.b = malloc(sizeof(float) * TRIAD_N);
     tr.c = malloc(sizeof(float) * TRIAD_N);
     tr.s = 1.0001f;
-    if (!tr.a || !tr.b || !tr.c) return 1;
+    g_evict = malloc(EVICT_BYTES);
+    if (!tr.a || !tr.b || !tr.c || !g_evict) return 1;
     fill(tr.a, AM_DTYPE_FLOAT32, TRIAD_N, 3, 1.0f);
     fill(tr.b, AM_DTYPE_FLOAT32, TRIAD_N, 4, 1.0f);
     fill(tr.c, AM_DTYPE_FLOAT32, TRIAD_N, 5, 1.0f);
     for (; i < argc; i++) rc |= run_case(argv[i], min_time, min_reps, &tr);
-    free(tr.a); free(tr.b); free(tr.c);
+    free(tr.a); free(tr.b); free(tr.c); free(g_evict);
     return rc;
 }
