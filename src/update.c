@@ -257,6 +257,87 @@ static void finish_lr_row_task(void *ctx, int64_t kr) {
                       u->key.param_id, f->state->step);
 }
 
+/* Few, long lr-rows (e.g. a (1, 4096, 4096) parameter): the agreement and
+ * the apply of each lr-row are split into chunks of whole matrix rows, a
+ * multiple of 8 rows each so that every chunk's polarity bits start on a
+ * byte. Match counts are integers (order-free) and the apply is per element,
+ * so the bits are those of the unsplit path. */
+#define AM_SPLIT_MAX 256            /* chunks in all: counts live on the stack */
+#define AM_SPLIT_MIN_ELEMS (1 << 20) /* lr-rows shorter than this are not split */
+
+typedef struct split {
+    fin *f;
+    int64_t nch, chrows, rows;
+    int64_t counts[AM_SPLIT_MAX];
+} split;
+
+static void split_range(const split *sp, int64_t t, int64_t *kr, int64_t *r0,
+                        int64_t *r1) {
+    int64_t c = t % sp->nch, end;
+    *kr = t / sp->nch;
+    *r0 = *kr * sp->rows + c * sp->chrows;
+    end = (*kr + 1) * sp->rows;
+    *r1 = *r0 + sp->chrows < end ? *r0 + sp->chrows : end;
+}
+
+static void split_agree_task(void *ctx, int64_t t) {
+    split *sp = (split *)ctx;
+    upd *u = sp->f->u;
+    const am_geom *g = &u->g;
+    int64_t kr, r0, r1;
+    split_range(sp, t, &kr, &r0, &r1);
+    sp->counts[t] = u->kt->agree_rows(
+        u->grad->data, u->grad->dtype, g->R, g->C, r0, r1, WS(u, off_rf, float),
+        WS(u, off_cf, float), u->scale,
+        sp->f->state->polarity + kr * g->pol_row_bytes +
+            (r0 - kr * sp->rows) * g->C / 8);
+}
+
+static void split_apply_task(void *ctx, int64_t t) {
+    split *sp = (split *)ctx;
+    upd *u = sp->f->u;
+    const am_geom *g = &u->g;
+    int64_t kr, r0, r1;
+    split_range(sp, t, &kr, &r0, &r1);
+    u->kt->apply_rows(u->param->data, u->param->dtype, u->grad->data,
+                      u->grad->dtype, g->R, g->C, r0, r1, WS(u, off_rf, float),
+                      WS(u, off_cf, float), u->scale, sp->f->state->lr[kr], &u->k,
+                      u->key.seed, u->key.param_id, sp->f->state->step);
+}
+
+/* Returns 1 when it did the finish of every lr-row, 0 when the lr-rows are
+ * too many or too short to be worth splitting. */
+static int finish_split(fin *f) {
+    upd *u = f->u;
+    const am_geom *g = &u->g;
+    int nth = am_get_num_threads();
+    int64_t rows = g->m / g->C, per, kr, t;
+    split sp;
+    if (nth < 2 || g->lr_rows >= 2 * nth || g->m < AM_SPLIT_MIN_ELEMS || rows < 16)
+        return 0;
+    per = AM_SPLIT_MAX / g->lr_rows; /* chunks per lr-row */
+    if (per > 4 * nth) per = 4 * nth;
+    sp.f = f;
+    sp.rows = rows;
+    sp.chrows = (rows + per - 1) / per;
+    sp.chrows = (sp.chrows + 7) / 8 * 8;
+    sp.nch = (rows + sp.chrows - 1) / sp.chrows;
+    if (sp.nch < 2) return 0;
+    am_parallel_for(g->lr_rows * sp.nch, (double)sp.chrows * (double)g->C * 8.0,
+                    split_agree_task, &sp);
+    for (kr = 0; kr < g->lr_rows; kr++) {
+        int64_t matches = 0;
+        float a;
+        for (t = 0; t < sp.nch; t++) matches += sp.counts[kr * sp.nch + t];
+        a = (float)matches / (float)g->m;
+        WS(u, off_agree, float)[kr] = a;
+        if (f->state->step > 0) f->state->lr[kr] = am_lr_bump(f->state->lr[kr], a, &u->k);
+    }
+    am_parallel_for(g->lr_rows * sp.nch, (double)sp.chrows * (double)g->C * 12.0,
+                    split_apply_task, &sp);
+    return 1;
+}
+
 static void finish_flat_task(void *ctx, int64_t t) {
     fin *f = (fin *)ctx;
     upd *u = f->u;
@@ -290,7 +371,8 @@ static am_status run_finish(upd *u, am_state *state, am_report *rep) {
     f.state = state;
     if (g->ndim >= 2) {
         const float *agree = WS(u, off_agree, float);
-        am_parallel_for(g->lr_rows, (double)g->m * 12.0, finish_lr_row_task, &f);
+        if (!finish_split(&f))
+            am_parallel_for(g->lr_rows, (double)g->m * 12.0, finish_lr_row_task, &f);
         memcpy(state->row, WS(u, off_new_row, float), (size_t)(g->B * g->R) * sizeof(float));
         memcpy(state->col, WS(u, off_new_col, float), (size_t)(g->B * g->C) * sizeof(float));
         for (t = 0; t < g->lr_rows; t++) mean_agree += agree[t];

@@ -313,7 +313,7 @@ static am_shape mk(int nd, int64_t a, int64_t b, int64_t c, int64_t d) {
 static void test_updates(void **unused) {
     static const int64_t rows[] = {1, 3, 17};
     int failures = 0, si, ri, x;
-    am_shape extra[16];
+    am_shape extra[24];
     int nextra = 0;
     (void)unused;
     for (si = 0; si < NSIZES; si++) {
@@ -336,6 +336,7 @@ static void test_updates(void **unused) {
     extra[nextra++] = mk(4, 2, 3, 5, 17);
     extra[nextra++] = mk(4, 64, 33, 3, 3);       /* conv-like, lr-rows of 297 */
     extra[nextra++] = mk(3, 1, 1, 1, 0);
+    extra[nextra++] = mk(3, 1, 1031, 1023, 0);   /* one lr-row split in chunks */
     for (x = 0; x < nextra; x++) check_shape(&extra[x], x & 1 ? 0.1 : 0.0, &failures);
     if (failures) fail_msg("%d mismatches (seed %llu)", failures, (unsigned long long)g_seed);
 }
