@@ -99,8 +99,17 @@ lib.am_set_log_callback.argtypes = [LOG_FN, ctypes.c_void_p]
 _tls = threading.local()
 
 
+_DEBUG = os.environ.get("AUTOMAGIC_DEBUG") == "1"
+
+
 def _on_log(level, msg, user):
-    _tls.last = msg.decode("utf-8", "replace")
+    text = msg.decode("utf-8", "replace")
+    _tls.last = text
+    # AUTOMAGIC_DEBUG=1: the library's informational messages (which kernel
+    # set runs, and why) go to stderr, as a C program's callback would print.
+    if _DEBUG and level <= 1:
+        import sys
+        sys.stderr.write(text + "\n")
 
 
 _log_cb = LOG_FN(_on_log)  # kept alive for the life of the module

@@ -1,0 +1,58 @@
+"""The front end follows torch.get_num_threads() and the bits do not depend
+on it; AUTOMAGIC_FORCE_SCALAR / AUTOMAGIC_DEBUG behave as documented."""
+import os
+import subprocess
+import sys
+
+import torch
+
+import automagic
+from automagic import _lib
+
+
+def _train(threads, dtype):
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(3)
+    # (1, 1031, 1023): one long lr-row (split across threads); 1-D of 70001:
+    # several flat tiles; (64, 33, 3, 3): narrow matrices.
+    shapes = [(1, 1031, 1023), (70001,), (64, 33, 3, 3)]
+    ps = [torch.nn.Parameter((torch.randn(s, generator=g) * 0.1).to(dtype)) for s in shapes]
+    opt = automagic.Automagic3(ps, lr=1e-3, weight_decay=0.1, fused=False, seed=5)
+    for _ in range(3):
+        for p in ps:
+            p.grad = (torch.randn(p.shape, generator=g) * 1e-3).to(dtype)
+        opt.step()
+        assert _lib.lib.am_get_num_threads() == threads
+    return [p.detach().clone() for p in ps], opt
+
+
+def test_bits_do_not_depend_on_threads():
+    old = torch.get_num_threads()
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            a, oa = _train(1, dtype)
+            for t in (2, 3):
+                b, ob = _train(t, dtype)
+                for x, y in zip(a, b):
+                    assert torch.equal(x.view(torch.uint8) if x.dtype != torch.float32 else x,
+                                       y.view(torch.uint8) if y.dtype != torch.float32 else y)
+                for pa, pb in zip(oa.param_groups[0]["params"], ob.param_groups[0]["params"]):
+                    for k, v in oa.state[pa].items():
+                        if isinstance(v, torch.Tensor):
+                            assert torch.equal(v, ob.state[pb][k]), k
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_force_scalar_and_debug_log():
+    code = ("import torch, automagic\n"
+            "p = torch.nn.Parameter(torch.ones(3, 3))\n"
+            "o = automagic.Automagic3([p], fused=False)\n"
+            "p.grad = torch.ones(3, 3)\n"
+            "o.step()\n"
+            "print(automagic._lib.kernel_name())\n")
+    env = dict(os.environ, AUTOMAGIC_FORCE_SCALAR="1", AUTOMAGIC_DEBUG="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       check=True)
+    assert r.stdout.strip() == "scalar"
+    assert "using scalar kernels" in r.stderr and "AUTOMAGIC_FORCE_SCALAR=1" in r.stderr
