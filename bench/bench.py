@@ -17,7 +17,7 @@ comparison is a ratio of numbers measured next to each other):
   3. GPT-2 small's parameter list (124M, float32): full step time for ours,
      the reference and AdamW (foreach, fused); the sum of our kernels' times
      for the same list (front-end overhead); optimizer state bytes/parameter.
-Results: bench/results/bench.json and bench/results/bench.png (--out DIR).
+Results: bench/results/bench.{json,md,png} (--out DIR).
 """
 import argparse
 import contextlib
@@ -266,6 +266,8 @@ def main():
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print_tables(result)
+    with open(os.path.join(args.out, "bench.md"), "w") as f:
+        f.write(markdown(result))
     png = os.path.join(args.out, "bench.png")
     plot(result, png)
     print("\nwrote %s and %s" % (path, png))
@@ -404,6 +406,52 @@ def print_tables(result):
             by.setdefault(rec["case"], {})[rec["mode"]] = rec["sec_min"] * 1e6
         for case, v in by.items():
             print("  %-14s pool %9.1f  serial %9.1f" % (case, v.get("pool", 0), v.get("serial", 0)))
+
+
+def markdown(result):
+    """The tables of print_tables as Markdown (for docs/PERFORMANCE.md)."""
+    m = result["machine"]
+    out = ["Measured %s UTC on %s, %d CPUs, torch %s.\n" % (
+        m["date_utc"], m["platform"], m["cpus"], m["torch"])]
+    out.append("| shape | dtype | thr | kernels | ns/elem | CPU ns/elem | GB/s (model) | "
+               "triad GB/s | of bound |")
+    out.append("|---|---|---|---|---|---|---|---|---|")
+    for k in kernel_rows(result):
+        out.append("| %s | %s | %d | %s | %.3f | %.3f | %.2f | %.2f | %.0f%% |" % (
+            "x".join(map(str, k["shape"])), k["dtype"], k["threads"], k["kernels"],
+            k["ns_per_elem"], k["cpu_ns_per_elem"], k["gbs"], k["triad_gbs"],
+            100 * k["frac"]))
+    out.append("")
+    out.append("| shape | dtype | thr | ours ms | reference ms | AdamW foreach ms | "
+               "AdamW fused ms | x ref | x foreach | x fused |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|")
+    for r in result["torch"]:
+        def ms(kind):
+            v = r.get(kind, {})
+            return "%.2f" % (v["sec_min"] * 1e3) if "sec_min" in v else "n/a"
+        out.append("| %s | %s | %d | %s | %s | %s | %s | %.1f | %.2f | %.2f |" % (
+            "x".join(map(str, r["shape"])), r["dtype"], r["threads"], ms("ours"),
+            ms("reference"), ms("adamw_foreach"), ms("adamw_fused"),
+            ratio(r, "reference", "ours"), ratio(r, "adamw_foreach", "ours"),
+            ratio(r, "adamw_fused", "ours")))
+    g = result.get("gpt2")
+    if g:
+        out.append("")
+        out.append("GPT-2 small, %d tensors, %d parameters, %s, %d thread(s):\n" % (
+            g["tensors"], g["params"], g["dtype"], g["threads"]))
+        out.append("| optimizer | ms/step | vs ours | state bytes/param |")
+        out.append("|---|---|---|---|")
+        ours = g["step"]["ours"]["sec_min"]
+        for kind, v in g["step"].items():
+            out.append("| %s | %.1f | %.2fx | %.3f |" % (
+                kind, v["sec_min"] * 1e3, v["sec_min"] / ours,
+                g["state_bytes_per_param"][kind]))
+        out.append("")
+        out.append("Sum of our kernels' times over the same tensors (C): %.1f ms; the front "
+                   "end's fixed cost: %.1f us per tensor = %.2f%% of that sum." % (
+                       g["kernel_sum_sec"] * 1e3, g["frontend_overhead_us_per_tensor"],
+                       100 * g["frontend_overhead_sec"] / g["kernel_sum_sec"]))
+    return "\n".join(out) + "\n"
 
 
 def plot(result, png):

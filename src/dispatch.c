@@ -25,9 +25,11 @@
 #endif
 
 /* Work (bytes touched, as estimated by the caller) below which one thread
- * is faster than waking the pool. AUTOMAGIC_PAR_MIN_BYTES overrides it (for
- * measuring it: bench/bench.py --threshold). */
-#define AM_PAR_MIN_BYTES (256.0 * 1024.0)
+ * is faster than waking the pool. Measured with bench/bench.py --threshold
+ * on the 2-core development machine (shared, loaded): float32 (64, 1024)
+ * updates (~1.3 MB per pass) lost 20% with the pool, (256, 1024) (~5 MB)
+ * broke even; see docs/PERFORMANCE.md. AUTOMAGIC_PAR_MIN_BYTES overrides it. */
+#define AM_PAR_MIN_BYTES (2.0 * 1024.0 * 1024.0)
 static double g_par_min_bytes = AM_PAR_MIN_BYTES;
 
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
