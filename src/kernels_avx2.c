@@ -294,23 +294,32 @@ AM_INLINE __m256 flat_u(__m256 x, __m256 sqv, const am_consts *k, __m256 *vout) 
     return _mm256_mul_ps(r, x);
 }
 
+/* NaN when a new ema(sq, g*g) is not finite (g*g overflowed): the update is
+ * then skipped, as in the reference kernel. */
 AM_INLINE double u2_flat_body(const void *g, const int gdt, const float *sq,
                               int64_t e0, int64_t e1, const am_consts *k) {
+    const __m256i expo = _mm256_set1_epi32(0x7f800000);
     __m256 acc = _mm256_setzero_ps(), v;
+    __m256i bad = _mm256_setzero_si256();
     float a[AM_LANES];
     int64_t e = e0;
+    int overflow;
     for (; e + 8 <= e1; e += 8) {
         __m256 u = flat_u(ld8(g, gdt, e), _mm256_loadu_ps(sq + e), k, &v);
         acc = _mm256_add_ps(acc, _mm256_mul_ps(u, u));
+        bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(
+                                       _mm256_and_si256(_mm256_castps_si256(v), expo), expo));
     }
     _mm256_storeu_ps(a, acc);
+    overflow = !_mm256_testz_si256(bad, bad);
     for (; e < e1; e++) {
         float x = am_load(g, gdt, e);
         float vv = am_ema(sq[e], x * x, k);
         float u = am_rsqrt(vv + k->eps) * x;
+        overflow |= !am_isfinite_f32(vv);
         a[(e - e0) & 7] += u * u;
     }
-    return (double)am_lanesum_finish(a);
+    return overflow ? (double)NAN : (double)am_lanesum_finish(a);
 }
 
 static double avx2_u2_flat(const void *g, int gdt, const float *sq, int64_t e0,
