@@ -590,16 +590,18 @@ AM_INLINE int64_t finish_flat_body(void *p, const int pdt, const void *g,
     const __m256 up = _mm256_set1_ps(k->bump_up), down = _mm256_set1_ps(k->bump_down);
     const __m256 lo = _mm256_set1_ps(k->min_lr), hi = _mm256_set1_ps(k->max_lr);
     const __m256i lanebit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    const int has_wd = k->wd != 0.0f;
+    const int has_wd = k->wd != 0.0f, unscaled = scale == 1.0f;
     int64_t e = e0, matches = 0;
     rngwin w;
     rng_init(&w, seed, param_id, step);
     /* e0 % 8 == 0: every full vector owns one whole polarity byte */
     for (; e + 8 <= e1; e += 8) {
         __m256 v, lrv;
-        __m256 u = _mm256_div_ps(flat_u(ld8(g, gdt, e), _mm256_loadu_ps(sq + e), k, &v), sv);
-        unsigned pb = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(u, zero, _CMP_GT_OQ));
-        unsigned mb = ~(pb ^ pol[e >> 3]) & 0xffu;
+        __m256 u = flat_u(ld8(g, gdt, e), _mm256_loadu_ps(sq + e), k, &v);
+        unsigned pb, mb;
+        if (!unscaled) u = _mm256_div_ps(u, sv); /* x / 1 == x exactly */
+        pb = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(u, zero, _CMP_GT_OQ));
+        mb = ~(pb ^ pol[e >> 3]) & 0xffu;
         _mm256_storeu_ps(sq + e, v);
         matches += __builtin_popcount(mb);
         pol[e >> 3] = (uint8_t)pb;

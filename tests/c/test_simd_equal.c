@@ -129,12 +129,17 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
         a->apply_rows(p1, pdt, g, gdt, R, C, 1, R, rf, cf, 1.5f, 3e-3f, &k, 99, 7, 5);
         b->apply_rows(p2, pdt, g, gdt, R, C, 1, R, rf, cf, 1.5f, 3e-3f, &k, 99, 7, 5);
         assert_memory_equal(p1, p2, (size_t)n * ps);
+        /* scale 1: the SIMD path skips the division */
+        a->apply_rows(p1, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 3e-3f, &k, 99, 7, 6);
+        b->apply_rows(p2, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 3e-3f, &k, 99, 7, 6);
+        assert_memory_equal(p1, p2, (size_t)n * ps);
     }
     {
         int64_t step;
         for (step = 0; step < 2; step++) {
-            m1 = a->finish_flat(p1, pdt, g, gdt, sq1, lr1, pol1, 8, n, 1.25f, &k, 42, 3, step);
-            m2 = b->finish_flat(p2, pdt, g, gdt, sq2, lr2, pol2, 8, n, 1.25f, &k, 42, 3, step);
+            const float sc = step ? 1.0f : 1.25f; /* 1: no division */
+            m1 = a->finish_flat(p1, pdt, g, gdt, sq1, lr1, pol1, 8, n, sc, &k, 42, 3, step);
+            m2 = b->finish_flat(p2, pdt, g, gdt, sq2, lr2, pol2, 8, n, sc, &k, 42, 3, step);
             assert_int_equal(m1, m2);
             assert_memory_equal(p1, p2, (size_t)n * ps);
             assert_memory_equal(sq1, sq2, 4 * (size_t)n);
