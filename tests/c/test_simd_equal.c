@@ -17,6 +17,7 @@
 #include <stddef.h>
 #include <cmocka.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -238,8 +239,9 @@ typedef struct run_out {
     am_report rep[STEPS];
 } run_out;
 
-static void run_updates(const am_shape *sh, int pdt, int gdt, double wd,
-                        int scalar, int threads, run_out *o) {
+/* scalar < 0: leave the kernel choice and the thread count alone. */
+static void run_updates_impl(const am_shape *sh, int pdt, int gdt, double wd,
+                             int scalar, int threads, run_out *o) {
     am_hparams hp = am_hparams_default();
     am_state st;
     am_tensor pt, gt;
@@ -263,17 +265,33 @@ static void run_updates(const am_shape *sh, int pdt, int gdt, double wd,
     fill(o->p, pdt, o->sz.numel, &s, 1);
     pt.data = o->p; pt.dtype = (am_dtype)pdt; pt.shape = *sh;
     gt.data = g; gt.dtype = (am_dtype)gdt; gt.shape = *sh;
-    am_kernels_select(scalar);
-    assert_int_equal(am_set_num_threads(threads), AM_OK);
+    if (scalar >= 0) {
+        am_kernels_select(scalar);
+        assert_int_equal(am_set_num_threads(threads), AM_OK);
+    }
     for (step = 0; step < STEPS; step++) {
         fill(g, gdt, o->sz.numel, &s, 0);
         am_update(&pt, &gt, &st, &hp, key, ws, (size_t)o->sz.workspace_bytes, &o->rep[step]);
         assert_false(am_status_is_error(o->rep[step].status));
     }
-    am_kernels_select(0);
-    am_set_num_threads(1);
+    if (scalar >= 0) {
+        am_kernels_select(0);
+        am_set_num_threads(1);
+    }
     free(g);
     free(ws);
+}
+
+static void run_updates(const am_shape *sh, int pdt, int gdt, double wd,
+                        int scalar, int threads, run_out *o) {
+    run_updates_impl(sh, pdt, gdt, wd, scalar, threads, o);
+}
+
+/* run_updates without touching the process-wide kernel choice and thread
+ * count (for concurrent callers). */
+static void run_updates_keep_threads(const am_shape *sh, int pdt, int gdt, double wd,
+                                     run_out *o) {
+    run_updates_impl(sh, pdt, gdt, wd, -1, 0, o);
 }
 
 static void free_out(run_out *o) {
@@ -355,6 +373,44 @@ static void test_updates(void **unused) {
     if (failures) fail_msg("%d mismatches (seed %llu)", failures, (unsigned long long)g_seed);
 }
 
+/* am_update on different parameters from several user threads at once,
+ * each wanting the pool (one gets it, the others run serially): the same
+ * bits as one after the other. */
+typedef struct conc {
+    am_shape sh;
+    int pdt;
+    run_out out;
+} conc;
+
+static void *conc_run(void *arg) {
+    conc *c = (conc *)arg;
+    run_updates_keep_threads(&c->sh, c->pdt, c->pdt, 0.1, &c->out);
+    return NULL;
+}
+
+static void test_concurrent_callers(void **unused) {
+    enum { N = 4 };
+    conc c[N];
+    pthread_t th[N];
+    int i;
+    (void)unused;
+    assert_int_equal(am_set_num_threads(2), AM_OK);
+    for (i = 0; i < N; i++) {
+        c[i].sh = mk(2, 300 + 7 * i, 1031, 0, 0);
+        c[i].pdt = i % 3;
+        assert_int_equal(pthread_create(&th[i], NULL, conc_run, &c[i]), 0);
+    }
+    for (i = 0; i < N; i++) assert_int_equal(pthread_join(th[i], NULL), 0);
+    for (i = 0; i < N; i++) {
+        run_out base;
+        run_updates(&c[i].sh, c[i].pdt, c[i].pdt, 0.1, 0, 1, &base);
+        assert_true(same(&base, &c[i].out, c[i].pdt));
+        free_out(&base);
+        free_out(&c[i].out);
+    }
+    am_set_num_threads(1);
+}
+
 int main(void) {
     const char *env = getenv("AM_TEST_SEED");
     const struct CMUnitTest tests[] = {
@@ -362,6 +418,7 @@ int main(void) {
         cmocka_unit_test(test_slots),
         cmocka_unit_test(test_agree_underflow),
         cmocka_unit_test(test_updates),
+        cmocka_unit_test(test_concurrent_callers),
     };
     if (env) g_seed = strtoull(env, NULL, 0);
     printf("test_simd_equal: seed %llu (set AM_TEST_SEED to reproduce), kernels %s\n",
