@@ -335,9 +335,13 @@ static double avx2_u2_flat(const void *g, int gdt, const float *sq, int64_t e0,
 
 /* The smallest float t with fl(t / scale) > 0. Division by a positive
  * constant is monotonic, so (u >= t) == (u / scale > 0) for every u, NaN
- * included (both false): the sign test needs no division. */
+ * included (both false): the sign test needs no division. scale >= 1 here
+ * (update.c); an infinite scale (a tiny clip_threshold) gives NaN. */
 static float pos_threshold(float scale) {
-    float t = (float)((double)scale * 0x1p-150);
+    float t;
+    /* u / inf is 0 or NaN, never > 0: a NaN threshold makes u >= t false */
+    if (!(scale < INFINITY)) return NAN;
+    t = (float)((double)scale * 0x1p-150);
     if (!(t > 0.0f)) t = nextafterf(0.0f, 1.0f);
     while (!(t / scale > 0.0f)) t = nextafterf(t, INFINITY);
     for (;;) {

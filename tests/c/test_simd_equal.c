@@ -200,7 +200,8 @@ static void test_philox(void **unused) {
  * u against a threshold instead of dividing; it must match at the edge. */
 static void test_agree_underflow(void **unused) {
     const am_kernels *simd = am_kernels_avx2();
-    static const float scales[] = {1.0f, 1.5f, 2.0f, 2.9999998f, 3.0f, 7.25f, 1e30f};
+    static const float scales[] = {1.0f, 1.5f, 2.0f, 2.9999998f, 3.0f, 7.25f, 1e30f, 3.4e38f,
+                                   INFINITY};
     enum { C = 200 };
     float g[C], rf[1] = {1.0f}, cf[C];
     uint8_t pa[C / 8 + 1], pb[C / 8 + 1];
