@@ -31,8 +31,10 @@
  * destroys it meanwhile (autograd hooks on several threads, each updating
  * its own parameters, are fine). Queries and am_optimizer_save may run
  * concurrently with each other, not with an update of the parameter they
- * read. am_set_log_callback and am_set_num_threads are process-wide
- * settings: call them before starting threads. The log callback itself may
+ * read. am_set_log_callback is a process-wide setting: call it before
+ * starting threads. am_set_num_threads is process-wide too, and may be called
+ * at any time from any thread (it is atomic, and results never depend on the
+ * count). The log callback itself may
  * be called from several threads at once. Tested under ThreadSanitizer
  * (tests/c/test_threads.c, scripts/test_sanitizers.sh).
  */
