@@ -346,7 +346,8 @@ AM_API void am_optimizer_destroy(am_optimizer *opt);
  * (int64_t[ndim]; may be NULL when ndim == 0). Its state is allocated and
  * initialised. *out_id receives the parameter id (0, 1, 2, ... in order of
  * registration), which also keys its randomness. Errors: AM_ERR_NULL_POINTER,
- * AM_ERR_INVALID_DTYPE, AM_ERR_INVALID_SHAPE, AM_ERR_OUT_OF_MEMORY. */
+ * AM_ERR_INVALID_DTYPE, AM_ERR_INVALID_SHAPE, AM_ERR_OUT_OF_MEMORY,
+ * AM_ERR_INVALID_ARGUMENT (INT32_MAX parameters already registered). */
 AM_API am_status am_optimizer_add_param(am_optimizer *opt, void *data,
                                         am_dtype dtype, int32_t ndim,
                                         const int64_t *shape, int32_t *out_id);
@@ -367,7 +368,10 @@ AM_API am_status am_optimizer_update_param(am_optimizer *opt, int32_t id,
  * am_optimizer_num_params() entries. Arguments are all checked before any
  * update. Returns AM_OK when every update was applied, the first AM_SKIPPED_*
  * seen otherwise (the other parameters are still updated), or an error
- * (nothing updated). */
+ * (nothing updated): AM_ERR_NULL_POINTER (opt, grads or grad_dtypes NULL),
+ * AM_ERR_INVALID_DTYPE (grad_dtypes[i] invalid for a non-NULL grads[i]),
+ * AM_ERR_INVALID_ARGUMENT (a parameter given a gradient has step ==
+ * INT64_MAX, which a checkpoint can hold but an update cannot increment). */
 AM_API am_status am_optimizer_update_all(am_optimizer *opt,
                                          const void *const *grads,
                                          const am_dtype *grad_dtypes,

@@ -139,6 +139,14 @@ am_status am_optimizer_update_param(am_optimizer *o, int32_t id,
     return update_slot(o, id, grad, gd, rep);
 }
 
+/* Elements of a registered parameter (its shape was validated). */
+static int64_t slot_numel(const am_param_slot *s) {
+    int64_t n = 1;
+    int32_t d;
+    for (d = 0; d < s->t.shape.ndim; d++) n *= s->t.shape.dims[d];
+    return n;
+}
+
 am_status am_optimizer_update_all(am_optimizer *o, const void *const *grads,
                                   const am_dtype *gds, am_report *reps) {
     int32_t i;
@@ -147,10 +155,19 @@ am_status am_optimizer_update_all(am_optimizer *o, const void *const *grads,
     AM_RETURN_IF(!grads, AM_ERR_NULL_POINTER, "am_optimizer_update_all: grads is NULL");
     AM_RETURN_IF(!gds, AM_ERR_NULL_POINTER,
                  "am_optimizer_update_all: grad_dtypes is NULL");
-    for (i = 0; i < o->count; i++)
+    for (i = 0; i < o->count; i++) {
         AM_RETURN_IF(grads[i] && am_dtype_size(gds[i]) == 0, AM_ERR_INVALID_DTYPE,
                      "am_optimizer_update_all: grad_dtypes[%d] = %d is invalid",
                      (int)i, (int)gds[i]);
+        /* A loaded checkpoint may hold step == INT64_MAX (valid to load, not
+         * to increment): refuse here, or parameters before i would already
+         * have been updated when am_update refused parameter i. */
+        AM_RETURN_IF(grads[i] && o->params[i].st.step == INT64_MAX &&
+                         slot_numel(&o->params[i]) > 0,
+                     AM_ERR_INVALID_ARGUMENT,
+                     "am_optimizer_update_all: parameter %d: step = %lld cannot be "
+                     "incremented", (int)i, (long long)o->params[i].st.step);
+    }
     for (i = 0; i < o->count; i++) {
         am_status st;
         if (!grads[i]) {

@@ -297,6 +297,48 @@ static void test_invalid_values_rejected(void **unused) {
 
 /* Whatever state the optimizer holds loads again: with extreme but valid
  * hyperparameters lrs and moments can be +inf or NaN. */
+/* A checkpoint whose step is INT64_MAX loads (step >= 0 is all the format
+ * asks), but no update can increment it: update_all must refuse before it
+ * updates any parameter, not after updating those in front of it. */
+static void test_max_step_update_all_refused_whole(void **unused) {
+    model a, b;
+    size_t n, nb, na;
+    unsigned char *img, *before, *after;
+    float g[NP][64];
+    const void *grads[NP];
+    am_dtype gds[NP];
+    float w32[NP][64];
+    uint16_t w16[NP][64];
+    int p;
+    (void)unused;
+    model_init(&a, 1);
+    model_init(&b, 1);
+    train(&a, 0, 2, 5);
+    a.opt->params[3].st.step = INT64_MAX; /* after parameters 0..2 */
+    img = image(a.opt, &n);
+    assert_int_equal(am_optimizer_load_memory(b.opt, img, n), AM_OK);
+    for (p = 0; p < NP; p++) {
+        grad(g[p], p, 7, 5);
+        grads[p] = g[p];
+        gds[p] = AM_DTYPE_FLOAT32;
+    }
+    memcpy(w32, b.w32, sizeof w32);
+    memcpy(w16, b.w16, sizeof w16);
+    before = image(b.opt, &nb);
+    assert_int_equal(am_optimizer_update_all(b.opt, grads, gds, NULL),
+                     AM_ERR_INVALID_ARGUMENT);
+    after = image(b.opt, &na);
+    assert_int_equal(na, nb);
+    assert_memory_equal(after, before, nb);
+    assert_memory_equal(b.w32, w32, sizeof w32);
+    assert_memory_equal(b.w16, w16, sizeof w16);
+    free(img);
+    free(before);
+    free(after);
+    am_optimizer_destroy(a.opt);
+    am_optimizer_destroy(b.opt);
+}
+
 static void test_extreme_state_roundtrips(void **unused) {
     model a, b;
     size_t n;
@@ -466,6 +508,7 @@ int main(void) {
         cmocka_unit_test(test_every_corruption_rejected),
         cmocka_unit_test(test_invalid_values_rejected),
         cmocka_unit_test(test_extreme_state_roundtrips),
+        cmocka_unit_test(test_max_step_update_all_refused_whole),
         cmocka_unit_test(test_version_and_format_named),
         cmocka_unit_test(test_mismatch),
         cmocka_unit_test(test_file_errors),
