@@ -317,6 +317,9 @@ static int finish_split(fin *f) {
         return 0;
     per = AM_SPLIT_MAX / g->lr_rows; /* chunks per lr-row */
     if (per > 4 * nth) per = 4 * nth;
+    /* More than AM_SPLIT_MAX / 2 lr-rows (possible when nth > 128): no room
+     * to split each in two; per == 0 would divide by zero below. */
+    if (per < 2) return 0;
     sp.f = f;
     sp.rows = rows;
     sp.chrows = (rows + per - 1) / per;
