@@ -358,7 +358,8 @@ static void test_updates(void **unused) {
         }
     }
     extra[nextra++] = mk(0, 0, 0, 0, 0);         /* a scalar parameter */
-    extra[nextra++] = mk(1, 70001, 0, 0, 0);     /* 5 flat tiles, threads engage */
+    extra[nextra++] = mk(1, 70001, 0, 0, 0);     /* 5 flat tiles (serial: < 2 MiB) */
+    extra[nextra++] = mk(1, 212987, 0, 0, 0);    /* 13 flat tiles, threads engage */
     extra[nextra++] = mk(2, 130, 129, 0, 0);     /* 3 row blocks */
     extra[nextra++] = mk(2, 2, 40001, 0, 0);     /* 3 column blocks */
     extra[nextra++] = mk(2, 1, 300007, 0, 0);    /* one long lr-row */
