@@ -150,8 +150,12 @@ def test_noncontiguous_parameter_and_gradient():
         o_t.step()
         o_c.step()
     assert torch.equal(p_t, p_c) and p_t.stride() == (1, 5)
+    assert o_t.state[p_t].keys() == o_c.state[p_c].keys()
     for k, v in o_c.state[p_c].items():
-        assert torch.equal(o_t.state[p_t][k], v) if isinstance(v, torch.Tensor) else True
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(o_t.state[p_t][k], v), k
+        else:
+            assert o_t.state[p_t][k] == v, k
 
 
 def test_channels_last_conv_fused_equals_contiguous():
