@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-PY=${PYTHON:-python3}
+. scripts/python_env.sh
 SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 
 # The demo's own needs: the word list (Debian wamerican) and matplotlib.

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Installs what building and testing automagic needs on a fresh Debian
-# machine (idempotent). Sourced by test.sh and demo.sh.
+# machine (idempotent). Run by test.sh and demo.sh (not sourced).
 set -euo pipefail
+cd "$(dirname "$0")/.."
+# python3-pip, python3-venv: a minimal Debian has neither (pip below; .venv).
 APT_PKGS="build-essential cmake pkg-config libcmocka-dev libcjson-dev zlib1g-dev valgrind"
+APT_PKGS="$APT_PKGS python3 python3-pip python3-venv"
 missing=""
 for p in $APT_PKGS; do
   dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"
@@ -13,7 +16,11 @@ if [ -n "$missing" ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $missing >/dev/null
 fi
-PY=${PYTHON:-python3}
+. scripts/python_env.sh
+if [ "$PY" = "$PWD/.venv/bin/python" ] && [ ! -x "$PY" ]; then
+  echo "== python3 is externally managed (PEP 668): creating .venv"
+  python3 -m venv --system-site-packages .venv
+fi
 # torch==2.13.0 is a CPU build (a newer or unpinned torch is a multi-GB CUDA download).
 if ! out=$($PY -m pip install -q --disable-pip-version-check torch==2.13.0 pytest numpy matplotlib safetensors pytest-timeout 2>&1); then
   echo "$out" >&2

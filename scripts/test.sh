@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-PY=${PYTHON:-python3}
+. scripts/python_env.sh
 WERROR=${AM_WERROR:-ON}
 
 echo "== C library: configure, build, test"
