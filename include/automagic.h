@@ -439,7 +439,9 @@ AM_API am_status am_optimizer_get_hparams(const am_optimizer *opt,
  * AM_ERR_OUT_OF_MEMORY, AM_ERR_UNSUPPORTED (so many parameters, about a
  * million, that the header would pass the 100 MiB limit loaders enforce),
  * AM_ERR_IO (the log callback says what failed; the temporary file is
- * removed and path is untouched).
+ * removed and path is untouched, except when only the final fsync of the
+ * directory failed: path then already holds the new checkpoint, whose
+ * rename may not survive a power cut).
  * Test hook: with the environment variable AUTOMAGIC_TEST_STALL_SAVE_FD set
  * to an open file descriptor, a save writes half its temporary file, writes
  * one byte to that descriptor and then waits forever (to be killed by a
