@@ -102,8 +102,12 @@ def convert_state(saved: dict, p: torch.Tensor, polarity_bytes: int, where: str)
                 raise CheckpointError("%s: %s is float64; the state is float32" % (where, key))
             # Widening bf16/fp16 to float32 is exact; float32 is copied as is.
             out[key] = t.to(device=p.device, dtype=torch.float32, copy=True).contiguous()
-    if not torch.isfinite(out["lr"]).all() or (out["lr"] <= 0).any():
-        raise CheckpointError("%s: lr holds a non-finite or non-positive value" % where)
+    # As the C checkpoint loader: lrs are clamped to [min_lr >= 0, max_lr], so
+    # only a negative one is impossible. 0 is reached with min_lr=0 (the
+    # per-row lr decays to it), +inf/NaN with max_lr or lr_bump_rate beyond
+    # float range; a state the optimizer holds must load again.
+    if (out["lr"] < 0).any():
+        raise CheckpointError("%s: lr holds a negative value" % where)
     unknown = set(saved) - set(shapes) - {"step"}
     if unknown:
         raise CheckpointError("%s: unknown state keys %s" % (where, sorted(unknown)))

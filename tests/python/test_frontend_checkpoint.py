@@ -221,3 +221,24 @@ def test_deepcopy_and_pickle():
     # the copies are independent of the original
     assert m2.fc.weight.data_ptr() != m.fc.weight.data_ptr()
     assert o2.state[m2.fc.weight]["lr"].data_ptr() != opt.state[m.fc.weight]["lr"].data_ptr()
+
+
+def test_state_with_zero_lrs_loads_again():
+    # min_lr=0 is valid, and disagreeing steps with a large bump drive the
+    # per-row lrs to exactly 0: the optimizer's own state_dict must load.
+    def make_opt():
+        p = torch.nn.Parameter(torch.ones(4, 3))
+        return p, automagic.Automagic3([p], lr=1e-4, min_lr=0.0, lr_bump_rate=50.0,
+                                       fused=False)
+    p, opt = make_opt()
+    for t in range(6):
+        p.grad = torch.full((4, 3), 1.0 if t % 2 else -1.0)
+        opt.step()
+    assert torch.all(opt.state[p]["lr"] == 0)
+    q, opt2 = make_opt()
+    opt2.load_state_dict(opt.state_dict())
+    assert torch.equal(opt2.state[q]["lr"], opt.state[p]["lr"])
+    bad = opt.state_dict()
+    bad["state"][0]["lr"] = torch.full((4,), -1e-6)
+    with pytest.raises(CheckpointError, match="negative"):
+        opt2.load_state_dict(bad)
