@@ -144,7 +144,7 @@ AM_API am_status am_set_log_callback(am_log_fn fn, void *user);
 typedef struct am_hparams {
     double lr;             /* initial lr of every row; 0 < lr */
     double min_lr;         /* 0 <= min_lr <= max_lr */
-    double max_lr;         /* finite */
+    double max_lr;         /* >= 0, finite */
     double lr_bump_rate;   /* >= 0, finite */
     double beta2;          /* 0 <= beta2 < 1 */
     double eps;            /* >= 0, finite */
