@@ -31,4 +31,9 @@ cmake --build "$tmp/consumer/b" >/dev/null
 a=$("$tmp/qs_pkgconfig" | tail -n 1)
 b=$("$tmp/consumer/b/qs_cmake" | tail -n 1)
 [ "$a" = "$b" ] || { echo "install: the two consumers differ: '$a' vs '$b'"; exit 1; }
+# The quickstart fits a linear layer: its last line is "step mse lr", and the
+# fit must have converged (it reaches ~1e-7 in 600 steps).
+mse=$(echo "$a" | awk '{print $2}')
+awk -v m="$mse" 'BEGIN { exit !(m + 0 < 1e-3) }' ||
+  { echo "install: the quickstart did not converge (final mse $mse)"; exit 1; }
 echo "install: pkg-config and CMake consumers built and ran: $a"
