@@ -137,7 +137,7 @@ def update_param(opt, p: torch.Tensor, group: dict, error_cls) -> None:
     update was applied is known on the device only: lr_schedule="scale" is
     undone on the device, skips are counted there, and nonfinite="raise"
     synchronises to read the status (the only case that does)."""
-    from .optim import NonFiniteGradientError, _DTYPES, _hparams, _shape
+    from .optim import NonFiniteGradientError, _DTYPES, _hparams, _shape, _state_struct
 
     lib = _load()
     if lib is None:
@@ -170,14 +170,7 @@ def update_param(opt, p: torch.Tensor, group: dict, error_cls) -> None:
         buf = _buffers(opt, p.device, stream, need.value)
         pt = _lib.Tensor(target.data_ptr(), _DTYPES[p.dtype], shape)
         gt = _lib.Tensor(grad.data_ptr(), _DTYPES[grad.dtype], shape)
-        st = _lib.State()
-        st.lr = state["lr"].data_ptr()
-        st.polarity = state["polarity"].data_ptr()
-        if p.dim() >= 2:
-            st.row = state["exp_avg_sq_row"].data_ptr()
-            st.col = state["exp_avg_sq_col"].data_ptr()
-        else:
-            st.sq = state["exp_avg_sq"].data_ptr()
+        st = _state_struct(p, state)
         hp = _hparams(group)
         lr_before = None
         if scale not in (0.0, 1.0):

@@ -62,6 +62,19 @@ def _state_sizes(t: torch.Tensor) -> _lib.StateSizes:
     return sizes
 
 
+def _state_struct(p: torch.Tensor, state: dict) -> _lib.State:
+    """The C view (am_state) of a parameter's state tensors; step left at 0."""
+    st = _lib.State()
+    st.lr = state["lr"].data_ptr()
+    st.polarity = state["polarity"].data_ptr()
+    if p.dim() >= 2:
+        st.row = state["exp_avg_sq_row"].data_ptr()
+        st.col = state["exp_avg_sq_col"].data_ptr()
+    else:
+        st.sq = state["exp_avg_sq"].data_ptr()
+    return st
+
+
 def _hparams(group: dict) -> _lib.HParams:
     hp = _lib.HParams()
     for name in _lib.HPARAM_NAMES:
@@ -377,14 +390,7 @@ class Automagic3(torch.optim.Optimizer):
 
         pt = _lib.Tensor(target.data_ptr(), _DTYPES[p.dtype], _shape(p))
         gt = _lib.Tensor(grad.data_ptr(), _DTYPES[grad.dtype], _shape(p))
-        st = _lib.State()
-        st.lr = state["lr"].data_ptr()
-        st.polarity = state["polarity"].data_ptr()
-        if p.dim() >= 2:
-            st.row = state["exp_avg_sq_row"].data_ptr()
-            st.col = state["exp_avg_sq_col"].data_ptr()
-        else:
-            st.sq = state["exp_avg_sq"].data_ptr()
+        st = _state_struct(p, state)
         st.step = int(state["step"])
         sizes = _lib.StateSizes()
         _lib.lib.am_state_get_sizes(ctypes.byref(pt.shape), ctypes.byref(sizes))
