@@ -13,6 +13,8 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <cmocka.h>
+
+#include "test_image.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -201,14 +203,6 @@ static am_status call_row(ctx *c, int r) {
     return AM_OK;
 }
 
-static unsigned char *image(const am_optimizer *o, size_t *n) {
-    unsigned char *b;
-    assert_int_equal(am_optimizer_save_memory(o, NULL, 0, n), AM_OK);
-    b = (unsigned char *)malloc(*n);
-    assert_non_null(b);
-    assert_int_equal(am_optimizer_save_memory(o, b, *n, n), AM_OK);
-    return b;
-}
 
 static void test_optimizer_matrix(void **unused) {
     static ctx before;
@@ -223,7 +217,7 @@ static void test_optimizer_matrix(void **unused) {
         assert_int_equal(am_optimizer_create(&hp, 1, &o), AM_OK);
         assert_int_equal(am_optimizer_add_param(o, w, AM_DTYPE_FLOAT32, 2, s, &id), AM_OK);
         assert_int_equal(am_optimizer_add_param(o, w, AM_DTYPE_BFLOAT16, 2, s, &id), AM_OK);
-        g_other = image(o, &g_other_n);
+        g_other = t_image(o, &g_other_n);
         am_optimizer_destroy(o);
     }
     for (r = 0; r < R_COUNT; r++) {
@@ -235,7 +229,7 @@ static void test_optimizer_matrix(void **unused) {
         ctx_init(c);
         setup_row(c, r);
         memcpy(&before, c, sizeof before);
-        i0 = image(c->opt, &n0);
+        i0 = t_image(c->opt, &n0);
         np = am_optimizer_num_params(c->opt);
         got = call_row(c, r);
         if (got != k_want[r])
@@ -243,7 +237,7 @@ static void test_optimizer_matrix(void **unused) {
                      am_status_string(got), (int)k_want[r], am_status_string(k_want[r]));
         if (memcmp(&before, c, sizeof before) != 0)
             fail_msg("%s: the caller's memory changed", k_name[r]);
-        i1 = image(c->opt, &n1);
+        i1 = t_image(c->opt, &n1);
         if (n0 != n1 || memcmp(i0, i1, n0) != 0 || np != am_optimizer_num_params(c->opt))
             fail_msg("%s: the optimizer changed", k_name[r]);
         free(i0);

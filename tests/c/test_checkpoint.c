@@ -11,6 +11,8 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <cmocka.h>
+
+#include "test_image.h"
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -87,18 +89,10 @@ static void train(model *m, int s0, int s1, uint64_t seed) {
         }
 }
 
-static unsigned char *image(const am_optimizer *o, size_t *n) {
-    unsigned char *b;
-    assert_int_equal(am_optimizer_save_memory(o, NULL, 0, n), AM_OK);
-    b = (unsigned char *)malloc(*n);
-    assert_non_null(b);
-    assert_int_equal(am_optimizer_save_memory(o, b, *n, n), AM_OK);
-    return b;
-}
 
 static void assert_same_image(const am_optimizer *a, const am_optimizer *b) {
     size_t na, nb;
-    unsigned char *ia = image(a, &na), *ib = image(b, &nb);
+    unsigned char *ia = t_image(a, &na), *ib = t_image(b, &nb);
     assert_int_equal(na, nb);
     assert_memory_equal(ia, ib, na);
     free(ia);
@@ -192,8 +186,8 @@ static void test_every_corruption_rejected(void **unused) {
     model_init(&b, 42);
     train(&a, 0, 5, 2);
     train(&b, 0, 2, 3);
-    img = image(a.opt, &n);
-    before = image(b.opt, &nb);
+    img = t_image(a.opt, &n);
+    before = t_image(b.opt, &nb);
     for (i = 0; i < n; i++) {
         am_status st;
         img[i] ^= (unsigned char)(1u << (i % 8));
@@ -213,7 +207,7 @@ static void test_every_corruption_rejected(void **unused) {
     }
     {
         size_t n2;
-        unsigned char *after = image(b.opt, &n2);
+        unsigned char *after = t_image(b.opt, &n2);
         assert_int_equal(n2, nb);
         assert_memory_equal(after, before, nb);
         free(after);
@@ -231,11 +225,11 @@ static void test_every_corruption_rejected(void **unused) {
 static void expect_reject(am_optimizer *src, am_optimizer *dst, am_status err,
                           const char *word) {
     size_t n, nb, na;
-    unsigned char *img = image(src, &n), *before = image(dst, &nb), *after;
+    unsigned char *img = t_image(src, &n), *before = t_image(dst, &nb), *after;
     g_last_log[0] = '\0';
     assert_int_equal(am_optimizer_load_memory(dst, img, n), err);
     if (!strstr(g_last_log, word)) fail_msg("log \"%s\" lacks \"%s\"", g_last_log, word);
-    after = image(dst, &na);
+    after = t_image(dst, &na);
     assert_int_equal(na, nb);
     assert_memory_equal(after, before, nb);
     free(img);
@@ -287,7 +281,7 @@ static void test_invalid_values_rejected(void **unused) {
     a.opt->hp.min_lr = 1e-8;
     {
         size_t n;
-        unsigned char *img = image(a.opt, &n);
+        unsigned char *img = t_image(a.opt, &n);
         assert_int_equal(am_optimizer_load_memory(b.opt, img, n), AM_OK);
         free(img);
     }
@@ -315,7 +309,7 @@ static void test_max_step_update_all_refused_whole(void **unused) {
     model_init(&b, 1);
     train(&a, 0, 2, 5);
     a.opt->params[3].st.step = INT64_MAX; /* after parameters 0..2 */
-    img = image(a.opt, &n);
+    img = t_image(a.opt, &n);
     assert_int_equal(am_optimizer_load_memory(b.opt, img, n), AM_OK);
     for (p = 0; p < NP; p++) {
         grad(g[p], p, 7, 5);
@@ -324,10 +318,10 @@ static void test_max_step_update_all_refused_whole(void **unused) {
     }
     memcpy(w32, b.w32, sizeof w32);
     memcpy(w16, b.w16, sizeof w16);
-    before = image(b.opt, &nb);
+    before = t_image(b.opt, &nb);
     assert_int_equal(am_optimizer_update_all(b.opt, grads, gds, NULL),
                      AM_ERR_INVALID_ARGUMENT);
-    after = image(b.opt, &na);
+    after = t_image(b.opt, &na);
     assert_int_equal(na, nb);
     assert_memory_equal(after, before, nb);
     assert_memory_equal(b.w32, w32, sizeof w32);
@@ -353,7 +347,7 @@ static void test_extreme_state_roundtrips(void **unused) {
     a.opt->params[3].st.row[1] = NAN;
     a.opt->params[2].st.col[0] = -0.0f;
     a.opt->params[2].st.step = INT64_MAX - 1;
-    img = image(a.opt, &n);
+    img = t_image(a.opt, &n);
     assert_int_equal(am_optimizer_load_memory(b.opt, img, n), AM_OK);
     assert_same_image(a.opt, b.opt);
     free(img);
@@ -379,13 +373,13 @@ static void test_version_and_format_named(void **unused) {
     unsigned char *img;
     (void)unused;
     model_init(&a, 1);
-    img = image(a.opt, &n);
+    img = t_image(a.opt, &n);
     patch(img, n, "\"format_version\":\"1\"", "\"format_version\":\"2\"");
     g_last_log[0] = '\0';
     assert_int_equal(am_optimizer_load_memory(a.opt, img, n), AM_ERR_FORMAT);
     assert_non_null(strstr(g_last_log, "format_version 2 is not supported"));
     free(img);
-    img = image(a.opt, &n);
+    img = t_image(a.opt, &n);
     patch(img, n, "automagic.optimizer", "automagic.optimizor");
     assert_int_equal(am_optimizer_load_memory(a.opt, img, n), AM_ERR_FORMAT);
     assert_non_null(strstr(g_last_log, "format is"));
@@ -466,7 +460,7 @@ static void test_save_memory_sizes(void **unused) {
     unsigned char *img, small[16];
     (void)unused;
     model_init(&a, 1);
-    img = image(a.opt, &n);
+    img = t_image(a.opt, &n);
     assert_true(n > 8);
     assert_int_equal((8 + img[0] + 256 * img[1]) % 8, 0); /* data 8-aligned */
     assert_int_equal(img[2] | img[3] | img[4] | img[5] | img[6] | img[7], 0);
@@ -494,7 +488,7 @@ static void test_no_params(void **unused) {
     hp.beta2 = 0.5;
     assert_int_equal(am_optimizer_create(&hp, 99, &a), AM_OK);
     assert_int_equal(am_optimizer_create(&hp, 98, &b), AM_OK);
-    img = image(a, &n);
+    img = t_image(a, &n);
     assert_int_equal(am_optimizer_load_memory(b, img, n), AM_OK);
     assert_same_image(a, b);
     free(img);

@@ -12,6 +12,8 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <cmocka.h>
+
+#include "test_image.h"
 #include <dirent.h>
 #include <signal.h>
 #include <stdio.h>
@@ -24,14 +26,6 @@
 
 static char g_dir[64];
 
-static unsigned char *image(const am_optimizer *o, size_t *n) {
-    unsigned char *b;
-    assert_int_equal(am_optimizer_save_memory(o, NULL, 0, n), AM_OK);
-    b = (unsigned char *)malloc(*n);
-    assert_non_null(b);
-    assert_int_equal(am_optimizer_save_memory(o, b, *n, n), AM_OK);
-    return b;
-}
 
 static unsigned char *read_file(const char *path, size_t *n) {
     FILE *f = fopen(path, "rb");
@@ -93,7 +87,7 @@ static void test_kill_during_save(void **unused) {
     assert_int_equal(am_optimizer_add_param(o, w, AM_DTYPE_FLOAT32, 2, shape, &id), AM_OK);
     train(o, g, 3);
     assert_int_equal(am_optimizer_save(o, path), AM_OK);
-    old_img = image(o, &n_old);
+    old_img = t_image(o, &n_old);
     file_before = read_file(path, &n_fb);
     assert_int_equal(n_fb, n_old);
     assert_memory_equal(file_before, old_img, n_old);
@@ -127,7 +121,7 @@ static void test_kill_during_save(void **unused) {
     assert_memory_equal(file_after, file_before, n_fb);
     train(o, g, 2); /* move the state on, so the load visibly restores it */
     assert_int_equal(am_optimizer_load(o, path), AM_OK);
-    loaded = image(o, &n_l);
+    loaded = t_image(o, &n_l);
     assert_int_equal(n_l, n_old);
     assert_memory_equal(loaded, old_img, n_old);
     /* The half-written temporary file is not a checkpoint. */
@@ -140,7 +134,7 @@ static void test_kill_during_save(void **unused) {
     free(file_after);
     file_after = read_file(path, &n_fa);
     free(loaded);
-    loaded = image(o, &n_l);
+    loaded = t_image(o, &n_l);
     assert_int_equal(n_fa, n_l);
     assert_memory_equal(file_after, loaded, n_l);
     assert_int_equal(tmp_file_size(tmpname, sizeof tmpname), -1);

@@ -11,6 +11,8 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <cmocka.h>
+
+#include "test_image.h"
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -98,14 +100,6 @@ static void *worker(void *arg) {
     return NULL;
 }
 
-static unsigned char *image(const am_optimizer *o, size_t *n) {
-    unsigned char *b;
-    assert_int_equal(am_optimizer_save_memory(o, NULL, 0, n), AM_OK);
-    b = (unsigned char *)malloc(*n);
-    assert_non_null(b);
-    assert_int_equal(am_optimizer_save_memory(o, b, *n, n), AM_OK);
-    return b;
-}
 
 static void test_threads_update_different_params(void **unused) {
     static world par, ser;
@@ -134,8 +128,8 @@ static void test_threads_update_different_params(void **unused) {
     pthread_barrier_destroy(&bar);
     assert_memory_equal(par.w32, ser.w32, sizeof par.w32);
     assert_memory_equal(par.w16, ser.w16, sizeof par.w16);
-    ia = image(par.opt, &na);
-    ib = image(ser.opt, &nb);
+    ia = t_image(par.opt, &na);
+    ib = t_image(ser.opt, &nb);
     assert_int_equal(na, nb);
     assert_memory_equal(ia, ib, na); /* lrs, polarity, moments, steps, skips */
     assert_true(am_optimizer_skipped_count(par.opt) > 0);
@@ -270,7 +264,7 @@ static void test_threads_concurrent_saves(void **unused) {
         assert_true(jobs[t].ok);
     }
     pthread_barrier_destroy(&bar);
-    img = image(w.opt, &n);
+    img = t_image(w.opt, &n);
     for (t = 0; t <= NT; t++) {
         const char *path = t == NT ? jobs[0].path[0] : jobs[t].path[1];
         FILE *f = fopen(path, "rb");
