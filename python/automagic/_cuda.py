@@ -137,7 +137,8 @@ def update_param(opt, p: torch.Tensor, group: dict, error_cls) -> None:
     update was applied is known on the device only: lr_schedule="scale" is
     undone on the device, skips are counted there, and nonfinite="raise"
     synchronises to read the status (the only case that does)."""
-    from .optim import NonFiniteGradientError, _DTYPES, _hparams, _shape, _state_struct
+    from .optim import (NonFiniteGradientError, _DTYPES, _scaled_hparams, _shape,
+                        _state_struct)
 
     lib = _load()
     if lib is None:
@@ -171,16 +172,9 @@ def update_param(opt, p: torch.Tensor, group: dict, error_cls) -> None:
         pt = _lib.Tensor(target.data_ptr(), _DTYPES[p.dtype], shape)
         gt = _lib.Tensor(grad.data_ptr(), _DTYPES[grad.dtype], shape)
         st = _state_struct(p, state)
-        hp = _hparams(group)
-        lr_before = None
-        if scale not in (0.0, 1.0):
-            # As the CPU path: the schedule scales the applied lr and the
-            # clamp bounds; the stored lr is divided back (on the device,
-            # only when the update was applied).
-            hp.min_lr *= scale
-            hp.max_lr *= scale
-            lr_before = state["lr"].clone()
-            state["lr"].mul_(scale)
+        # As the CPU path; the stored lr is divided back on the device, only
+        # when the update was applied.
+        hp, lr_before = _scaled_hparams(group, state, scale)
         key = _lib.RngKey(opt.seed, opt._param_index[p] & 0xFFFFFFFF)
         _lib.clear_message()
         status = lib.am_update_cuda(ctypes.byref(pt), ctypes.byref(gt), ctypes.byref(st),

@@ -83,6 +83,24 @@ def _hparams(group: dict) -> _lib.HParams:
     return hp
 
 
+def _scaled_hparams(group: dict, state: dict, scale: float):
+    """Hyperparameters of one update under lr_schedule="scale" with factor
+    scale, and the stored lrs before scaling (None when scale is 0 or 1).
+
+    clamp(s*lr*e, s*min, s*max) == s*clamp(lr*e, min, max): the clamp keeps
+    bounding the tuned rate and the schedule scales what is applied. The
+    stored lr is multiplied by scale here; the caller divides it back after
+    the update, or restores lr_before if the update failed."""
+    hp = _hparams(group)
+    lr_before = None
+    if scale not in (0.0, 1.0):
+        hp.min_lr *= scale
+        hp.max_lr *= scale
+        lr_before = state["lr"].clone()
+        state["lr"].mul_(scale)
+    return hp, lr_before
+
+
 def _validate_group(group: dict, check_lr: bool = True) -> None:
     """check_lr=False once the group exists: then group["lr"] belongs to the
     schedule (checked by _lr_scale), not to the C hyperparameters."""
@@ -395,16 +413,7 @@ class Automagic3(torch.optim.Optimizer):
         sizes = _lib.StateSizes()
         _lib.lib.am_state_get_sizes(ctypes.byref(pt.shape), ctypes.byref(sizes))
         ws = self._workspace(sizes.workspace_bytes)
-        hp = _hparams(group)
-        lr_before = None
-        if scale not in (0.0, 1.0):
-            # clamp(s*lr*e, s*min, s*max) == s*clamp(lr*e, min, max): the
-            # clamp keeps bounding the tuned rate, the schedule scales what
-            # is applied. The stored lr is divided back afterwards.
-            hp.min_lr *= scale
-            hp.max_lr *= scale
-            lr_before = state["lr"].clone()
-            state["lr"].mul_(scale)
+        hp, lr_before = _scaled_hparams(group, state, scale)
         key = _lib.RngKey(self.seed, self._param_index[p] & 0xFFFFFFFF)
         rep = _lib.Report()
         _lib.lib.am_set_num_threads(torch.get_num_threads())
