@@ -136,7 +136,39 @@ typedef struct am_kernels {
                            float *sq, float *lr, uint8_t *pol, int64_t e0,
                            int64_t e1, float scale, const am_consts *k,
                            uint64_t seed, uint32_t param_id, int64_t step);
+
+    /* Batched slots for many small matrices (e.g. 65536 3x3 matrices of a
+     * (256, 256, 3, 3) conv weight), where per-matrix calls cost more than
+     * the work. Each is defined as its per-matrix loop over matrices
+     * [b0, b1) of the (B, R, C) view (the reference does exactly that), so
+     * batching changes no bit. g points at element 0 of the tensor; every
+     * float array is tensor-wide (indexed by b*R + i or b*C + j).
+     *
+     * stats_mats: for matrices whose only tile is the whole matrix
+     * (nrb == ncb == 1): stats_tile(matrix b, 0, R, 0, C, rowsum + b*R,
+     * colsum + b*C). */
+    void (*stats_mats)(const void *g, int gdt, int64_t R, int64_t C,
+                       int64_t b0, int64_t b1, float *rowsum, float *colsum);
+
+    /* u2_mats: out[b - b0] = u2_tile(matrix b, 0, R, 0, C, rf + b*R,
+     * cf + b*C), same tiling condition as stats_mats. */
+    void (*u2_mats)(const void *g, int gdt, int64_t R, int64_t C, int64_t b0,
+                    int64_t b1, const float *rf, const float *cf, double *out);
+
+    /* moments_mats: the new second moments and factors of matrices
+     * [b0, b1) from the row/col sums of g^2 (rs, cs) and the old moments
+     * (row, col), SPEC 3.1: nr = ema(row, rs/C + eps), rmean[b] = (sum over
+     * i ascending of nr) / R, rf = rsqrt(nr / rmean), nc = ema(col,
+     * cs/R + eps), cf = rsqrt(nc). */
+    void (*moments_mats)(int64_t R, int64_t C, int64_t b0, int64_t b1,
+                         const float *row, const float *col, const float *rs,
+                         const float *cs, const am_consts *k, float *nr,
+                         float *nc, float *rf, float *cf, float *rmean);
 } am_kernels;
+
+/* Matrices of at most this many elements (R*C) take the batched path
+ * (stats_mats, u2_mats) in update.c; bigger ones are tiled per matrix. */
+#define AM_MATS_MAX_ELEMS 64
 
 /* The scalar reference table (always available). */
 extern const am_kernels am_kernels_ref;

@@ -666,6 +666,7 @@ static int64_t avx2_finish_flat(void *p, int pdt, const void *g, int gdt,
 static const am_kernels avx2_table = {
     "avx2",          avx2_stats_tile, avx2_u2_tile,     avx2_u2_flat,
     avx2_agree_rows, avx2_apply_rows, avx2_finish_flat,
+    am_avx2_stats_mats, am_avx2_u2_mats, am_avx2_moments_mats,
 };
 
 am_philox_fn am_philox32_avx2(void) { return philox32_avx2; }

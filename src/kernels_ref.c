@@ -142,7 +142,64 @@ static int64_t ref_finish_flat(void *p, int pdt, const void *g, int gdt,
     return matches;
 }
 
+/* The batched slots: loops over the per-matrix code above. */
+static void ref_stats_mats(const void *g, int gdt, int64_t R, int64_t C,
+                           int64_t b0, int64_t b1, float *rowsum,
+                           float *colsum) {
+    size_t es = am_dtype_size((am_dtype)gdt);
+    int64_t b;
+    for (b = b0; b < b1; b++)
+        ref_stats_tile((const char *)g + (size_t)(b * R * C) * es, gdt, C, 0, R,
+                       0, C, rowsum + b * R, colsum + b * C);
+}
+
+static void ref_u2_mats(const void *g, int gdt, int64_t R, int64_t C,
+                        int64_t b0, int64_t b1, const float *rf,
+                        const float *cf, double *out) {
+    size_t es = am_dtype_size((am_dtype)gdt);
+    int64_t b;
+    for (b = b0; b < b1; b++)
+        out[b - b0] = ref_u2_tile((const char *)g + (size_t)(b * R * C) * es,
+                                  gdt, C, 0, R, 0, C, rf + b * R, cf + b * C);
+}
+
+/* SPEC 3.1 for one matrix b. */
+static void ref_moments_mat(int64_t R, int64_t C, int64_t b, const float *row,
+                            const float *col, const float *rs, const float *cs,
+                            const am_consts *k, float *nr, float *nc,
+                            float *rf, float *cf, float *rmean) {
+    const float Cf = (float)C, Rf = (float)R;
+    float s = 0.0f;
+    int64_t i, j;
+    for (i = 0; i < R; i++) {
+        int64_t x = b * R + i;
+        nr[x] = am_ema(row[x], rs[x] / Cf + k->eps, k);
+        s += nr[x];
+    }
+    rmean[b] = s / Rf;
+    for (i = 0; i < R; i++) {
+        int64_t x = b * R + i;
+        rf[x] = am_rsqrt(nr[x] / rmean[b]);
+    }
+    for (j = 0; j < C; j++) {
+        int64_t y = b * C + j;
+        nc[y] = am_ema(col[y], cs[y] / Rf + k->eps, k);
+        cf[y] = am_rsqrt(nc[y]);
+    }
+}
+
+static void ref_moments_mats(int64_t R, int64_t C, int64_t b0, int64_t b1,
+                             const float *row, const float *col,
+                             const float *rs, const float *cs,
+                             const am_consts *k, float *nr, float *nc,
+                             float *rf, float *cf, float *rmean) {
+    int64_t b;
+    for (b = b0; b < b1; b++)
+        ref_moments_mat(R, C, b, row, col, rs, cs, k, nr, nc, rf, cf, rmean);
+}
+
 const am_kernels am_kernels_ref = {
     "scalar",         ref_stats_tile, ref_u2_tile,    ref_u2_flat,
-    ref_agree_rows,   ref_apply_rows, ref_finish_flat,
+    ref_agree_rows,   ref_apply_rows, ref_finish_flat, ref_stats_mats,
+    ref_u2_mats,      ref_moments_mats,
 };

@@ -13,6 +13,17 @@
  * built without it (not x86-64, or a compiler without the intrinsics). */
 const am_kernels *am_kernels_avx2(void);
 
+/* The batched small-matrix slots of the AVX2 set (kernels_avx2_mats.c),
+ * defined only when that file is built with AVX2 + F16C. */
+void am_avx2_stats_mats(const void *g, int gdt, int64_t R, int64_t C,
+                        int64_t b0, int64_t b1, float *rowsum, float *colsum);
+void am_avx2_u2_mats(const void *g, int gdt, int64_t R, int64_t C, int64_t b0,
+                     int64_t b1, const float *rf, const float *cf, double *out);
+void am_avx2_moments_mats(int64_t R, int64_t C, int64_t b0, int64_t b1,
+                          const float *row, const float *col, const float *rs,
+                          const float *cs, const am_consts *k, float *nr,
+                          float *nc, float *rf, float *cf, float *rmean);
+
 /* Philox words of 32 consecutive quads (SPEC 5): out[4k + w] is word w of
  * am_rng_quad(seed, pid, step, q0 + k), k < 32, w < 4 (128 words). */
 typedef void (*am_philox_fn)(uint64_t seed, uint32_t pid, int64_t step,

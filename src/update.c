@@ -120,6 +120,49 @@ static void stats_task(void *ctx, int64_t t) {
                       j1, rowdst + b * g->R + i0, coldst + b * g->C + j0);
 }
 
+/* Many small matrices (R*C <= AM_MATS_MAX_ELEMS, each one tile): a task
+ * takes a run of whole matrices, a multiple of 8 of about AM_FLAT_CHUNK
+ * elements, through the batched kernel slots. Each matrix's sums are those
+ * of its own tile, so the grouping changes no bit. */
+static int batched(const am_geom *g) {
+    return g->nrb == 1 && g->ncb == 1 && g->B > 1 && g->R * g->C <= AM_MATS_MAX_ELEMS;
+}
+
+static int64_t mats_per_task(const am_geom *g) {
+    int64_t n = AM_FLAT_CHUNK / (g->R * g->C) / 8 * 8;
+    return n < 8 ? 8 : n;
+}
+
+static int64_t mat_tasks(const am_geom *g) {
+    return (g->B + mats_per_task(g) - 1) / mats_per_task(g);
+}
+
+static void mats_range(const am_geom *g, int64_t t, int64_t *b0, int64_t *b1) {
+    int64_t n = mats_per_task(g);
+    *b0 = t * n;
+    *b1 = *b0 + n < g->B ? *b0 + n : g->B;
+}
+
+static void stats_mats_task(void *ctx, int64_t t) {
+    upd *u = (upd *)ctx;
+    const am_geom *g = &u->g;
+    int64_t b0, b1;
+    mats_range(g, t, &b0, &b1);
+    u->kt->stats_mats(u->grad->data, u->grad->dtype, g->R, g->C, b0, b1,
+                      WS(u, off_row_sumsq, float), WS(u, off_col_sumsq, float));
+}
+
+/* Tile index == matrix index here (one tile per matrix). */
+static void u2_mats_task(void *ctx, int64_t t) {
+    upd *u = (upd *)ctx;
+    const am_geom *g = &u->g;
+    int64_t b0, b1;
+    mats_range(g, t, &b0, &b1);
+    u->kt->u2_mats(u->grad->data, u->grad->dtype, g->R, g->C, b0, b1,
+                   WS(u, off_rf, float), WS(u, off_cf, float),
+                   WS(u, off_tile_u2, double) + b0);
+}
+
 static void flat_u2_task(void *ctx, int64_t t) {
     upd *u = (upd *)ctx;
     int64_t e0 = t * AM_FLAT_CHUNK, e1 = e0 + AM_FLAT_CHUNK;
@@ -161,7 +204,11 @@ static am_status run_stats(upd *u) {
     if (g->ndim >= 2) {
         int64_t BR = g->B * g->R, x;
         float *rs = WS(u, off_row_sumsq, float);
-        am_parallel_for(g->ntiles, (double)g->RB * (double)g->CB * 4.0, stats_task, u);
+        if (batched(g))
+            am_parallel_for(mat_tasks(g), (double)mats_per_task(g) * (double)(g->R * g->C) * 4.0,
+                            stats_mats_task, u);
+        else
+            am_parallel_for(g->ntiles, (double)g->RB * (double)g->CB * 4.0, stats_task, u);
         if (g->ncb > 1) combine_parts(rs, WS(u, off_rowpart, float), g->ncb, BR);
         if (g->nrb > 1)
             combine_parts(WS(u, off_col_sumsq, float), WS(u, off_colpart, float),
@@ -195,7 +242,6 @@ static void u2_task(void *ctx, int64_t t) {
 static am_status run_moments(upd *u) {
     const am_geom *g = &u->g;
     const am_consts *k = &u->k;
-    int64_t b, i, j;
     AM_RETURN_IF(u->h->stage != AM_STAGE_STATS || u->h->numel != g->numel,
                  AM_ERR_INVALID_ARGUMENT,
                  "am_update_moments: workspace does not hold am_update_stats "
@@ -206,26 +252,13 @@ static am_status run_moments(upd *u) {
         float *nr = WS(u, off_new_row, float), *nc = WS(u, off_new_col, float);
         float *rf = WS(u, off_rf, float), *cf = WS(u, off_cf, float);
         float *rmean = WS(u, off_rmean, float);
-        const float Cf = (float)g->C, Rf = (float)g->R;
-        for (b = 0; b < g->B; b++) {
-            float s = 0.0f;
-            for (i = 0; i < g->R; i++) {
-                int64_t x = b * g->R + i;
-                nr[x] = am_ema(u->state->row[x], rs[x] / Cf + k->eps, k);
-                s += nr[x];
-            }
-            rmean[b] = s / Rf;
-            for (i = 0; i < g->R; i++) {
-                int64_t x = b * g->R + i;
-                rf[x] = am_rsqrt(nr[x] / rmean[b]);
-            }
-            for (j = 0; j < g->C; j++) {
-                int64_t y = b * g->C + j;
-                nc[y] = am_ema(u->state->col[y], cs[y] / Rf + k->eps, k);
-                cf[y] = am_rsqrt(nc[y]);
-            }
-        }
-        am_parallel_for(g->ntiles, (double)g->RB * (double)g->CB * 4.0, u2_task, u);
+        u->kt->moments_mats(g->R, g->C, 0, g->B, u->state->row, u->state->col,
+                            rs, cs, k, nr, nc, rf, cf, rmean);
+        if (batched(g))
+            am_parallel_for(mat_tasks(g), (double)mats_per_task(g) * (double)(g->R * g->C) * 4.0,
+                            u2_mats_task, u);
+        else
+            am_parallel_for(g->ntiles, (double)g->RB * (double)g->CB * 4.0, u2_task, u);
         u->h->u2_sum = sum_doubles(WS(u, off_tile_u2, double), g->ntiles);
     }
     u->h->stage = AM_STAGE_MOMENTS;

@@ -1,0 +1,219 @@
+/*
+ * kernels_avx2_mats.c — AVX2 batched kernels for many small matrices (the
+ * stats_mats, u2_mats and moments_mats slots of internal.h), bit-identical
+ * to the reference's per-matrix loops.
+ *
+ * A (256, 256, 3, 3) conv weight is 65536 matrices of 3x3: per-matrix calls
+ * and O(R + C) scalar loops cost far more than the 9 elements. Here 8
+ * consecutive matrices are processed at once, one matrix per vector lane:
+ * their 8*R*C contiguous elements are widened to float32 in a buffer and
+ * transposed with gathers so that vector e holds element e of each of the 8
+ * matrices. Every lane then performs exactly the scalar reference's
+ * operations for its own matrix, in the same order (the 8 lane
+ * accumulators of a row become 8 vectors, am_lanesum_finish is applied
+ * vector-wise, column sums run over rows ascending, the double total of u^2
+ * adds the row sums in order), with IEEE add/mul/div/sqrt and no FMA, so
+ * the bits are those of the reference. Matrices beyond a multiple of 8, and
+ * shapes too big for the buffers, go through the reference code itself.
+ * Built with -mavx2 -mf16c on this file only.
+ */
+#include "simd.h"
+
+#if defined(__x86_64__) && defined(__AVX2__) && defined(__F16C__)
+
+#include <immintrin.h>
+
+#define AM_INLINE static inline __attribute__((always_inline))
+#define MAXD 64 /* R, C <= MAXD and R*C <= AM_MATS_MAX_ELEMS here */
+
+/* Elements i..i+7 as float32 (as ld8 in kernels_avx2.c: exact widening). */
+AM_INLINE __m256 ld8m(const void *base, const int dt, int64_t i) {
+    __m128i h;
+    if (dt == AM_DTYPE_FLOAT32) return _mm256_loadu_ps((const float *)base + i);
+    h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
+    if (dt == AM_DTYPE_BFLOAT16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+/* t[e] = element e of matrices b..b+7 (lane m = matrix b + m), n = R*C. */
+AM_INLINE void load_t(const void *g, const int gdt, int64_t n, int64_t b,
+                      __m256 *t) {
+    float buf[8 * AM_MATS_MAX_ELEMS];
+    const __m256i idx = _mm256_mullo_epi32(_mm256_set1_epi32((int)n),
+                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    int64_t e;
+    for (e = 0; e < 8 * n; e += 8) _mm256_storeu_ps(buf + e, ld8m(g, gdt, b * n + e));
+    for (e = 0; e < n; e++) t[e] = _mm256_i32gather_ps(buf + e, idx, 4);
+}
+
+/* v[x] for lane m = a[m*stride + x], x < cnt (8 runs of stride floats). */
+AM_INLINE void gather_rows(const float *a, int64_t stride, int64_t cnt, __m256 *v) {
+    const __m256i idx = _mm256_mullo_epi32(_mm256_set1_epi32((int)stride),
+                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    int64_t x;
+    for (x = 0; x < cnt; x++) v[x] = _mm256_i32gather_ps(a + x, idx, 4);
+}
+
+/* a[m*stride + x] = lane m of v[x], x < cnt. */
+AM_INLINE void scatter_rows(float *a, int64_t stride, int64_t cnt, const __m256 *v) {
+    float tmp[8];
+    int64_t x;
+    int m;
+    for (x = 0; x < cnt; x++) {
+        _mm256_storeu_ps(tmp, v[x]);
+        for (m = 0; m < 8; m++) a[m * stride + x] = tmp[m];
+    }
+}
+
+/* am_lanesum_finish, one sum per vector lane. */
+AM_INLINE __m256 lanesum_v(const __m256 *a) {
+    __m256 s04 = _mm256_add_ps(a[0], a[4]), s26 = _mm256_add_ps(a[2], a[6]);
+    __m256 s15 = _mm256_add_ps(a[1], a[5]), s37 = _mm256_add_ps(a[3], a[7]);
+    return _mm256_add_ps(_mm256_add_ps(s04, s26), _mm256_add_ps(s15, s37));
+}
+
+static int fits(int64_t R, int64_t C) {
+    return R <= MAXD && C <= MAXD && R * C <= AM_MATS_MAX_ELEMS;
+}
+
+/* ------------------------------------------------------------ stats ---- */
+
+AM_INLINE void stats8(const void *g, const int gdt, int64_t R, int64_t C,
+                      int64_t b, float *rowsum, float *colsum) {
+    __m256 t[AM_MATS_MAX_ELEMS], col[MAXD], rows[MAXD];
+    int64_t i, j;
+    load_t(g, gdt, R * C, b, t);
+    for (j = 0; j < C; j++) col[j] = _mm256_setzero_ps();
+    for (i = 0; i < R; i++) {
+        __m256 acc[AM_LANES];
+        int l;
+        for (l = 0; l < AM_LANES; l++) acc[l] = _mm256_setzero_ps();
+        for (j = 0; j < C; j++) {
+            __m256 x = t[i * C + j], x2 = _mm256_mul_ps(x, x);
+            acc[j % AM_LANES] = _mm256_add_ps(acc[j % AM_LANES], x2);
+            col[j] = _mm256_add_ps(col[j], x2);
+        }
+        rows[i] = lanesum_v(acc);
+    }
+    scatter_rows(rowsum + b * R, R, R, rows);
+    scatter_rows(colsum + b * C, C, C, col);
+}
+
+void am_avx2_stats_mats(const void *g, int gdt, int64_t R, int64_t C,
+                        int64_t b0, int64_t b1, float *rowsum, float *colsum) {
+    int64_t b = b0;
+    if (fits(R, C)) {
+        for (; b + 8 <= b1; b += 8) {
+            switch (gdt) {
+            case AM_DTYPE_FLOAT32: stats8(g, 0, R, C, b, rowsum, colsum); break;
+            case AM_DTYPE_BFLOAT16: stats8(g, 1, R, C, b, rowsum, colsum); break;
+            default: stats8(g, 2, R, C, b, rowsum, colsum); break;
+            }
+        }
+    }
+    if (b < b1) am_kernels_ref.stats_mats(g, gdt, R, C, b, b1, rowsum, colsum);
+}
+
+/* --------------------------------------------------------------- u2 ---- */
+
+AM_INLINE void u2_8(const void *g, const int gdt, int64_t R, int64_t C,
+                    int64_t b, const float *rf, const float *cf, double *out) {
+    __m256 t[AM_MATS_MAX_ELEMS], rfv[MAXD], cfv[MAXD];
+    __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+    int64_t i, j;
+    load_t(g, gdt, R * C, b, t);
+    gather_rows(rf + b * R, R, R, rfv);
+    gather_rows(cf + b * C, C, C, cfv);
+    for (i = 0; i < R; i++) {
+        __m256 acc[AM_LANES], s;
+        int l;
+        for (l = 0; l < AM_LANES; l++) acc[l] = _mm256_setzero_ps();
+        for (j = 0; j < C; j++) {
+            __m256 u = _mm256_mul_ps(_mm256_mul_ps(rfv[i], cfv[j]), t[i * C + j]);
+            acc[j % AM_LANES] = _mm256_add_ps(acc[j % AM_LANES], _mm256_mul_ps(u, u));
+        }
+        s = lanesum_v(acc);
+        lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(s)));
+        hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(s, 1)));
+    }
+    _mm256_storeu_pd(out, lo);
+    _mm256_storeu_pd(out + 4, hi);
+}
+
+void am_avx2_u2_mats(const void *g, int gdt, int64_t R, int64_t C, int64_t b0,
+                     int64_t b1, const float *rf, const float *cf, double *out) {
+    int64_t b = b0;
+    if (fits(R, C)) {
+        for (; b + 8 <= b1; b += 8) {
+            switch (gdt) {
+            case AM_DTYPE_FLOAT32: u2_8(g, 0, R, C, b, rf, cf, out + (b - b0)); break;
+            case AM_DTYPE_BFLOAT16: u2_8(g, 1, R, C, b, rf, cf, out + (b - b0)); break;
+            default: u2_8(g, 2, R, C, b, rf, cf, out + (b - b0)); break;
+            }
+        }
+    }
+    if (b < b1) am_kernels_ref.u2_mats(g, gdt, R, C, b, b1, rf, cf, out + (b - b0));
+}
+
+/* ---------------------------------------------------------- moments ---- */
+
+/* ema(old, x) = old*beta2 + x*(1 - beta2), as am_ema. */
+AM_INLINE __m256 ema_v(__m256 old, __m256 x, const am_consts *k) {
+    return _mm256_add_ps(_mm256_mul_ps(old, _mm256_set1_ps(k->beta2)),
+                         _mm256_mul_ps(x, _mm256_set1_ps(k->one_m_beta2)));
+}
+
+/* 1 / sqrt(x), IEEE (as am_rsqrt). */
+AM_INLINE __m256 rsqrt_v(__m256 x) {
+    return _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_sqrt_ps(x));
+}
+
+static void moments8(int64_t R, int64_t C, int64_t b, const float *row,
+                     const float *col, const float *rs, const float *cs,
+                     const am_consts *k, float *nr, float *nc, float *rf,
+                     float *cf, float *rmean) {
+    __m256 v[MAXD], w[MAXD], x[MAXD];
+    const __m256 Cf = _mm256_set1_ps((float)C), Rf = _mm256_set1_ps((float)R);
+    const __m256 eps = _mm256_set1_ps(k->eps);
+    __m256 s = _mm256_setzero_ps(), mean;
+    int64_t i, j;
+    gather_rows(row + b * R, R, R, v);
+    gather_rows(rs + b * R, R, R, w);
+    for (i = 0; i < R; i++) {
+        v[i] = ema_v(v[i], _mm256_add_ps(_mm256_div_ps(w[i], Cf), eps), k);
+        s = _mm256_add_ps(s, v[i]);
+    }
+    mean = _mm256_div_ps(s, Rf);
+    _mm256_storeu_ps(rmean + b, mean);
+    for (i = 0; i < R; i++) x[i] = rsqrt_v(_mm256_div_ps(v[i], mean));
+    scatter_rows(nr + b * R, R, R, v);
+    scatter_rows(rf + b * R, R, R, x);
+    gather_rows(col + b * C, C, C, v);
+    gather_rows(cs + b * C, C, C, w);
+    for (j = 0; j < C; j++) {
+        v[j] = ema_v(v[j], _mm256_add_ps(_mm256_div_ps(w[j], Rf), eps), k);
+        x[j] = rsqrt_v(v[j]);
+    }
+    scatter_rows(nc + b * C, C, C, v);
+    scatter_rows(cf + b * C, C, C, x);
+}
+
+void am_avx2_moments_mats(int64_t R, int64_t C, int64_t b0, int64_t b1,
+                          const float *row, const float *col, const float *rs,
+                          const float *cs, const am_consts *k, float *nr,
+                          float *nc, float *rf, float *cf, float *rmean) {
+    int64_t b = b0;
+    if (R <= MAXD && C <= MAXD)
+        for (; b + 8 <= b1; b += 8)
+            moments8(R, C, b, row, col, rs, cs, k, nr, nc, rf, cf, rmean);
+    if (b < b1)
+        am_kernels_ref.moments_mats(R, C, b, b1, row, col, rs, cs, k, nr, nc, rf,
+                                    cf, rmean);
+}
+
+#else /* not built for x86-64 with AVX2 + F16C: never referenced */
+
+typedef int am_kernels_avx2_mats_unused;
+
+#endif
