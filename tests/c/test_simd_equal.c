@@ -167,6 +167,90 @@ static void test_slots(void **unused) {
                 check_slots(&am_kernels_ref, simd, SIZES[si], gdt, pdt, &s);
 }
 
+/* The batched small-matrix slots (stats_mats, u2_mats, moments_mats) give
+ * the reference's bits: matrix shapes inside and outside the vector path's
+ * limits, batch lengths around multiples of 8, a start offset, an inf in the
+ * gradient. Outputs outside [b0, b1) must stay untouched (sentinels). */
+static void check_mats(const am_kernels *a, const am_kernels *b, int64_t R, int64_t C,
+                       int64_t B, int gdt, uint64_t *s) {
+    const int64_t n = B * R * C, b0 = B > 2 ? 1 : 0;
+    const size_t gs = am_dtype_size((am_dtype)gdt);
+    void *g = xmalloc((size_t)n * gs);
+    float *in[6], *out[2][6];
+    double *u[2];
+    float *rmean[2];
+    am_hparams hp = am_hparams_default();
+    am_consts k;
+    int64_t i, cnt[6];
+    int v, w;
+    k = am_consts_from(&hp);
+    fill(g, gdt, n, s, 0);
+    if (n > 5 && gdt == AM_DTYPE_FLOAT32 && (B & 1)) ((float *)g)[n / 2] = INFINITY;
+    /* in: row, col (old moments), rs, cs (sums), rf, cf (factors) */
+    cnt[0] = cnt[2] = cnt[4] = B * R;
+    cnt[1] = cnt[3] = cnt[5] = B * C;
+    for (v = 0; v < 6; v++) {
+        in[v] = xmalloc(4 * (size_t)cnt[v]);
+        for (i = 0; i < cnt[v]; i++)
+            in[v][i] = v < 2 ? fabsf(rand_value(s)) : v < 4 ? fabsf(rand_value(s)) * 3.0f
+                                                             : 0.5f + rng_unit(s) * 0.25f;
+    }
+    /* out: rowsum, colsum, nr, nc, rf, cf */
+    for (w = 0; w < 2; w++) {
+        for (v = 0; v < 6; v++) {
+            out[w][v] = xmalloc(4 * (size_t)cnt[v] + 4);
+            memset(out[w][v], 0xA5, 4 * (size_t)cnt[v] + 4);
+        }
+        u[w] = xmalloc(8 * (size_t)B + 8);
+        memset(u[w], 0x5A, 8 * (size_t)B + 8);
+    }
+    for (w = 0; w < 2; w++) {
+        const am_kernels *kt = w ? b : a;
+        rmean[w] = xmalloc(4 * (size_t)B + 4);
+        memset(rmean[w], 0xA5, 4 * (size_t)B + 4);
+        kt->stats_mats(g, gdt, R, C, b0, B, out[w][0], out[w][1]);
+        kt->u2_mats(g, gdt, R, C, b0, B, in[4], in[5], u[w]);
+        kt->moments_mats(R, C, b0, B, in[0], in[1], in[2], in[3], &k, out[w][2], out[w][3],
+                         out[w][4], out[w][5], rmean[w]);
+    }
+    assert_memory_equal(rmean[0], rmean[1], 4 * (size_t)B + 4);
+    for (v = 0; v < 6; v++) assert_memory_equal(out[0][v], out[1][v], 4 * (size_t)cnt[v] + 4);
+    assert_memory_equal(u[0], u[1], 8 * (size_t)(B - b0));
+    /* untouched past the batch: sentinels */
+    {
+        uint32_t word;
+        memcpy(&word, out[1][0] + cnt[0], 4);
+        assert_int_equal(word, 0xA5A5A5A5u);
+        if (b0) {
+            memcpy(&word, out[1][1], 4);
+            assert_int_equal(word, 0xA5A5A5A5u);
+        }
+    }
+    free(g);
+    for (v = 0; v < 6; v++) { free(in[v]); free(out[0][v]); free(out[1][v]); }
+    free(u[0]); free(u[1]); free(rmean[0]); free(rmean[1]);
+}
+
+static void test_mats_slots(void **unused) {
+    static const int64_t shapes[][2] = {{1, 1}, {3, 3}, {1, 3}, {3, 1}, {2, 5}, {4, 16},
+                                        {8, 8}, {7, 9}, {1, 64}, {64, 1}, {9, 8}, {65, 1}};
+    static const int64_t counts[] = {1, 2, 7, 8, 9, 17, 23, 64};
+    const am_kernels *simd = am_kernels_avx2();
+    uint64_t s = g_seed ^ 0x3A75;
+    size_t si, ci;
+    int gdt;
+    (void)unused;
+    if (!simd || !am_cpu_has_avx2()) {
+        print_message("SKIPPED: no AVX2 kernels on this build/CPU; nothing to compare\n");
+        skip();
+    }
+    for (si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
+        for (ci = 0; ci < sizeof counts / sizeof counts[0]; ci++)
+            for (gdt = 0; gdt < 3; gdt++)
+                check_mats(&am_kernels_ref, simd, shapes[si][0], shapes[si][1], counts[ci], gdt,
+                           &s);
+}
+
 /* Both vector Philox generators give am_rng_quad's words, counters crossing
  * the 2^32 boundary of the quad index included. */
 static void test_philox(void **unused) {
@@ -346,7 +430,7 @@ static am_shape mk(int nd, int64_t a, int64_t b, int64_t c, int64_t d) {
 static void test_updates(void **unused) {
     static const int64_t rows[] = {1, 3, 17};
     int failures = 0, si, ri, x;
-    am_shape extra[24];
+    am_shape extra[32];
     int nextra = 0;
     (void)unused;
     for (si = 0; si < NSIZES; si++) {
@@ -371,6 +455,14 @@ static void test_updates(void **unused) {
     extra[nextra++] = mk(4, 64, 33, 3, 3);       /* conv-like, lr-rows of 297 */
     extra[nextra++] = mk(3, 1, 1, 1, 0);
     extra[nextra++] = mk(3, 1, 1031, 1023, 0);   /* one lr-row split in chunks */
+    /* many small matrices: the batched slots (update.c, batched()) */
+    extra[nextra++] = mk(4, 64, 3, 3, 3);
+    extra[nextra++] = mk(4, 256, 256, 3, 3);     /* 65536 3x3, threads engage */
+    extra[nextra++] = mk(4, 512, 512, 1, 1);
+    extra[nextra++] = mk(4, 1024, 64, 1, 1);
+    extra[nextra++] = mk(4, 13, 7, 1, 5);        /* 91 matrices: a tail of 3 */
+    extra[nextra++] = mk(4, 9, 5, 8, 8);         /* R*C = 64, the limit */
+    extra[nextra++] = mk(4, 9, 5, 8, 9);         /* R*C = 72: per-matrix tiles */
     for (x = 0; x < nextra; x++) check_shape(&extra[x], x & 1 ? 0.1 : 0.0, &failures);
     if (failures) fail_msg("%d mismatches (seed %llu)", failures, (unsigned long long)g_seed);
 }
@@ -418,6 +510,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_philox),
         cmocka_unit_test(test_slots),
+        cmocka_unit_test(test_mats_slots),
         cmocka_unit_test(test_agree_underflow),
         cmocka_unit_test(test_updates),
         cmocka_unit_test(test_concurrent_callers),
