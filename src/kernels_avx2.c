@@ -408,6 +408,55 @@ AM_INLINE __m256 fw_next8(facwalk *w) {
     return _mm256_loadu_ps(fac);
 }
 
+/* Faster factors for runs of whole small matrices (R*C <= 64, e.g. 3x3):
+ * 8 matrices are 8*R*C elements = R*C vectors, and the (row, column) of
+ * lane l of vector v repeats from one group of 8 matrices to the next, so
+ * the rf and cf indices of every vector are tabulated once per call and the
+ * factors gathered: the same product rf[r] * cf[b, j] as fw_next. Covers
+ * rows [r0, r0 + rows) with rows a multiple of 8*R; facwalk does the rest. */
+typedef struct facfast {
+    const float *rfb, *cfb;
+    int64_t R, C;
+    int n, v;
+    __m256i ri[AM_MATS_MAX_ELEMS], ci[AM_MATS_MAX_ELEMS];
+} facfast;
+
+/* Returns the rows it covers (0 when the start is not on a matrix or the
+ * matrices are too big). */
+static int64_t ff_init(facfast *w, const float *rf, const float *cf, int64_t R,
+                       int64_t C, int64_t r0, int64_t r1) {
+    int32_t ri[8], ci[8];
+    int v, l;
+    if (R * C > AM_MATS_MAX_ELEMS || r0 % R != 0 || r1 - r0 < 8 * R) return 0;
+    w->rfb = rf + r0;
+    w->cfb = cf + (r0 / R) * C;
+    w->R = R;
+    w->C = C;
+    w->n = (int)(R * C);
+    w->v = 0;
+    for (v = 0; v < w->n; v++) {
+        for (l = 0; l < 8; l++) {
+            int e = 8 * v + l, mm = e / w->n, i = (e % w->n) / (int)C;
+            ri[l] = mm * (int)R + i;
+            ci[l] = mm * (int)C + (e % w->n) % (int)C;
+        }
+        w->ri[v] = _mm256_loadu_si256((const __m256i *)ri);
+        w->ci[v] = _mm256_loadu_si256((const __m256i *)ci);
+    }
+    return (r1 - r0) / (8 * R) * (8 * R);
+}
+
+AM_INLINE __m256 ff_next8(facfast *w) {
+    __m256 fac = _mm256_mul_ps(_mm256_i32gather_ps(w->rfb, w->ri[w->v], 4),
+                               _mm256_i32gather_ps(w->cfb, w->ci[w->v], 4));
+    if (++w->v == w->n) {
+        w->v = 0;
+        w->rfb += 8 * w->R;
+        w->cfb += 8 * w->C;
+    }
+    return fac;
+}
+
 AM_INLINE int64_t agree_small(const void *g, const int gdt, int64_t R,
                               int64_t C, int64_t r0, int64_t r1,
                               const float *rf, const float *cf, float scale,
@@ -416,10 +465,13 @@ AM_INLINE int64_t agree_small(const void *g, const int gdt, int64_t R,
     const int64_t f1 = r1 * C;
     bitw w = {pol_row, 0, 0, 0};
     facwalk fw;
-    int64_t f = r0 * C;
-    fw_init(&fw, rf, cf, R, C, r0, r1);
+    facfast ff;
+    int64_t f = r0 * C, fast = ff_init(&ff, rf, cf, R, C, r0, r1);
+    const int64_t ffend = (r0 + fast) * C;
+    fw_init(&fw, rf, cf, R, C, r0 + fast, r1);
     for (; f + 8 <= f1; f += 8) {
-        __m256 u = _mm256_mul_ps(fw_next8(&fw), ld8(g, gdt, f));
+        __m256 fac = f < ffend ? ff_next8(&ff) : fw_next8(&fw);
+        __m256 u = _mm256_mul_ps(fac, ld8(g, gdt, f));
         bw_put(&w, (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(u, tv, _CMP_GE_OQ)), 8);
     }
     for (; f < f1; f++) {
@@ -538,12 +590,15 @@ AM_INLINE void apply_small(void *p, const int pdt, const void *g, const int gdt,
     const int has_wd = k->wd != 0.0f, unscaled = scale == 1.0f;
     const int64_t f1 = r1 * C;
     facwalk fw;
+    facfast ff;
     rngwin w;
-    int64_t f = r0 * C;
+    int64_t f = r0 * C, fast = ff_init(&ff, rf, cf, R, C, r0, r1);
+    const int64_t ffend = (r0 + fast) * C;
     rng_init(&w, seed, param_id, step);
-    fw_init(&fw, rf, cf, R, C, r0, r1);
+    fw_init(&fw, rf, cf, R, C, r0 + fast, r1);
     for (; f + 8 <= f1; f += 8) {
-        __m256 u = _mm256_mul_ps(fw_next8(&fw), ld8(g, gdt, f)), v;
+        __m256 fac = f < ffend ? ff_next8(&ff) : fw_next8(&fw);
+        __m256 u = _mm256_mul_ps(fac, ld8(g, gdt, f)), v;
         if (!unscaled) u = _mm256_div_ps(u, sv);
         v = apply8(ld8(p, pdt, f), u, lrv, wdv, has_wd);
         st8(p, pdt, f, v, pdt == AM_DTYPE_FLOAT32 ? _mm256_setzero_si256() : rnd8(&w, f));
