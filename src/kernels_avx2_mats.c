@@ -73,6 +73,16 @@ AM_INLINE __m256 lanesum_v(const __m256 *a) {
     return _mm256_add_ps(_mm256_add_ps(s04, s26), _mm256_add_ps(s15, s37));
 }
 
+/* Common conv kernels get bodies with constant R and C (the compiler keeps
+ * the per-element vectors in registers); others the generic body. X is a
+ * macro taking (R, C). */
+#define AM_SHAPES(X)                                                          \
+    if (R == 1 && C == 1) { X(1, 1); }                                        \
+    else if (R == 3 && C == 3) { X(3, 3); }                                   \
+    else if (R == 5 && C == 5) { X(5, 5); }                                   \
+    else if (R == 7 && C == 7) { X(7, 7); }                                   \
+    else { X(R, C); }
+
 static int fits(int64_t R, int64_t C) {
     return R <= MAXD && C <= MAXD && R * C <= AM_MATS_MAX_ELEMS;
 }
@@ -104,13 +114,17 @@ void am_avx2_stats_mats(const void *g, int gdt, int64_t R, int64_t C,
                         int64_t b0, int64_t b1, float *rowsum, float *colsum) {
     int64_t b = b0;
     if (fits(R, C)) {
-        for (; b + 8 <= b1; b += 8) {
-            switch (gdt) {
-            case AM_DTYPE_FLOAT32: stats8(g, 0, R, C, b, rowsum, colsum); break;
-            case AM_DTYPE_BFLOAT16: stats8(g, 1, R, C, b, rowsum, colsum); break;
-            default: stats8(g, 2, R, C, b, rowsum, colsum); break;
-            }
-        }
+#define AM_STATS_LOOP(GD, RR, CC)                                             \
+    for (; b + 8 <= b1; b += 8) stats8(g, GD, RR, CC, b, rowsum, colsum)
+#define AM_STATS_DT(RR, CC)                                                   \
+    switch (gdt) {                                                            \
+    case AM_DTYPE_FLOAT32: AM_STATS_LOOP(0, RR, CC); break;                   \
+    case AM_DTYPE_BFLOAT16: AM_STATS_LOOP(1, RR, CC); break;                  \
+    default: AM_STATS_LOOP(2, RR, CC); break;                                 \
+    }
+        AM_SHAPES(AM_STATS_DT)
+#undef AM_STATS_LOOP
+#undef AM_STATS_DT
     }
     if (b < b1) am_kernels_ref.stats_mats(g, gdt, R, C, b, b1, rowsum, colsum);
 }
@@ -145,13 +159,17 @@ void am_avx2_u2_mats(const void *g, int gdt, int64_t R, int64_t C, int64_t b0,
                      int64_t b1, const float *rf, const float *cf, double *out) {
     int64_t b = b0;
     if (fits(R, C)) {
-        for (; b + 8 <= b1; b += 8) {
-            switch (gdt) {
-            case AM_DTYPE_FLOAT32: u2_8(g, 0, R, C, b, rf, cf, out + (b - b0)); break;
-            case AM_DTYPE_BFLOAT16: u2_8(g, 1, R, C, b, rf, cf, out + (b - b0)); break;
-            default: u2_8(g, 2, R, C, b, rf, cf, out + (b - b0)); break;
-            }
-        }
+#define AM_U2_LOOP(GD, RR, CC)                                                \
+    for (; b + 8 <= b1; b += 8) u2_8(g, GD, RR, CC, b, rf, cf, out + (b - b0))
+#define AM_U2_DT(RR, CC)                                                      \
+    switch (gdt) {                                                            \
+    case AM_DTYPE_FLOAT32: AM_U2_LOOP(0, RR, CC); break;                      \
+    case AM_DTYPE_BFLOAT16: AM_U2_LOOP(1, RR, CC); break;                     \
+    default: AM_U2_LOOP(2, RR, CC); break;                                    \
+    }
+        AM_SHAPES(AM_U2_DT)
+#undef AM_U2_LOOP
+#undef AM_U2_DT
     }
     if (b < b1) am_kernels_ref.u2_mats(g, gdt, R, C, b, b1, rf, cf, out + (b - b0));
 }
@@ -169,7 +187,7 @@ AM_INLINE __m256 rsqrt_v(__m256 x) {
     return _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_sqrt_ps(x));
 }
 
-static void moments8(int64_t R, int64_t C, int64_t b, const float *row,
+AM_INLINE void moments8(int64_t R, int64_t C, int64_t b, const float *row,
                      const float *col, const float *rs, const float *cs,
                      const am_consts *k, float *nr, float *nc, float *rf,
                      float *cf, float *rmean) {
@@ -204,9 +222,13 @@ void am_avx2_moments_mats(int64_t R, int64_t C, int64_t b0, int64_t b1,
                           const float *cs, const am_consts *k, float *nr,
                           float *nc, float *rf, float *cf, float *rmean) {
     int64_t b = b0;
-    if (R <= MAXD && C <= MAXD)
-        for (; b + 8 <= b1; b += 8)
-            moments8(R, C, b, row, col, rs, cs, k, nr, nc, rf, cf, rmean);
+    if (R <= MAXD && C <= MAXD) {
+#define AM_MOM(RR, CC)                                                        \
+    for (; b + 8 <= b1; b += 8)                                               \
+        moments8(RR, CC, b, row, col, rs, cs, k, nr, nc, rf, cf, rmean)
+        AM_SHAPES(AM_MOM)
+#undef AM_MOM
+    }
     if (b < b1)
         am_kernels_ref.moments_mats(R, C, b, b1, row, col, rs, cs, k, nr, nc, rf,
                                     cf, rmean);

@@ -233,7 +233,8 @@ static void check_mats(const am_kernels *a, const am_kernels *b, int64_t R, int6
 
 static void test_mats_slots(void **unused) {
     static const int64_t shapes[][2] = {{1, 1}, {3, 3}, {1, 3}, {3, 1}, {2, 5}, {4, 16},
-                                        {8, 8}, {7, 9}, {1, 64}, {64, 1}, {9, 8}, {65, 1}};
+                                        {8, 8}, {7, 9}, {1, 64}, {64, 1}, {9, 8}, {65, 1},
+                                        {5, 5}, {7, 7}};
     static const int64_t counts[] = {1, 2, 7, 8, 9, 17, 23, 64};
     const am_kernels *simd = am_kernels_avx2();
     uint64_t s = g_seed ^ 0x3A75;
