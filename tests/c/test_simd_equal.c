@@ -8,7 +8,10 @@
  *    baseline; the best kernels on 1, 2 and 3 threads and the scalar kernels
  *    on 3 threads must reproduce parameter, lr, polarity, second moments and
  *    reports bit for bit. Shapes 0-D..4-D, sizes around every multiple of 8,
- *    multi-tile shapes, a long single lr-row.
+ *    multi-tile shapes, a long single lr-row, many small matrices (3x3 and
+ *    1x1 convolution weights: the batched slots, threads engaged).
+ * 3. The batched small-matrix slots (stats_mats, u2_mats, moments_mats),
+ *    AVX2 against the reference, batch lengths around multiples of 8.
  * Randomised data; the seed is printed and AM_TEST_SEED overrides it. */
 #include "simd.h"
 
