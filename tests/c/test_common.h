@@ -273,4 +273,31 @@ static inline void t_log_fn(am_log_level level, const char *msg, void *user) {
     b->count++;
 }
 
+/* Defines, in the test file that uses it, g_log (a t_logbuf), and the cmocka
+ * group setup/teardown that install it as the library's log callback and
+ * remove it. EXPECT_ERR(call, want) then checks a status and that the call
+ * logged a fresh error message. */
+#define T_ERROR_LOG_FIXTURE()                                                  \
+    static t_logbuf g_log;                                                     \
+    static int setup(void **unused) {                                          \
+        (void)unused;                                                          \
+        am_set_log_callback(t_log_fn, &g_log);                                 \
+        return 0;                                                              \
+    }                                                                          \
+    static int teardown(void **unused) {                                       \
+        (void)unused;                                                          \
+        am_set_log_callback(NULL, NULL);                                       \
+        return 0;                                                              \
+    }
+
+#define EXPECT_ERR(call, want)                                                 \
+    do {                                                                       \
+        int c0_ = g_log.count;                                                 \
+        am_status s_ = (call);                                                 \
+        if (s_ != (want))                                                      \
+            fail_msg("%s: got %d (%s), want %d", #call, (int)s_,               \
+                     am_status_string(s_), (int)(want));                       \
+        if (g_log.count == c0_) fail_msg("%s: no error message logged", #call); \
+    } while (0)
+
 #endif /* AM_TEST_COMMON_H */

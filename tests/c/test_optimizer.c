@@ -6,29 +6,7 @@
  */
 #include "test_common.h"
 
-static t_logbuf g_log;
-
-static int setup(void **unused) {
-    (void)unused;
-    am_set_log_callback(t_log_fn, &g_log);
-    return 0;
-}
-
-static int teardown(void **unused) {
-    (void)unused;
-    am_set_log_callback(NULL, NULL);
-    return 0;
-}
-
-#define EXPECT_ERR(call, want)                                                 \
-    do {                                                                       \
-        int c0_ = g_log.count;                                                 \
-        am_status s_ = (call);                                                 \
-        if (s_ != (want))                                                      \
-            fail_msg("%s: got %d (%s), want %d", #call, (int)s_,               \
-                     am_status_string(s_), (int)(want));                       \
-        if (g_log.count == c0_) fail_msg("%s: no error message logged", #call); \
-    } while (0)
+T_ERROR_LOG_FIXTURE()
 
 /* Two registered parameters (a {3,4} float32 matrix, a {5} bfloat16 vector)
  * after one update each, and a copy of everything they own. */
