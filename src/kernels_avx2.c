@@ -25,6 +25,8 @@
 #include <math.h>
 #include <string.h>
 
+#include "avx2_load.h"
+
 #define AM_INLINE static inline __attribute__((always_inline))
 
 /* ------------------------------------------------------ loads/stores ---- */
@@ -34,15 +36,6 @@
 
 AM_INLINE int64_t esize(const int dt) { return dt == AM_DTYPE_FLOAT32 ? 4 : 2; }
 
-/* Elements i..i+7 of a float32/bfloat16/float16 buffer as float32. */
-AM_INLINE __m256 ld8(const void *base, const int dt, int64_t i) {
-    __m128i h;
-    if (dt == AM_DTYPE_FLOAT32) return _mm256_loadu_ps((const float *)base + i);
-    h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
-    if (dt == AM_DTYPE_BFLOAT16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    return _mm256_cvtph_ps(h);
-}
 
 /* Stores v into elements i..i+7, stochastically rounded with rnd (one
  * word per element) for 16-bit types; same bits as am_store_sr. */
@@ -220,7 +213,7 @@ AM_INLINE void stats_body(const void *g, const int gdt, int64_t C, int64_t i0,
         __m256 acc = _mm256_setzero_ps();
         float a[AM_LANES];
         for (j = 0; j < nv; j += 8) {
-            __m256 x = ld8(g, gdt, base + j);
+            __m256 x = am_ld8(g, gdt, base + j);
             _mm_prefetch((const char *)g + (base + j + AM_PREFETCH) * esize(gdt), _MM_HINT_T0);
             __m256 x2 = _mm256_mul_ps(x, x);
             acc = _mm256_add_ps(acc, x2);
@@ -259,7 +252,7 @@ AM_INLINE double u2_tile_body(const void *g, const int gdt, int64_t C,
         float a[AM_LANES];
         for (j = 0; j < nv; j += 8) {
             __m256 u = _mm256_mul_ps(_mm256_mul_ps(rfv, _mm256_loadu_ps(cfj + j)),
-                                     ld8(g, gdt, base + j));
+                                     am_ld8(g, gdt, base + j));
             _mm_prefetch((const char *)g + (base + j + AM_PREFETCH) * esize(gdt), _MM_HINT_T0);
             acc = _mm256_add_ps(acc, _mm256_mul_ps(u, u));
         }
@@ -305,7 +298,7 @@ AM_INLINE double u2_flat_body(const void *g, const int gdt, const float *sq,
     int64_t e = e0;
     int overflow;
     for (; e + 8 <= e1; e += 8) {
-        __m256 u = flat_u(ld8(g, gdt, e), _mm256_loadu_ps(sq + e), k, &v);
+        __m256 u = flat_u(am_ld8(g, gdt, e), _mm256_loadu_ps(sq + e), k, &v);
         acc = _mm256_add_ps(acc, _mm256_mul_ps(u, u));
         bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(
                                        _mm256_and_si256(_mm256_castps_si256(v), expo), expo));
@@ -471,7 +464,7 @@ AM_INLINE int64_t agree_small(const void *g, const int gdt, int64_t R,
     fw_init(&fw, rf, cf, R, C, r0 + fast, r1);
     for (; f + 8 <= f1; f += 8) {
         __m256 fac = f < ffend ? ff_next8(&ff) : fw_next8(&fw);
-        __m256 u = _mm256_mul_ps(fac, ld8(g, gdt, f));
+        __m256 u = _mm256_mul_ps(fac, am_ld8(g, gdt, f));
         bw_put(&w, (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(u, tv, _CMP_GE_OQ)), 8);
     }
     for (; f < f1; f++) {
@@ -497,7 +490,7 @@ AM_INLINE int64_t agree_body(const void *g, const int gdt, int64_t R,
 #define AM_POL8(J)                                                            \
     ((uint64_t)(uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(                    \
         _mm256_mul_ps(_mm256_mul_ps(rfv, _mm256_loadu_ps(cfb + (J))),         \
-                      ld8(g, gdt, base + (J))),                               \
+                      am_ld8(g, gdt, base + (J))),                               \
         tv, _CMP_GE_OQ)))
         for (j = 0; j < n64; j += 64) {
             uint64_t bits;
@@ -560,12 +553,12 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
         for (j = 0; j < nv; j += 8) {
             const int64_t f = base + j;
             __m256 u = _mm256_mul_ps(_mm256_mul_ps(rfv, _mm256_loadu_ps(cfb + j)),
-                                     ld8(g, gdt, f));
+                                     am_ld8(g, gdt, f));
             /* the parameter comes from memory (g was just read by agree) */
             _mm_prefetch((const char *)p + (f + AM_PREFETCH) * (int64_t)esize(pdt), _MM_HINT_T0);
             __m256 v;
             if (!unscaled) u = _mm256_div_ps(u, sv); /* x / 1 == x exactly */
-            v = apply8(ld8(p, pdt, f), u, lrv, wdv, has_wd);
+            v = apply8(am_ld8(p, pdt, f), u, lrv, wdv, has_wd);
             st8(p, pdt, f, v, pdt == AM_DTYPE_FLOAT32 ? _mm256_setzero_si256() : rnd8(&w, f));
         }
         for (; j < C; j++) {
@@ -598,9 +591,9 @@ AM_INLINE void apply_small(void *p, const int pdt, const void *g, const int gdt,
     fw_init(&fw, rf, cf, R, C, r0 + fast, r1);
     for (; f + 8 <= f1; f += 8) {
         __m256 fac = f < ffend ? ff_next8(&ff) : fw_next8(&fw);
-        __m256 u = _mm256_mul_ps(fac, ld8(g, gdt, f)), v;
+        __m256 u = _mm256_mul_ps(fac, am_ld8(g, gdt, f)), v;
         if (!unscaled) u = _mm256_div_ps(u, sv);
-        v = apply8(ld8(p, pdt, f), u, lrv, wdv, has_wd);
+        v = apply8(am_ld8(p, pdt, f), u, lrv, wdv, has_wd);
         st8(p, pdt, f, v, pdt == AM_DTYPE_FLOAT32 ? _mm256_setzero_si256() : rnd8(&w, f));
     }
     for (; f < f1; f++) {
@@ -656,7 +649,7 @@ AM_INLINE int64_t finish_flat_body(void *p, const int pdt, const void *g,
     /* e0 % 8 == 0: every full vector owns one whole polarity byte */
     for (; e + 8 <= e1; e += 8) {
         __m256 v, lrv;
-        __m256 u = flat_u(ld8(g, gdt, e), _mm256_loadu_ps(sq + e), k, &v);
+        __m256 u = flat_u(am_ld8(g, gdt, e), _mm256_loadu_ps(sq + e), k, &v);
         unsigned pb, mb;
         if (!unscaled) u = _mm256_div_ps(u, sv); /* x / 1 == x exactly */
         pb = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(u, zero, _CMP_GT_OQ));
@@ -673,7 +666,7 @@ AM_INLINE int64_t finish_flat_body(void *p, const int pdt, const void *g,
             lrv = _mm256_blendv_ps(lrv, hi, _mm256_cmp_ps(lrv, hi, _CMP_GT_OQ));
             _mm256_storeu_ps(lr + e, lrv);
         }
-        st8(p, pdt, e, apply8(ld8(p, pdt, e), u, lrv, wdv, has_wd),
+        st8(p, pdt, e, apply8(am_ld8(p, pdt, e), u, lrv, wdv, has_wd),
             pdt == AM_DTYPE_FLOAT32 ? _mm256_setzero_si256() : rnd8(&w, e));
     }
     for (; e < e1; e++) { /* the tail of the tensor: the reference's loop */

@@ -23,18 +23,11 @@
 
 #include <immintrin.h>
 
+#include "avx2_load.h"
+
 #define AM_INLINE static inline __attribute__((always_inline))
 #define MAXD 64 /* R, C <= MAXD and R*C <= AM_MATS_MAX_ELEMS here */
 
-/* Elements i..i+7 as float32 (as ld8 in kernels_avx2.c: exact widening). */
-AM_INLINE __m256 ld8m(const void *base, const int dt, int64_t i) {
-    __m128i h;
-    if (dt == AM_DTYPE_FLOAT32) return _mm256_loadu_ps((const float *)base + i);
-    h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
-    if (dt == AM_DTYPE_BFLOAT16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    return _mm256_cvtph_ps(h);
-}
 
 /* t[e] = element e of matrices b..b+7 (lane m = matrix b + m), n = R*C. */
 AM_INLINE void load_t(const void *g, const int gdt, int64_t n, int64_t b,
@@ -43,7 +36,7 @@ AM_INLINE void load_t(const void *g, const int gdt, int64_t n, int64_t b,
     const __m256i idx = _mm256_mullo_epi32(_mm256_set1_epi32((int)n),
                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     int64_t e;
-    for (e = 0; e < 8 * n; e += 8) _mm256_storeu_ps(buf + e, ld8m(g, gdt, b * n + e));
+    for (e = 0; e < 8 * n; e += 8) _mm256_storeu_ps(buf + e, am_ld8(g, gdt, b * n + e));
     for (e = 0; e < n; e++) t[e] = _mm256_i32gather_ps(buf + e, idx, 4);
 }
 

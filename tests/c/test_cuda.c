@@ -22,28 +22,9 @@
 #include <cuda_runtime.h>
 
 #include "cuda/am_cuda_plan.h"
+#include "test_cuda_common.h"
 
 static uint64_t g_seed = 20261203u;
-static uint64_t g_rng;
-
-static uint32_t rng_u32(void) {
-    g_rng = g_rng * 6364136223846793005ull + 1442695040888963407ull;
-    return (uint32_t)(g_rng >> 33);
-}
-
-static float rng_val(float scale) {
-    float s = 0.0f;
-    int i;
-    if (rng_u32() % 17 == 0) return 0.0f;
-    for (i = 0; i < 4; i++) s += (float)(rng_u32() & 0xffff) / 65536.0f - 0.5f;
-    return s * scale;
-}
-
-static void store(void *buf, am_dtype dt, int64_t i, float v) {
-    if (dt == AM_DTYPE_FLOAT32) ((float *)buf)[i] = v;
-    else if (dt == AM_DTYPE_BFLOAT16) ((uint16_t *)buf)[i] = am_f32_to_bf16_rne(v);
-    else ((uint16_t *)buf)[i] = am_f32_to_f16_rne(v);
-}
 
 #define CU(call)                                                              \
     do {                                                                      \
