@@ -3,11 +3,14 @@
  * before each case, a STREAM-style triad with the same thread count, so the
  * fraction of bandwidth is a ratio measured under the same conditions.
  *
- * Usage: bench_kernels [--threads N] [--scalar] [--no-evict]
+ * Usage: bench_kernels [--threads N] [--scalar] [--no-evict] [--phases]
  *                      [--min-time SEC] [--min-reps N] CASE...
  *   CASE is "DIMS:DTYPE", DIMS like 4096x4096 or
  *   16777216, DTYPE one of f32 bf16 f16 (gradient has the parameter's dtype).
  * Prints one JSON object per line (the driver bench/bench.py parses them).
+ * --phases runs each update as its three phases (am_update_stats, _moments,
+ * _finish: the same work as am_update) and adds the minimum time of each,
+ * to see which pass costs what.
  *
  * Timing: each case runs one warm-up update, then repeats until min-time
  * seconds and min-reps updates have passed; the minimum and the median are
@@ -82,6 +85,7 @@ static double run_triad(triad *tr) {
 #define EVICT_BYTES ((size_t)256 << 20)
 static unsigned char *g_evict;
 static int g_do_evict = 1;
+static int g_phases = 0;
 
 static void evict(void) {
     static unsigned char v;
@@ -132,6 +136,11 @@ static void fill(void *buf, am_dtype dt, int64_t n, uint64_t seed, float scale) 
     }
 }
 
+/* size rounded up to a multiple of 64, as aligned_alloc requires */
+static void *alloc64(size_t bytes) {
+    return aligned_alloc(64, (bytes + 63) / 64 * 64);
+}
+
 static int run_case(const char *arg, double min_time, int min_reps, triad *tr) {
     am_shape sh;
     am_dtype dt;
@@ -141,6 +150,7 @@ static int run_case(const char *arg, double min_time, int min_reps, triad *tr) {
     am_hparams hp = am_hparams_default();
     am_rng_key key = {1, 0};
     double times[4096], cpu[4096], t_start, triad_gbs, bytes;
+    double ph_min[3] = {1e30, 1e30, 1e30};
     void *p, *g, *ws;
     int reps = 0, d;
     size_t es;
@@ -149,8 +159,9 @@ static int run_case(const char *arg, double min_time, int min_reps, triad *tr) {
         return 1;
     }
     es = am_dtype_size(dt);
-    p = malloc((size_t)sz.numel * es);
-    g = malloc((size_t)sz.numel * es);
+    /* 64-byte aligned, as PyTorch's CPU allocator aligns tensors */
+    p = alloc64((size_t)sz.numel * es);
+    g = alloc64((size_t)sz.numel * es);
     st.lr = malloc(4 * (size_t)sz.lr_count);
     st.polarity = malloc((size_t)sz.polarity_bytes + 1);
     st.row = sz.row_count ? malloc(4 * (size_t)sz.row_count) : NULL;
@@ -175,7 +186,21 @@ static int run_case(const char *arg, double min_time, int min_reps, triad *tr) {
         evict();
         t0 = now();
         c0 = cpu_now();
-        am_status s = am_update(&pt, &gt, &st, &hp, key, ws, (size_t)sz.workspace_bytes, NULL);
+        am_status s;
+        if (g_phases) {
+            double t1, t2;
+            s = am_update_stats(&pt, &gt, &st, &hp, ws, (size_t)sz.workspace_bytes);
+            t1 = now();
+            if (s == AM_OK) s = am_update_moments(&pt, &gt, &st, &hp, ws, (size_t)sz.workspace_bytes);
+            t2 = now();
+            if (s == AM_OK)
+                s = am_update_finish(&pt, &gt, &st, &hp, key, ws, (size_t)sz.workspace_bytes, NULL);
+            if (t1 - t0 < ph_min[0]) ph_min[0] = t1 - t0;
+            if (t2 - t1 < ph_min[1]) ph_min[1] = t2 - t1;
+            if (now() - t2 < ph_min[2]) ph_min[2] = now() - t2;
+        } else {
+            s = am_update(&pt, &gt, &st, &hp, key, ws, (size_t)sz.workspace_bytes, NULL);
+        }
         times[reps] = now() - t0;
         cpu[reps++] = cpu_now() - c0;
         if (am_status_is_error(s)) {
@@ -193,6 +218,10 @@ static int run_case(const char *arg, double min_time, int min_reps, triad *tr) {
            "\"model_bytes_per_elem\": %.4g, \"triad_gbs\": %.6g, \"evict\": %d}\n",
            am_dtype_name(dt), am_get_num_threads(), am_kernel_name(), (long long)sz.numel,
            reps, times[0], times[reps / 2], cpu[0], bytes, triad_gbs, g_do_evict);
+    if (g_phases)
+        printf("{\"kind\": \"phases\", \"case\": \"%s\", \"threads\": %d, "
+               "\"stats_sec_min\": %.9g, \"moments_sec_min\": %.9g, \"finish_sec_min\": %.9g}\n",
+               arg, am_get_num_threads(), ph_min[0], ph_min[1], ph_min[2]);
     fflush(stdout);
     free(p); free(g); free(st.lr); free(st.polarity); free(st.row); free(st.col);
     free(st.sq); free(ws);
@@ -207,6 +236,7 @@ int main(int argc, char **argv) {
         if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--scalar")) am_kernels_select(1);
         else if (!strcmp(argv[i], "--no-evict")) g_do_evict = 0;
+        else if (!strcmp(argv[i], "--phases")) g_phases = 1;
         else if (!strcmp(argv[i], "--min-time") && i + 1 < argc) min_time = atof(argv[++i]);
         else if (!strcmp(argv[i], "--min-reps") && i + 1 < argc) min_reps = atoi(argv[++i]);
         else {

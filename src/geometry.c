@@ -71,6 +71,8 @@ am_status am_geom_init(const am_shape *shape, am_geom *g) {
         g->off_rmean = take(&cur, B, sizeof(float));
         g->off_tile_u2 = take(&cur, g->ntiles, sizeof(double));
         g->off_agree = take(&cur, g->lr_rows, sizeof(float));
+        g->off_rowmatch = take(&cur, g->ncb * B * g->R, sizeof(int32_t));
+        g->off_tile_minpos = take(&cur, g->ntiles, sizeof(float));
     } else {
         g->lr_rows = n;
         g->m = 1;

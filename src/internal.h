@@ -63,6 +63,7 @@ typedef struct am_geom {
     size_t off_row_sumsq, off_col_sumsq, off_rowpart, off_colpart;
     size_t off_new_row, off_new_col, off_rf, off_cf, off_rmean;
     size_t off_tile_u2, off_tile_count, off_agree;
+    size_t off_rowmatch, off_tile_minpos; /* agreement counted in pass 2 */
 } am_geom;
 
 /* Fills g from shape; AM_ERR_NULL_POINTER / AM_ERR_INVALID_SHAPE. */
@@ -74,6 +75,7 @@ typedef struct am_ws_header {
     int64_t nonfinite;
     int64_t stage;      /* AM_STAGE_*: guards against phases out of order */
     int64_t numel;      /* shape check between phases */
+    int64_t counted;    /* 1: moments counted the agreement (rowmatch) */
 } am_ws_header;
 
 enum { AM_STAGE_NONE = 0, AM_STAGE_STATS = 0x5157A7, AM_STAGE_MOMENTS = 0x5157A8 };
@@ -81,6 +83,22 @@ enum { AM_STAGE_NONE = 0, AM_STAGE_STATS = 0x5157A7, AM_STAGE_MOMENTS = 0x5157A8
 /* The workspace base aligned up to 64 bytes, or NULL if the buffer is too
  * small for g. */
 unsigned char *am_ws_base(const am_geom *g, void *ws, size_t bytes);
+
+/* Where the polarity bit of element (i, j) of one matrix lives: lr-rows
+ * start on a byte, and an lr-row holds rows_per_lr whole matrix rows. */
+typedef struct am_polmap {
+    const uint8_t *bits;  /* the tensor's polarity */
+    int64_t r0;           /* global row index (b*R) of the matrix's row 0 */
+    int64_t rows_per_lr;  /* matrix rows per lr-row (m / C) */
+    int64_t lr_bits;      /* 8 * pol_row_bytes */
+    int64_t C;
+} am_polmap;
+
+/* Bit index of element (i, j) of the matrix. */
+static inline int64_t am_polmap_bit(const am_polmap *pm, int64_t i, int64_t j) {
+    int64_t r = pm->r0 + i, kr = r / pm->rows_per_lr;
+    return kr * pm->lr_bits + (r - kr * pm->rows_per_lr) * pm->C + j;
+}
 
 /* ------------------------------------------------------ kernel table ---- */
 
@@ -102,10 +120,16 @@ typedef struct am_kernels {
 
     /* Sum of u^2 over one tile, u = (rf[i]*cf[j]) * g: over rows ascending,
      * (double) lanesum over the row's columns. rf/cf are the matrix's
-     * factors (indexed by i and j). */
+     * factors (indexed by i and j). When pm is not NULL the tile also counts
+     * the agreement of the unscaled sign with the stored polarity:
+     * rowmatch[i-i0] = #{j in [j0,j1) : (u > 0) == old bit of (i, j)}, and
+     * *minpos = the smallest u > 0 of the tile (+inf when none), from which
+     * finish tells whether (u > 0) is the SPEC's (u / scale > 0) for every
+     * element (update.c). */
     double (*u2_tile)(const void *g_mat, int gdt, int64_t C, int64_t i0,
                       int64_t i1, int64_t j0, int64_t j1, const float *rf,
-                      const float *cf);
+                      const float *cf, const struct am_polmap *pm,
+                      int32_t *rowmatch, float *minpos);
 
     /* Unfactored (ndim <= 1) sum of u^2 over elements [e0, e1):
      * (double) lanesum of u^2, u = rsqrt(ema(sq, g*g) + eps) * g; NaN when
@@ -122,12 +146,14 @@ typedef struct am_kernels {
                           const float *cf, float scale, uint8_t *pol_row);
 
     /* Applies p -= lr*(u/scale + wd*p) over matrix rows [r0, r1) of one
-     * lr-row, stochastic rounding keyed by flat element index. */
+     * lr-row, stochastic rounding keyed by flat element index. When pol_row
+     * is not NULL it also writes the new polarity bits (u/scale > 0) there,
+     * bit 0 being element (r0, 0). */
     void (*apply_rows)(void *p, int pdt, const void *g, int gdt, int64_t R,
                        int64_t C, int64_t r0, int64_t r1, const float *rf,
                        const float *cf, float scale, float lr,
                        const am_consts *k, uint64_t seed, uint32_t param_id,
-                       int64_t step);
+                       int64_t step, uint8_t *pol_row);
 
     /* Unfactored finish over elements [e0, e1) (e0 % 8 == 0): new sq,
      * polarity, per-element lr (bumped when step > 0 by up/down factor

@@ -203,18 +203,51 @@ static void bw_flush(bitw *w) {
 
 /* ------------------------------------------------------------ stats ---- */
 
+/* Four rows at a time (as u2_tile_body): four load streams and four row
+ * chains; each column still adds its rows in ascending order. */
 AM_INLINE void stats_body(const void *g, const int gdt, int64_t C, int64_t i0,
                           int64_t i1, int64_t j0, int64_t j1, float *rowpart,
                           float *colpart) {
     int64_t n = j1 - j0, nv = n & ~(int64_t)7, i, j;
     for (j = 0; j < n; j++) colpart[j] = 0.0f;
-    for (i = i0; i < i1; i++) {
+    for (i = i0; i + 4 <= i1; i += 4) {
+        const int64_t b0 = i * C + j0, b1 = b0 + C, b2 = b1 + C, b3 = b2 + C;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        float a[4][AM_LANES];
+        int q;
+        for (j = 0; j < nv; j += 8) {
+            __m256 x0 = am_ld8(g, gdt, b0 + j), x1 = am_ld8(g, gdt, b1 + j);
+            __m256 x2 = am_ld8(g, gdt, b2 + j), x3 = am_ld8(g, gdt, b3 + j);
+            __m256 c = _mm256_loadu_ps(colpart + j);
+            x0 = _mm256_mul_ps(x0, x0);
+            x1 = _mm256_mul_ps(x1, x1);
+            x2 = _mm256_mul_ps(x2, x2);
+            x3 = _mm256_mul_ps(x3, x3);
+            a0 = _mm256_add_ps(a0, x0);
+            a1 = _mm256_add_ps(a1, x1);
+            a2 = _mm256_add_ps(a2, x2);
+            a3 = _mm256_add_ps(a3, x3);
+            c = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(_mm256_add_ps(c, x0), x1), x2), x3);
+            _mm256_storeu_ps(colpart + j, c);
+        }
+        _mm256_storeu_ps(a[0], a0);
+        _mm256_storeu_ps(a[1], a1);
+        _mm256_storeu_ps(a[2], a2);
+        _mm256_storeu_ps(a[3], a3);
+        for (j = nv; j < n; j++)
+            for (q = 0; q < 4; q++) {
+                float x = am_load(g, gdt, (i + q) * C + j0 + j), x2 = x * x;
+                a[q][j & 7] += x2;
+                colpart[j] += x2;
+            }
+        for (q = 0; q < 4; q++) rowpart[i + q - i0] = am_lanesum_finish(a[q]);
+    }
+    for (; i < i1; i++) {
         const int64_t base = i * C + j0;
         __m256 acc = _mm256_setzero_ps();
         float a[AM_LANES];
         for (j = 0; j < nv; j += 8) {
             __m256 x = am_ld8(g, gdt, base + j);
-            _mm_prefetch((const char *)g + (base + j + AM_PREFETCH) * esize(gdt), _MM_HINT_T0);
             __m256 x2 = _mm256_mul_ps(x, x);
             acc = _mm256_add_ps(acc, x2);
             _mm256_storeu_ps(colpart + j, _mm256_add_ps(_mm256_loadu_ps(colpart + j), x2));
@@ -239,40 +272,148 @@ static void avx2_stats_tile(const void *g, int gdt, int64_t C, int64_t i0,
     }
 }
 
-AM_INLINE double u2_tile_body(const void *g, const int gdt, int64_t C,
-                              int64_t i0, int64_t i1, int64_t j0, int64_t j1,
-                              const float *rf, const float *cf) {
+/* 8 polarity bits starting at bit q (any alignment; reads only bytes that
+ * hold some of those bits). */
+AM_INLINE unsigned bits8_at(const uint8_t *bits, int64_t q) {
+    const uint8_t *p = bits + (q >> 3);
+    const int s = (int)(q & 7);
+    return s ? ((unsigned)p[0] | (unsigned)p[1] << 8) >> s & 0xffu : p[0];
+}
+
+/* Per-row state of the agreement count in u2_tile_body. */
+typedef struct rowcnt {
+    int64_t q;       /* bit index of the row's element j0 */
+    int64_t mism;    /* vector part: (u > 0) != old bit */
+} rowcnt;
+
+/* Vector u's sign bits against the stored bits j..j+7 of a row; the running
+ * minimum of its positive elements. */
+AM_INLINE void count8(rowcnt *rc, const uint8_t *bits, int64_t j, __m256 u,
+                      __m256 *mn) {
+    const __m256 pos = _mm256_cmp_ps(u, _mm256_setzero_ps(), _CMP_GT_OQ);
+    const unsigned nb = (unsigned)_mm256_movemask_ps(pos);
+    rc->mism += __builtin_popcount(nb ^ bits8_at(bits, rc->q + j));
+    *mn = _mm256_min_ps(*mn, _mm256_blendv_ps(_mm256_set1_ps(INFINITY), u, pos));
+}
+
+/* The scalar tail of one row: lanes, agreement and minimum as the
+ * reference's loop. */
+AM_INLINE void u2_row_tail(const void *g, const int gdt, const int cnt,
+                           int64_t base, int64_t nv, int64_t n, float fr,
+                           const float *cfj, float *a, const am_polmap *pm,
+                           rowcnt *rc, int32_t *match, float *mp) {
+    int64_t j;
+    int32_t m = (int32_t)(nv - (cnt ? rc->mism : 0));
+    for (j = nv; j < n; j++) {
+        float u = (fr * cfj[j]) * am_load(g, gdt, base + j);
+        a[j & 7] += u * u;
+        if (cnt) {
+            int64_t q = rc->q + j;
+            m += (u > 0.0f) == ((pm->bits[q >> 3] >> (q & 7)) & 1);
+            if (u > 0.0f && u < *mp) *mp = u;
+        }
+    }
+    if (cnt) *match = m;
+}
+
+/* Four rows at a time: four independent load streams and accumulator
+ * chains (one core reads memory faster with several streams in flight);
+ * each row keeps its own 8 lanes and rows are added to the total in
+ * ascending order, as the reference does. cnt (a constant): also count the
+ * agreement (internal.h, u2_tile). */
+AM_INLINE double u2_tile_body(const void *g, const int gdt, const int cnt,
+                              int64_t C, int64_t i0, int64_t i1, int64_t j0,
+                              int64_t j1, const float *rf, const float *cf,
+                              const am_polmap *pm, int32_t *rowmatch,
+                              float *minpos) {
     int64_t n = j1 - j0, nv = n & ~(int64_t)7, i, j;
     const float *cfj = cf + j0;
+    const uint8_t *bits = cnt ? pm->bits : NULL;
     double total = 0.0;
-    for (i = i0; i < i1; i++) {
+    __m256 mn = _mm256_set1_ps(INFINITY);
+    float mp = INFINITY, mv[8];
+    int l;
+    for (i = i0; i + 4 <= i1; i += 4) {
+        const int64_t b0 = i * C + j0, b1 = b0 + C, b2 = b1 + C, b3 = b2 + C;
+        const __m256 r0 = _mm256_set1_ps(rf[i]), r1 = _mm256_set1_ps(rf[i + 1]);
+        const __m256 r2 = _mm256_set1_ps(rf[i + 2]), r3 = _mm256_set1_ps(rf[i + 3]);
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        float a[4][AM_LANES];
+        rowcnt rc[4];
+        int q;
+        if (cnt)
+            for (q = 0; q < 4; q++) {
+                rc[q].q = am_polmap_bit(pm, i + q, j0);
+                rc[q].mism = 0;
+            }
+        for (j = 0; j < nv; j += 8) {
+            const __m256 c = _mm256_loadu_ps(cfj + j);
+            __m256 u0 = _mm256_mul_ps(_mm256_mul_ps(r0, c), am_ld8(g, gdt, b0 + j));
+            __m256 u1 = _mm256_mul_ps(_mm256_mul_ps(r1, c), am_ld8(g, gdt, b1 + j));
+            __m256 u2 = _mm256_mul_ps(_mm256_mul_ps(r2, c), am_ld8(g, gdt, b2 + j));
+            __m256 u3 = _mm256_mul_ps(_mm256_mul_ps(r3, c), am_ld8(g, gdt, b3 + j));
+            a0 = _mm256_add_ps(a0, _mm256_mul_ps(u0, u0));
+            a1 = _mm256_add_ps(a1, _mm256_mul_ps(u1, u1));
+            a2 = _mm256_add_ps(a2, _mm256_mul_ps(u2, u2));
+            a3 = _mm256_add_ps(a3, _mm256_mul_ps(u3, u3));
+            if (cnt) {
+                count8(&rc[0], bits, j, u0, &mn);
+                count8(&rc[1], bits, j, u1, &mn);
+                count8(&rc[2], bits, j, u2, &mn);
+                count8(&rc[3], bits, j, u3, &mn);
+            }
+        }
+        _mm256_storeu_ps(a[0], a0);
+        _mm256_storeu_ps(a[1], a1);
+        _mm256_storeu_ps(a[2], a2);
+        _mm256_storeu_ps(a[3], a3);
+        for (q = 0; q < 4; q++) {
+            u2_row_tail(g, gdt, cnt, (i + q) * C + j0, nv, n, rf[i + q], cfj, a[q], pm,
+                        &rc[q], cnt ? rowmatch + (i + q - i0) : NULL, &mp);
+            total += (double)am_lanesum_finish(a[q]);
+        }
+    }
+    for (; i < i1; i++) {
         const int64_t base = i * C + j0;
         const __m256 rfv = _mm256_set1_ps(rf[i]);
         __m256 acc = _mm256_setzero_ps();
         float a[AM_LANES];
+        rowcnt rc = {0, 0};
+        if (cnt) rc.q = am_polmap_bit(pm, i, j0);
         for (j = 0; j < nv; j += 8) {
             __m256 u = _mm256_mul_ps(_mm256_mul_ps(rfv, _mm256_loadu_ps(cfj + j)),
                                      am_ld8(g, gdt, base + j));
-            _mm_prefetch((const char *)g + (base + j + AM_PREFETCH) * esize(gdt), _MM_HINT_T0);
             acc = _mm256_add_ps(acc, _mm256_mul_ps(u, u));
+            if (cnt) count8(&rc, bits, j, u, &mn);
         }
         _mm256_storeu_ps(a, acc);
-        for (; j < n; j++) {
-            float u = (rf[i] * cfj[j]) * am_load(g, gdt, base + j);
-            a[j & 7] += u * u;
-        }
+        u2_row_tail(g, gdt, cnt, base, nv, n, rf[i], cfj, a, pm, &rc,
+                    cnt ? rowmatch + (i - i0) : NULL, &mp);
         total += (double)am_lanesum_finish(a);
+    }
+    if (cnt) {
+        _mm256_storeu_ps(mv, mn);
+        for (l = 0; l < 8; l++)
+            if (mv[l] < mp) mp = mv[l];
+        *minpos = mp;
     }
     return total;
 }
 
+#define AM_U2_CASE(GD)                                                        \
+    return pm ? u2_tile_body(g, GD, 1, C, i0, i1, j0, j1, rf, cf, pm,         \
+                             rowmatch, minpos)                                \
+              : u2_tile_body(g, GD, 0, C, i0, i1, j0, j1, rf, cf, NULL, NULL, \
+                             NULL)
+
 static double avx2_u2_tile(const void *g, int gdt, int64_t C, int64_t i0,
                            int64_t i1, int64_t j0, int64_t j1, const float *rf,
-                           const float *cf) {
+                           const float *cf, const am_polmap *pm,
+                           int32_t *rowmatch, float *minpos) {
     switch (gdt) {
-    case AM_DTYPE_FLOAT32: return u2_tile_body(g, 0, C, i0, i1, j0, j1, rf, cf);
-    case AM_DTYPE_BFLOAT16: return u2_tile_body(g, 1, C, i0, i1, j0, j1, rf, cf);
-    default: return u2_tile_body(g, 2, C, i0, i1, j0, j1, rf, cf);
+    case AM_DTYPE_FLOAT32: AM_U2_CASE(0);
+    case AM_DTYPE_BFLOAT16: AM_U2_CASE(1);
+    default: AM_U2_CASE(2);
     }
 }
 
@@ -534,15 +675,28 @@ AM_INLINE __m256 apply8(__m256 p, __m256 u, __m256 lrv, __m256 wdv, int has_wd) 
     return _mm256_sub_ps(p, _mm256_mul_ps(lrv, t));
 }
 
+/* One vector of apply_body: elements f..f+7 of the row whose factors are
+ * rfv * cfv; returns the sign bits of u / scale (the new polarity). */
+AM_INLINE uint32_t apply_vec(void *p, const int pdt, const void *g, const int gdt,
+                             int64_t f, __m256 fac, __m256 sv, int unscaled,
+                             __m256 lrv, __m256 wdv, int has_wd, rngwin *w) {
+    __m256 u = _mm256_mul_ps(fac, am_ld8(g, gdt, f)), v;
+    if (!unscaled) u = _mm256_div_ps(u, sv); /* x / 1 == x exactly */
+    v = apply8(am_ld8(p, pdt, f), u, lrv, wdv, has_wd);
+    st8(p, pdt, f, v, pdt == AM_DTYPE_FLOAT32 ? _mm256_setzero_si256() : rnd8(w, f));
+    return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(u, _mm256_setzero_ps(), _CMP_GT_OQ));
+}
+
 AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
                           int64_t R, int64_t C, int64_t r0, int64_t r1,
                           const float *rf, const float *cf, float scale,
                           float lr, const am_consts *k, uint64_t seed,
-                          uint32_t param_id, int64_t step) {
+                          uint32_t param_id, int64_t step, uint8_t *pol_row) {
     const __m256 sv = _mm256_set1_ps(scale), lrv = _mm256_set1_ps(lr);
     const __m256 wdv = _mm256_set1_ps(k->wd);
     const int has_wd = k->wd != 0.0f, unscaled = scale == 1.0f;
-    const int64_t nv = C & ~(int64_t)7;
+    const int64_t nv = C & ~(int64_t)7, n64 = C & ~(int64_t)63;
+    bitw bw = {pol_row, 0, 0, 0};
     rngwin w;
     int64_t r, j;
     rng_init(&w, seed, param_id, step);
@@ -550,38 +704,53 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
         const float *cfb = cf + (r / R) * C;
         const __m256 rfv = _mm256_set1_ps(rf[r]);
         const int64_t base = r * C;
-        for (j = 0; j < nv; j += 8) {
-            const int64_t f = base + j;
-            __m256 u = _mm256_mul_ps(_mm256_mul_ps(rfv, _mm256_loadu_ps(cfb + j)),
-                                     am_ld8(g, gdt, f));
-            /* the parameter comes from memory (g was just read by agree) */
-            _mm_prefetch((const char *)p + (f + AM_PREFETCH) * (int64_t)esize(pdt), _MM_HINT_T0);
-            __m256 v;
-            if (!unscaled) u = _mm256_div_ps(u, sv); /* x / 1 == x exactly */
-            v = apply8(am_ld8(p, pdt, f), u, lrv, wdv, has_wd);
-            st8(p, pdt, f, v, pdt == AM_DTYPE_FLOAT32 ? _mm256_setzero_si256() : rnd8(&w, f));
+#define AM_APPLY_VEC(J)                                                       \
+    apply_vec(p, pdt, g, gdt, base + (J),                                     \
+              _mm256_mul_ps(rfv, _mm256_loadu_ps(cfb + (J))), sv, unscaled,   \
+              lrv, wdv, has_wd, &w)
+        for (j = 0; j < n64; j += 64) {
+            uint64_t bits = 0;
+            int v;
+            /* Software prefetch pays where the loop is compute-bound (the
+             * 16-bit types' rounding: the out-of-order window does not reach
+             * far enough ahead) and costs time where it is memory-bound
+             * (float32; measured, docs/PERFORMANCE.md). */
+            if (pdt != AM_DTYPE_FLOAT32) {
+                _mm_prefetch((const char *)p + (base + j + AM_PREFETCH) * (int64_t)esize(pdt), _MM_HINT_T0);
+                _mm_prefetch((const char *)g + (base + j + AM_PREFETCH) * (int64_t)esize(gdt), _MM_HINT_T0);
+            }
+            for (v = 0; v < 8; v++) bits |= (uint64_t)AM_APPLY_VEC(j + 8 * v) << (8 * v);
+            if (pol_row) bw_put64(&bw, bits);
         }
+        for (; j < nv; j += 8) {
+            uint32_t bits = AM_APPLY_VEC(j);
+            if (pol_row) bw_put(&bw, bits, 8);
+        }
+#undef AM_APPLY_VEC
         for (; j < C; j++) {
             const int64_t f = base + j;
             float u = ((rf[r] * cfb[j]) * am_load(g, gdt, f)) / scale;
             float v = am_apply(am_load(p, pdt, f), u, lr, k->wd);
             uint32_t rnd = 0;
+            if (pol_row) bw_put(&bw, u > 0.0f, 1);
             if (pdt != AM_DTYPE_FLOAT32)
                 rnd = am_rng_quad(seed, param_id, step, f >> 2).v[f & 3];
             am_store_sr(p, pdt, f, v, rnd);
         }
     }
+    if (pol_row) bw_flush(&bw);
 }
 
 AM_INLINE void apply_small(void *p, const int pdt, const void *g, const int gdt,
                            int64_t R, int64_t C, int64_t r0, int64_t r1,
                            const float *rf, const float *cf, float scale,
                            float lr, const am_consts *k, uint64_t seed,
-                           uint32_t param_id, int64_t step) {
+                           uint32_t param_id, int64_t step, uint8_t *pol_row) {
     const __m256 sv = _mm256_set1_ps(scale), lrv = _mm256_set1_ps(lr);
     const __m256 wdv = _mm256_set1_ps(k->wd);
     const int has_wd = k->wd != 0.0f, unscaled = scale == 1.0f;
     const int64_t f1 = r1 * C;
+    bitw bw = {pol_row, 0, 0, 0};
     facwalk fw;
     facfast ff;
     rngwin w;
@@ -593,6 +762,9 @@ AM_INLINE void apply_small(void *p, const int pdt, const void *g, const int gdt,
         __m256 fac = f < ffend ? ff_next8(&ff) : fw_next8(&fw);
         __m256 u = _mm256_mul_ps(fac, am_ld8(g, gdt, f)), v;
         if (!unscaled) u = _mm256_div_ps(u, sv);
+        if (pol_row)
+            bw_put(&bw, (uint32_t)_mm256_movemask_ps(
+                            _mm256_cmp_ps(u, _mm256_setzero_ps(), _CMP_GT_OQ)), 8);
         v = apply8(am_ld8(p, pdt, f), u, lrv, wdv, has_wd);
         st8(p, pdt, f, v, pdt == AM_DTYPE_FLOAT32 ? _mm256_setzero_si256() : rnd8(&w, f));
     }
@@ -600,24 +772,26 @@ AM_INLINE void apply_small(void *p, const int pdt, const void *g, const int gdt,
         float u = (fw_next(&fw) * am_load(g, gdt, f)) / scale;
         float v = am_apply(am_load(p, pdt, f), u, lr, k->wd);
         uint32_t rnd = 0;
+        if (pol_row) bw_put(&bw, u > 0.0f, 1);
         if (pdt != AM_DTYPE_FLOAT32) rnd = am_rng_quad(seed, param_id, step, f >> 2).v[f & 3];
         am_store_sr(p, pdt, f, v, rnd);
     }
+    if (pol_row) bw_flush(&bw);
 }
 
 #define AM_APPLY_CASE(PD, GD)                                                 \
     if (C < AM_SMALL_C)                                                       \
         apply_small(p, PD, g, GD, R, C, r0, r1, rf, cf, scale, lr, k, seed,  \
-                    param_id, step);                                          \
+                    param_id, step, pol_row);                                 \
     else                                                                      \
         apply_body(p, PD, g, GD, R, C, r0, r1, rf, cf, scale, lr, k, seed,   \
-                   param_id, step)
+                   param_id, step, pol_row)
 
 static void avx2_apply_rows(void *p, int pdt, const void *g, int gdt,
                             int64_t R, int64_t C, int64_t r0, int64_t r1,
                             const float *rf, const float *cf, float scale,
                             float lr, const am_consts *k, uint64_t seed,
-                            uint32_t param_id, int64_t step) {
+                            uint32_t param_id, int64_t step, uint8_t *pol_row) {
     switch (pdt * 3 + gdt) {
     case 0: AM_APPLY_CASE(0, 0); break;
     case 1: AM_APPLY_CASE(0, 1); break;

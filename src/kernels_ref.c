@@ -33,20 +33,41 @@ static void ref_stats_tile(const void *g_mat, int gdt, int64_t C, int64_t i0,
     }
 }
 
-/* u = (rf[i] * cf[j]) * g, as the reference's _approx_sq_grad(...).mul_(g). */
+static int get_bit(const uint8_t *bits, int64_t q) {
+    return (bits[q >> 3] >> (q & 7)) & 1;
+}
+
+static void put_bit(uint8_t *bits, int64_t q, int v) {
+    uint8_t mask = (uint8_t)(1u << (q & 7));
+    if (v) bits[q >> 3] = (uint8_t)(bits[q >> 3] | mask);
+    else bits[q >> 3] = (uint8_t)(bits[q >> 3] & ~mask);
+}
+
+/* u = (rf[i] * cf[j]) * g, as the reference's _approx_sq_grad(...).mul_(g).
+ * With pm: the agreement of (u > 0) with the stored bits, per row, and the
+ * smallest positive u (internal.h). */
 static double ref_u2_tile(const void *g_mat, int gdt, int64_t C, int64_t i0,
                           int64_t i1, int64_t j0, int64_t j1, const float *rf,
-                          const float *cf) {
+                          const float *cf, const am_polmap *pm,
+                          int32_t *rowmatch, float *minpos) {
     double total = 0.0;
+    float mp = INFINITY;
     int64_t i, j;
     for (i = i0; i < i1; i++) {
         float acc[AM_LANES] = {0};
+        int32_t match = 0;
         for (j = j0; j < j1; j++) {
             float u = (rf[i] * cf[j]) * am_load(g_mat, gdt, i * C + j);
             acc[(j - j0) % AM_LANES] += u * u;
+            if (pm) {
+                match += (u > 0.0f) == get_bit(pm->bits, am_polmap_bit(pm, i, j));
+                if (u > 0.0f && u < mp) mp = u;
+            }
         }
         total += (double)am_lanesum_finish(acc);
+        if (pm) rowmatch[i - i0] = match;
     }
+    if (pm) *minpos = mp;
     return total;
 }
 
@@ -67,16 +88,6 @@ static double ref_u2_flat(const void *g, int gdt, const float *sq, int64_t e0,
         acc[(e - e0) % AM_LANES] += u * u;
     }
     return overflow ? (double)NAN : (double)am_lanesum_finish(acc);
-}
-
-static int get_bit(const uint8_t *bits, int64_t q) {
-    return (bits[q >> 3] >> (q & 7)) & 1;
-}
-
-static void put_bit(uint8_t *bits, int64_t q, int v) {
-    uint8_t mask = (uint8_t)(1u << (q & 7));
-    if (v) bits[q >> 3] = (uint8_t)(bits[q >> 3] | mask);
-    else bits[q >> 3] = (uint8_t)(bits[q >> 3] & ~mask);
 }
 
 /* Rows [r0, r1) of the (B*R, C) view; r = b*R + i indexes rf, b*C + j cf. */
@@ -101,7 +112,7 @@ static void ref_apply_rows(void *p, int pdt, const void *g, int gdt,
                            int64_t R, int64_t C, int64_t r0, int64_t r1,
                            const float *rf, const float *cf, float scale,
                            float lr, const am_consts *k, uint64_t seed,
-                           uint32_t param_id, int64_t step) {
+                           uint32_t param_id, int64_t step, uint8_t *pol_row) {
     int64_t r, j;
     for (r = r0; r < r1; r++) {
         const float *cfb = cf + (r / R) * C;
@@ -110,6 +121,7 @@ static void ref_apply_rows(void *p, int pdt, const void *g, int gdt,
             float u = ((rf[r] * cfb[j]) * am_load(g, gdt, f)) / scale;
             float v = am_apply(am_load(p, pdt, f), u, lr, k->wd);
             uint32_t rnd = 0;
+            if (pol_row) put_bit(pol_row, (r - r0) * C + j, u > 0.0f);
             if (pdt != AM_DTYPE_FLOAT32)
                 rnd = am_rng_quad(seed, param_id, step, f >> 2).v[f & 3];
             am_store_sr(p, pdt, f, v, rnd);
@@ -160,7 +172,8 @@ static void ref_u2_mats(const void *g, int gdt, int64_t R, int64_t C,
     int64_t b;
     for (b = b0; b < b1; b++)
         out[b - b0] = ref_u2_tile((const char *)g + (size_t)(b * R * C) * es,
-                                  gdt, C, 0, R, 0, C, rf + b * R, cf + b * C);
+                                  gdt, C, 0, R, 0, C, rf + b * R, cf + b * C,
+                                  NULL, NULL, NULL);
 }
 
 /* SPEC 3.1 for one matrix b. */

@@ -234,9 +234,17 @@ static void u2_task(void *ctx, int64_t t) {
     int64_t cb = t % g->ncb, rb = (t / g->ncb) % g->nrb, b = t / (g->ncb * g->nrb);
     int64_t i0 = rb * g->RB, i1 = i0 + g->RB < g->R ? i0 + g->RB : g->R;
     int64_t j0 = cb * g->CB, j1 = j0 + g->CB < g->C ? j0 + g->CB : g->C;
+    am_polmap pm;
+    pm.bits = u->state->polarity;
+    pm.r0 = b * g->R;
+    pm.rows_per_lr = g->m / g->C;
+    pm.lr_bits = 8 * g->pol_row_bytes;
+    pm.C = g->C;
     WS(u, off_tile_u2, double)[t] = u->kt->u2_tile(
         mat_ptr(u->grad, g, b), u->grad->dtype, g->C, i0, i1, j0, j1,
-        WS(u, off_rf, float) + b * g->R, WS(u, off_cf, float) + b * g->C);
+        WS(u, off_rf, float) + b * g->R, WS(u, off_cf, float) + b * g->C, &pm,
+        WS(u, off_rowmatch, int32_t) + cb * g->B * g->R + b * g->R + i0,
+        WS(u, off_tile_minpos, float) + t);
 }
 
 static am_status run_moments(upd *u) {
@@ -247,6 +255,7 @@ static am_status run_moments(upd *u) {
                  "am_update_moments: workspace does not hold am_update_stats "
                  "results for this parameter");
     if (u->h->nonfinite) return AM_SKIPPED_NONFINITE_GRAD;
+    u->h->counted = 0;
     if (g->ndim >= 2 && g->numel > 0) {
         const float *rs = WS(u, off_row_sumsq, float), *cs = WS(u, off_col_sumsq, float);
         float *nr = WS(u, off_new_row, float), *nc = WS(u, off_new_col, float);
@@ -254,6 +263,9 @@ static am_status run_moments(upd *u) {
         float *rmean = WS(u, off_rmean, float);
         u->kt->moments_mats(g->R, g->C, 0, g->B, u->state->row, u->state->col,
                             rs, cs, k, nr, nc, rf, cf, rmean);
+        /* Tiles also count the agreement (pass 3 then reads g once less);
+         * the batched small-matrix slots do not, finish counts there. */
+        u->h->counted = !batched(g);
         if (batched(g))
             am_parallel_for(mat_tasks(g), (double)mats_per_task(g) * (double)(g->R * g->C) * 4.0,
                             u2_mats_task, u);
@@ -270,24 +282,56 @@ static am_status run_moments(upd *u) {
 typedef struct fin {
     upd *u;
     am_state *state;
+    int counted; /* the moments pass's counts are this update's agreement */
 } fin;
+
+/* Matches of lr-row kr counted by the moments pass (rows of every column
+ * block; integer sums, so the order does not matter). */
+static int64_t counted_matches(const upd *u, int64_t kr) {
+    const am_geom *g = &u->g;
+    const int32_t *rm = WS(u, off_rowmatch, int32_t);
+    int64_t rows = g->m / g->C, r, cb, s = 0;
+    for (cb = 0; cb < g->ncb; cb++)
+        for (r = kr * rows; r < (kr + 1) * rows; r++) s += rm[cb * g->B * g->R + r];
+    return s;
+}
+
+/* The moments pass counted (u > 0) against the old bits; the SPEC's sign is
+ * (u / scale > 0). They differ only for 0 < u with u / scale underflowing to
+ * zero, and division by scale is monotonic, so they agree everywhere iff
+ * the smallest positive u survives the division (an infinite scale fails:
+ * inf / inf is NaN). */
+static int counts_valid(const upd *u) {
+    const am_geom *g = &u->g;
+    const float *mp = WS(u, off_tile_minpos, float);
+    float m = INFINITY;
+    int64_t t;
+    if (!u->h->counted) return 0;
+    for (t = 0; t < g->ntiles; t++)
+        if (mp[t] < m) m = mp[t];
+    return m / u->scale > 0.0f;
+}
 
 static void finish_lr_row_task(void *ctx, int64_t kr) {
     fin *f = (fin *)ctx;
     upd *u = f->u;
     const am_geom *g = &u->g;
-    int64_t rows = g->m / g->C, r0 = kr * rows;
+    int64_t rows = g->m / g->C, r0 = kr * rows, matches;
     const float *rf = WS(u, off_rf, float), *cf = WS(u, off_cf, float);
-    int64_t matches = u->kt->agree_rows(
-        u->grad->data, u->grad->dtype, g->R, g->C, r0, r0 + rows, rf, cf,
-        u->scale, f->state->polarity + kr * g->pol_row_bytes);
-    float a = (float)matches / (float)g->m;
+    uint8_t *pol = f->state->polarity + kr * g->pol_row_bytes;
+    float a;
+    if (f->counted)
+        matches = counted_matches(u, kr);
+    else
+        matches = u->kt->agree_rows(u->grad->data, u->grad->dtype, g->R, g->C,
+                                    r0, r0 + rows, rf, cf, u->scale, pol);
+    a = (float)matches / (float)g->m;
     WS(u, off_agree, float)[kr] = a;
     if (f->state->step > 0) f->state->lr[kr] = am_lr_bump(f->state->lr[kr], a, &u->k);
     u->kt->apply_rows(u->param->data, u->param->dtype, u->grad->data,
                       u->grad->dtype, g->R, g->C, r0, r0 + rows, rf, cf,
                       u->scale, f->state->lr[kr], &u->k, u->key.seed,
-                      u->key.param_id, f->state->step);
+                      u->key.param_id, f->state->step, f->counted ? pol : NULL);
 }
 
 /* Few, long lr-rows (e.g. a (1, 4096, 4096) parameter): the agreement and
@@ -313,6 +357,12 @@ static void split_range(const split *sp, int64_t t, int64_t *kr, int64_t *r0,
     *r1 = *r0 + sp->chrows < end ? *r0 + sp->chrows : end;
 }
 
+/* Polarity of chunk rows [r0, ...) of lr-row kr: on a byte (chrows % 8 == 0). */
+static uint8_t *split_pol(const split *sp, int64_t kr, int64_t r0) {
+    const am_geom *g = &sp->f->u->g;
+    return sp->f->state->polarity + kr * g->pol_row_bytes + (r0 - kr * sp->rows) * g->C / 8;
+}
+
 static void split_agree_task(void *ctx, int64_t t) {
     split *sp = (split *)ctx;
     upd *u = sp->f->u;
@@ -321,9 +371,7 @@ static void split_agree_task(void *ctx, int64_t t) {
     split_range(sp, t, &kr, &r0, &r1);
     sp->counts[t] = u->kt->agree_rows(
         u->grad->data, u->grad->dtype, g->R, g->C, r0, r1, WS(u, off_rf, float),
-        WS(u, off_cf, float), u->scale,
-        sp->f->state->polarity + kr * g->pol_row_bytes +
-            (r0 - kr * sp->rows) * g->C / 8);
+        WS(u, off_cf, float), u->scale, split_pol(sp, kr, r0));
 }
 
 static void split_apply_task(void *ctx, int64_t t) {
@@ -335,7 +383,8 @@ static void split_apply_task(void *ctx, int64_t t) {
     u->kt->apply_rows(u->param->data, u->param->dtype, u->grad->data,
                       u->grad->dtype, g->R, g->C, r0, r1, WS(u, off_rf, float),
                       WS(u, off_cf, float), u->scale, sp->f->state->lr[kr], &u->k,
-                      u->key.seed, u->key.param_id, sp->f->state->step);
+                      u->key.seed, u->key.param_id, sp->f->state->step,
+                      sp->f->counted ? split_pol(sp, kr, r0) : NULL);
 }
 
 /* Returns 1 when it did the finish of every lr-row, 0 when the lr-rows are
@@ -359,12 +408,15 @@ static int finish_split(fin *f) {
     sp.chrows = (sp.chrows + 7) / 8 * 8;
     sp.nch = (rows + sp.chrows - 1) / sp.chrows;
     if (sp.nch < 2) return 0;
-    am_parallel_for(g->lr_rows * sp.nch, (double)sp.chrows * (double)g->C * 8.0,
-                    split_agree_task, &sp);
+    if (!f->counted)
+        am_parallel_for(g->lr_rows * sp.nch, (double)sp.chrows * (double)g->C * 8.0,
+                        split_agree_task, &sp);
     for (kr = 0; kr < g->lr_rows; kr++) {
         int64_t matches = 0;
         float a;
-        for (t = 0; t < sp.nch; t++) matches += sp.counts[kr * sp.nch + t];
+        if (f->counted) matches = counted_matches(u, kr);
+        else
+            for (t = 0; t < sp.nch; t++) matches += sp.counts[kr * sp.nch + t];
         a = (float)matches / (float)g->m;
         WS(u, off_agree, float)[kr] = a;
         if (f->state->step > 0) f->state->lr[kr] = am_lr_bump(f->state->lr[kr], a, &u->k);
@@ -405,6 +457,7 @@ static am_status run_finish(upd *u, am_state *state, am_report *rep) {
     if (!(u->scale >= 1.0f)) u->scale = 1.0f;
     f.u = u;
     f.state = state;
+    f.counted = g->ndim >= 2 && counts_valid(u);
     if (g->ndim >= 2) {
         const float *agree = WS(u, off_agree, float);
         if (!finish_split(&f))

@@ -243,7 +243,8 @@ static void check_one_step(const am_shape *shape, am_dtype pdt, am_dtype gdt,
     }
 #define CHECK_MOM(name, cnt)                                                   \
     for (i = 0; i < (cnt); i++) {                                              \
-        double r = fabs(f->st.name[i] - o.name[i]) / o.name[i];                \
+        double d_ = fabs(f->st.name[i] - o.name[i]);                            \
+        double r = d_ == 0.0 ? 0.0 : d_ / o.name[i]; /* 0 = 0 (zero g) */      \
         if (r > cs->max_mom_rel) cs->max_mom_rel = r;                          \
         if (!(r <= 2e-6))                                                      \
             fail_msg("%s: " #name "[%lld] = %.9g, reference %.9g",            \
@@ -353,6 +354,12 @@ static void run_case(const am_shape *shape, am_dtype pdt, am_dtype gdt, int whic
     for (i = 0; i < n; i++) t_store_random(param, pdt, i, rs, -2, 1);
     for (s = 0; s < N_STEPS; s++) {
         for (i = 0; i < n; i++) t_store_random(grad, gdt, i, rs, -6, 2);
+        /* exact zeros, +0 and -0 (u = 0 is not positive: polarity 0) */
+        for (i = s; i < n; i += 13) memset((char *)grad + i * (int64_t)am_dtype_size(gdt) +
+                                               (am_dtype_size(gdt) - 1),
+                                           (i & 1) ? 0x80 : 0, 1);
+        for (i = s; i < n; i += 13)
+            memset((char *)grad + i * (int64_t)am_dtype_size(gdt), 0, am_dtype_size(gdt) - 1);
         check_one_step(shape, pdt, gdt, param, grad, &f, &hp, t_next(rs), cs);
     }
     t_fix_free(&f);

@@ -75,7 +75,8 @@ static const int64_t SIZES[] = {0, 1, 2, 3, 5, 7, 8, 15, 16, 17, 31, 33, 63, 65,
 
 static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int gdt,
                         int pdt, uint64_t *s) {
-    const int64_t R = 3, j0 = C > 9 ? 5 : 0, n = R * C;
+    /* R = 7 rows: the 4-row blocks of the SIMD kernels and their remainder */
+    const int64_t R = 7, j0 = C > 9 ? 5 : 0, n = R * C;
     const size_t gs = am_dtype_size((am_dtype)gdt), ps = am_dtype_size((am_dtype)pdt);
     void *g = xmalloc((size_t)n * gs), *p1 = xmalloc((size_t)n * ps), *p2 = xmalloc((size_t)n * ps);
     float *rp1 = xmalloc(4 * R), *rp2 = xmalloc(4 * R);
@@ -84,6 +85,8 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
     float *sq1 = xmalloc(4 * (size_t)n), *sq2 = xmalloc(4 * (size_t)n);
     float *lr1 = xmalloc(4 * (size_t)n), *lr2 = xmalloc(4 * (size_t)n);
     uint8_t *pol1 = xmalloc((size_t)n / 8 + 2), *pol2 = xmalloc((size_t)n / 8 + 2);
+    uint8_t *pa = xmalloc((size_t)n / 8 + 2), *pb = xmalloc((size_t)n / 8 + 2);
+    uint8_t *polr = xmalloc((size_t)(R + 1) / 2 * (size_t)((2 * C + 7) / 8) + 1);
     am_hparams hp = am_hparams_default();
     am_consts k;
     int64_t i, m1, m2;
@@ -99,6 +102,12 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
         lr1[i] = lr2[i] = 1e-4f * (1.5f + rng_unit(s));
     }
     for (i = 0; i < n / 8 + 2; i++) pol1[i] = pol2[i] = (uint8_t)rng_next(s);
+    for (i = 0; i < (R + 1) / 2 * ((2 * C + 7) / 8) + 1; i++) polr[i] = (uint8_t)rng_next(s);
+    /* zeros (not positive: no bit, no minimum) in a vector and in a tail */
+    for (i = 0; i < n; i += 11) {
+        if (gdt == AM_DTYPE_FLOAT32) ((float *)g)[i] = 0.0f;
+        else ((uint16_t *)g)[i] = (uint16_t)((i & 2) ? 0x8000u : 0u);
+    }
 
     if (C - j0 > 0) {
         a->stats_tile(g, gdt, C, 0, R, j0, C, rp1, cp1);
@@ -106,9 +115,27 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
         assert_memory_equal(rp1, rp2, 4 * R);
         assert_memory_equal(cp1, cp2, 4 * (size_t)(C - j0));
         {
-            double u1 = a->u2_tile(g, gdt, C, 1, R, j0, C, rf, cf);
-            double u2 = b->u2_tile(g, gdt, C, 1, R, j0, C, rf, cf);
+            double u1 = a->u2_tile(g, gdt, C, 1, R, j0, C, rf, cf, NULL, NULL, NULL);
+            double u2 = b->u2_tile(g, gdt, C, 1, R, j0, C, rf, cf, NULL, NULL, NULL);
             assert_memory_equal(&u1, &u2, sizeof u1);
+        }
+        { /* with the agreement count: lr-rows of 2 matrix rows, so the
+           * bits of a row start mid-byte when C % 8 != 0 */
+            am_polmap pm;
+            int32_t m1r[7], m2r[7];
+            float mp1, mp2;
+            double u1, u2;
+            pm.bits = polr;
+            pm.r0 = 0;
+            pm.rows_per_lr = 2;
+            pm.lr_bits = 8 * ((2 * C + 7) / 8);
+            pm.C = C;
+            u1 = a->u2_tile(g, gdt, C, 1, R, j0, C, rf, cf, &pm, m1r, &mp1);
+            u2 = b->u2_tile(g, gdt, C, 1, R, j0, C, rf, cf, &pm, m2r, &mp2);
+            assert_memory_equal(&u1, &u2, sizeof u1);
+            assert_memory_equal(m1r, m2r, sizeof(int32_t) * (size_t)(R - 1));
+            assert_memory_equal(&mp1, &mp2, sizeof mp1);
+            for (i = 0; i < R - 1; i++) assert_true(m1r[i] >= 0 && m1r[i] <= C - j0);
         }
     }
     {
@@ -130,12 +157,30 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
         m2 = b->agree_rows(g, gdt, R, C, 1, R, rf, cf, 1.5f, pol2);
         assert_int_equal(m1, m2);
         assert_memory_equal(pol1, pol2, (size_t)n / 8 + 2);
-        a->apply_rows(p1, pdt, g, gdt, R, C, 1, R, rf, cf, 1.5f, 3e-3f, &k, 99, 7, 5);
-        b->apply_rows(p2, pdt, g, gdt, R, C, 1, R, rf, cf, 1.5f, 3e-3f, &k, 99, 7, 5);
+        a->apply_rows(p1, pdt, g, gdt, R, C, 1, R, rf, cf, 1.5f, 3e-3f, &k, 99, 7, 5, NULL);
+        b->apply_rows(p2, pdt, g, gdt, R, C, 1, R, rf, cf, 1.5f, 3e-3f, &k, 99, 7, 5, NULL);
         assert_memory_equal(p1, p2, (size_t)n * ps);
+        /* writing the polarity: the bits agree_rows wrote, and nothing
+         * past the rows */
+        memset(pa, 0x5a, (size_t)n / 8 + 2);
+        memset(pb, 0xa5, (size_t)n / 8 + 2);
+        a->apply_rows(p1, pdt, g, gdt, R, C, 1, R, rf, cf, 1.5f, 3e-3f, &k, 99, 7, 7, pa);
+        b->apply_rows(p2, pdt, g, gdt, R, C, 1, R, rf, cf, 1.5f, 3e-3f, &k, 99, 7, 7, pb);
+        assert_memory_equal(p1, p2, (size_t)n * ps);
+        assert_memory_equal(pa, pol1, (size_t)((R - 1) * C / 8));
+        assert_memory_equal(pb, pol1, (size_t)((R - 1) * C / 8));
+        if ((R - 1) * C % 8) {
+            uint8_t mask = (uint8_t)((1u << ((R - 1) * C % 8)) - 1u);
+            int64_t q = (R - 1) * C / 8;
+            assert_int_equal(pa[q], (pol1[q] & mask) | (0x5a & ~mask));
+            assert_int_equal(pb[q], (pol1[q] & mask) | (0xa5 & ~mask));
+            q++;
+            assert_int_equal(pa[q], 0x5a);
+            assert_int_equal(pb[q], 0xa5);
+        }
         /* scale 1: the SIMD path skips the division */
-        a->apply_rows(p1, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 3e-3f, &k, 99, 7, 6);
-        b->apply_rows(p2, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 3e-3f, &k, 99, 7, 6);
+        a->apply_rows(p1, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 3e-3f, &k, 99, 7, 6, NULL);
+        b->apply_rows(p2, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 3e-3f, &k, 99, 7, 6, NULL);
         assert_memory_equal(p1, p2, (size_t)n * ps);
     }
     {
@@ -153,6 +198,7 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
     }
     free(g); free(p1); free(p2); free(rp1); free(rp2); free(cp1); free(cp2);
     free(rf); free(cf); free(sq1); free(sq2); free(lr1); free(lr2); free(pol1); free(pol2);
+    free(pa); free(pb); free(polr);
 }
 
 static void test_slots(void **unused) {
@@ -314,6 +360,59 @@ static void test_agree_underflow(void **unused) {
         assert_int_equal(ma, mb);
         assert_memory_equal(pa, pb, sizeof pa);
     }
+}
+
+/* The moments pass counts the agreement with the unscaled sign (u > 0);
+ * the SPEC's sign is that of u / scale, which is 0 for a positive u small
+ * enough. Shape (2, 19): row 0 holds 1e15 in columns 9 (a vector lane) and
+ * 18 (the scalar tail), row 1 holds 1e-32 there and 1 elsewhere, every old
+ * bit is 1. Row 1's u at those columns is about 1e-32 * rf (2.4e14) * cf
+ * (4.5e-14) = 1.1e-31 and the clip scale about 5e15, so u / scale underflows
+ * to 0: both bits become 0, lr-row 1 agrees on 17 of 19 elements and row 0
+ * on 19 of 19. Counting (u > 0) would give 19 of 19 for both. Scalar and
+ * best kernels, fused-count path and fallback must say the same. */
+static void test_counted_agreement_underflow(void **unused) {
+    am_shape sh = {2, {2, 19}};
+    am_hparams hp = am_hparams_default();
+    am_rng_key key = {5, 6};
+    float p[38], g[38], lr[2], row[2], col[19];
+    uint8_t pol[6];
+    am_state st = {lr, pol, row, col, NULL, 0};
+    am_tensor pt = {p, AM_DTYPE_FLOAT32, sh}, gt = {g, AM_DTYPE_FLOAT32, sh};
+    am_state_sizes sz;
+    am_report rep;
+    void *ws;
+    int scalar, j;
+    (void)unused;
+    assert_int_equal(am_state_get_sizes(&sh, &sz), AM_OK);
+    assert_int_equal(sz.polarity_bytes, 6);
+    ws = xmalloc((size_t)sz.workspace_bytes);
+    for (scalar = 1; scalar >= 0; scalar--) {
+        am_kernels_select(scalar);
+        assert_int_equal(am_state_init(&sh, &st, 1e-4), AM_OK);
+        memset(pol, 0xff, sizeof pol);
+        st.step = 1;
+        for (j = 0; j < 19; j++) {
+            p[j] = p[19 + j] = 0.5f;
+            g[j] = (j == 9 || j == 18) ? 1e15f : 1.0f;
+            g[19 + j] = (j == 9 || j == 18) ? 1e-32f : 1.0f;
+        }
+        assert_int_equal(am_update(&pt, &gt, &st, &hp, key, ws, (size_t)sz.workspace_bytes, &rep),
+                         AM_OK);
+        assert_true(rep.clip_scale > 1e15f);
+        /* lr-row 1 (bytes 3..5): bits 9 and 18 (byte 4 bit 1, byte 5
+         * bit 2) are 0 */
+        assert_int_equal(pol[0], 0xff);
+        assert_int_equal(pol[1], 0xff);
+        assert_int_equal(pol[2] & 0x07, 0x07);
+        assert_int_equal(pol[3], 0xff);
+        assert_int_equal(pol[4], 0xfd);
+        assert_int_equal(pol[5] & 0x07, 0x03);
+        assert_float_equal(rep.mean_agreement, (float)((1.0 + 17.0 / 19.0) / 2.0), 1e-7);
+        assert_true(lr[1] < lr[0]);
+    }
+    am_kernels_select(0);
+    free(ws);
 }
 
 /* ---------------------------------------------- 2. whole updates ---- */
@@ -525,6 +624,7 @@ int main(void) {
         cmocka_unit_test(test_slots),
         cmocka_unit_test(test_mats_slots),
         cmocka_unit_test(test_agree_underflow),
+        cmocka_unit_test(test_counted_agreement_underflow),
         cmocka_unit_test(test_updates),
         cmocka_unit_test(test_concurrent_callers),
     };
