@@ -142,7 +142,9 @@ static void philox32_avx2(uint64_t seed, uint32_t pid, int64_t step,
  * am_kernels_avx2, before any kernel runs), AVX2 otherwise. */
 static am_philox_fn g_philox = philox32_avx2;
 
-/* A window of random words for flat element indices [4*q0, 4*q0 + 128). */
+/* A window of the 32 Philox quads q0..q0+31 (am_sr_noise): the noise of
+ * flat elements [4*q0, 4*q0 + 128) for float16 (32-bit words), of
+ * [8*q0, 8*q0 + 256) for bfloat16 (16-bit halves). */
 typedef struct rngwin {
     uint64_t seed;
     uint32_t pid;
@@ -151,13 +153,18 @@ typedef struct rngwin {
     uint32_t w[128];
 } rngwin;
 
-/* The words of elements f..f+7 (regenerating the window when needed). */
-AM_INLINE __m256i rnd8(rngwin *w, int64_t f) {
-    if (!w->valid || f < 4 * w->q0 || f + 8 > 4 * w->q0 + 128) {
-        w->q0 = f >> 2;
+/* The noise of elements f..f+7 of a parameter of type dt (regenerating the
+ * window when needed), one 32-bit lane per element. */
+AM_INLINE __m256i rnd8(rngwin *w, const int dt, int64_t f) {
+    const int per = dt == AM_DTYPE_BFLOAT16 ? 8 : 4; /* elements per quad */
+    if (!w->valid || f < per * w->q0 || f + 8 > per * (w->q0 + 32)) {
+        w->q0 = dt == AM_DTYPE_BFLOAT16 ? f >> 3 : f >> 2;
         g_philox(w->seed, w->pid, w->step, w->q0, w->w);
         w->valid = 1;
     }
+    if (dt == AM_DTYPE_BFLOAT16)
+        return _mm256_cvtepu16_epi32(
+            _mm_loadu_si128((const __m128i *)((const uint16_t *)w->w + (f - 8 * w->q0))));
     return _mm256_loadu_si256((const __m256i *)(w->w + (f - 4 * w->q0)));
 }
 
@@ -683,7 +690,7 @@ AM_INLINE uint32_t apply_vec(void *p, const int pdt, const void *g, const int gd
     __m256 u = _mm256_mul_ps(fac, am_ld8(g, gdt, f)), v;
     if (!unscaled) u = _mm256_div_ps(u, sv); /* x / 1 == x exactly */
     v = apply8(am_ld8(p, pdt, f), u, lrv, wdv, has_wd);
-    st8(p, pdt, f, v, pdt == AM_DTYPE_FLOAT32 ? _mm256_setzero_si256() : rnd8(w, f));
+    st8(p, pdt, f, v, pdt == AM_DTYPE_FLOAT32 ? _mm256_setzero_si256() : rnd8(w, pdt, f));
     return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(u, _mm256_setzero_ps(), _CMP_GT_OQ));
 }
 
@@ -734,7 +741,7 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
             uint32_t rnd = 0;
             if (pol_row) bw_put(&bw, u > 0.0f, 1);
             if (pdt != AM_DTYPE_FLOAT32)
-                rnd = am_rng_quad(seed, param_id, step, f >> 2).v[f & 3];
+                rnd = am_sr_noise(seed, param_id, step, f, pdt);
             am_store_sr(p, pdt, f, v, rnd);
         }
     }
@@ -766,14 +773,14 @@ AM_INLINE void apply_small(void *p, const int pdt, const void *g, const int gdt,
             bw_put(&bw, (uint32_t)_mm256_movemask_ps(
                             _mm256_cmp_ps(u, _mm256_setzero_ps(), _CMP_GT_OQ)), 8);
         v = apply8(am_ld8(p, pdt, f), u, lrv, wdv, has_wd);
-        st8(p, pdt, f, v, pdt == AM_DTYPE_FLOAT32 ? _mm256_setzero_si256() : rnd8(&w, f));
+        st8(p, pdt, f, v, pdt == AM_DTYPE_FLOAT32 ? _mm256_setzero_si256() : rnd8(&w, pdt, f));
     }
     for (; f < f1; f++) {
         float u = (fw_next(&fw) * am_load(g, gdt, f)) / scale;
         float v = am_apply(am_load(p, pdt, f), u, lr, k->wd);
         uint32_t rnd = 0;
         if (pol_row) bw_put(&bw, u > 0.0f, 1);
-        if (pdt != AM_DTYPE_FLOAT32) rnd = am_rng_quad(seed, param_id, step, f >> 2).v[f & 3];
+        if (pdt != AM_DTYPE_FLOAT32) rnd = am_sr_noise(seed, param_id, step, f, pdt);
         am_store_sr(p, pdt, f, v, rnd);
     }
     if (pol_row) bw_flush(&bw);
@@ -841,7 +848,7 @@ AM_INLINE int64_t finish_flat_body(void *p, const int pdt, const void *g,
             _mm256_storeu_ps(lr + e, lrv);
         }
         st8(p, pdt, e, apply8(am_ld8(p, pdt, e), u, lrv, wdv, has_wd),
-            pdt == AM_DTYPE_FLOAT32 ? _mm256_setzero_si256() : rnd8(&w, e));
+            pdt == AM_DTYPE_FLOAT32 ? _mm256_setzero_si256() : rnd8(&w, pdt, e));
     }
     for (; e < e1; e++) { /* the tail of the tensor: the reference's loop */
         float x = am_load(g, gdt, e);
@@ -858,7 +865,7 @@ AM_INLINE int64_t finish_flat_body(void *p, const int pdt, const void *g,
         if (step > 0) lr[e] = am_lr_scale(lr[e], match ? k->bump_up : k->bump_down, k);
         wv = am_apply(am_load(p, pdt, e), u, lr[e], k->wd);
         if (pdt != AM_DTYPE_FLOAT32)
-            rnd = am_rng_quad(seed, param_id, step, e >> 2).v[e & 3];
+            rnd = am_sr_noise(seed, param_id, step, e, pdt);
         am_store_sr(p, pdt, e, wv, rnd);
     }
     return matches;

@@ -271,6 +271,19 @@ AM_HD uint32_t am_ck_word(const am_u32x4 *r, int64_t i) {
     return i == 0 ? r->v[0] : i == 1 ? r->v[1] : i == 2 ? r->v[2] : r->v[3];
 }
 
+/* The noise of element f from the quad that holds it (am_sr_noise): for
+ * bfloat16 quad f / 8, half f % 8; otherwise quad f / 4, word f % 4. */
+AM_HD uint32_t am_ck_noise(const am_u32x4 *r, int64_t f, int pdt) {
+    if (pdt == AM_DTYPE_BFLOAT16)
+        return (am_ck_word(r, f >> 1) >> (16 * (f & 1))) & 0xffffu;
+    return am_ck_word(r, f);
+}
+
+/* The quad that holds element f's noise. */
+AM_HD int64_t am_ck_quad(int64_t f, int pdt) {
+    return pdt == AM_DTYPE_BFLOAT16 ? f >> 3 : f >> 2;
+}
+
 /* Walks consecutive flat elements of a factored parameter, keeping the
  * matrix row r, column j and the column-factor row base without dividing
  * per element. */
@@ -331,11 +344,14 @@ AM_HD void am_ck_apply_range(const am_ck_args *a, int64_t t, int64_t lo, int64_t
     float scale = a->h->scale;
     int64_t step = *a->step;
     am_ck_pos pos = am_ck_pos_at(a, f0);
-    if (a->pdt != AM_DTYPE_FLOAT32) rnd = am_rng_quad(a->seed, a->param_id, step, t);
+    /* bfloat16: two threads compute the same quad (8 elements), each uses
+     * its half */
+    if (a->pdt != AM_DTYPE_FLOAT32)
+        rnd = am_rng_quad(a->seed, a->param_id, step, am_ck_quad(4 * t, a->pdt));
     for (f = f0; f < f1; f++) {
         float u = am_ck_u(a, &pos, f, scale);
         float v = am_apply(am_load(a->p, a->pdt, f), u, a->lr[kr], a->k.wd);
-        am_store_sr(a->p, a->pdt, f, v, am_ck_word(&rnd, f));
+        am_store_sr(a->p, a->pdt, f, v, am_ck_noise(&rnd, f, a->pdt));
         am_ck_pos_next(a, &pos);
         if (++qk == a->m) { qk = 0; kr++; }
     }
@@ -372,8 +388,8 @@ AM_HD unsigned am_ck_finish_flat(const am_ck_args *a, int64_t t) {
         }
         w = am_apply(am_load(a->p, a->pdt, e), u, lr, a->k.wd);
         if (a->pdt != AM_DTYPE_FLOAT32 && (e == e0 || (e & 3) == 0))
-            rnd = am_rng_quad(a->seed, a->param_id, step, e >> 2);
-        am_store_sr(a->p, a->pdt, e, w, am_ck_word(&rnd, e));
+            rnd = am_rng_quad(a->seed, a->param_id, step, am_ck_quad(e, a->pdt));
+        am_store_sr(a->p, a->pdt, e, w, am_ck_noise(&rnd, e, a->pdt));
     }
     a->pol[t] = (uint8_t)nb;
     return n;

@@ -178,6 +178,9 @@ static void test_nonfinite_grad_optimizer(void **unused) {
     am_dtype gds[2] = {AM_DTYPE_FLOAT32, AM_DTYPE_FLOAT16};
     int i;
     (void)unused;
+    /* an lr large enough that the bfloat16 parameter (ulp 2^-14 near
+     * 2^-7) moves for certain, not with a probability of ~lr / ulp */
+    hp.lr = 1e-3;
     for (i = 0; i < 24; i++) {
         w[i] = 0.1f * (float)(i - 12);
         w16[i] = (uint16_t)(0x3c00 + i); /* float16 near 1 */
@@ -220,6 +223,8 @@ static void test_nonfinite_grad_optimizer(void **unused) {
     assert_int_equal(reps[1].status, AM_OK);
     assert_memory_equal(w, w_before, sizeof w);
     assert_true(memcmp(w16, w16_before, sizeof w16) != 0);
+    assert_int_equal(am_optimizer_get_state(opt, id1, &st0, &sh), AM_OK);
+    assert_int_equal(st0.step, 1);
     assert_int_equal(am_optimizer_skipped_count(opt), 2);
     am_optimizer_destroy(opt);
 }
