@@ -92,9 +92,11 @@ static void choose(void) {
     if (am_kernels_avx2() == NULL) why = "library built without AVX2 kernels";
     else if (g_has_avx2) {
         g_best = am_kernels_avx2();
-        why = g_has_avx512 && am_philox32_avx512()
-                  ? "CPU and OS support AVX2, FMA, F16C; AVX-512F random numbers"
-                  : "CPU and OS support AVX2, FMA, F16C";
+        why = g_best != am_kernels_avx2_plain()
+                  ? "CPU and OS support AVX2, FMA, F16C; AVX-512F random numbers and "
+                    "16-bit parameter apply"
+                  : g_has_avx512 ? "CPU and OS support AVX2, FMA, F16C; AVX-512F not used"
+                                 : "CPU and OS support AVX2, FMA, F16C";
     }
     atomic_store(&g_current, g_best);
     if (force && force[0] == '1') {

@@ -23,8 +23,10 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "am_bits.h"
 #include "avx2_load.h"
 
 #define AM_INLINE static inline __attribute__((always_inline))
@@ -174,38 +176,6 @@ static void rng_init(rngwin *w, uint64_t seed, uint32_t pid, int64_t step) {
     w->step = step;
     w->q0 = 0;
     w->valid = 0;
-}
-
-/* -------------------------------------------------- polarity writer ---- */
-
-/* Appends bits to a packed bit array (bit 0 of a byte first), counting how
- * many equal the bits they replace. Bits past the end are left untouched. */
-typedef struct bitw {
-    uint8_t *p;
-    uint64_t buf;
-    int n;
-    int64_t matches;
-} bitw;
-
-AM_INLINE void bw_put(bitw *w, uint32_t bits, int k) {
-    w->buf |= (uint64_t)bits << w->n;
-    w->n += k;
-    if (w->n >= 8) {
-        uint8_t nb = (uint8_t)w->buf, ob = *w->p;
-        w->matches += 8 - __builtin_popcount((unsigned)(nb ^ ob));
-        *w->p++ = nb;
-        w->buf >>= 8;
-        w->n -= 8;
-    }
-}
-
-static void bw_flush(bitw *w) {
-    if (w->n > 0) {
-        uint8_t mask = (uint8_t)((1u << w->n) - 1u), ob = *w->p;
-        w->matches += w->n - __builtin_popcount((unsigned)((w->buf ^ ob) & mask));
-        *w->p = (uint8_t)((ob & ~mask) | (w->buf & mask));
-        w->n = 0;
-    }
 }
 
 /* ------------------------------------------------------------ stats ---- */
@@ -491,16 +461,6 @@ static float pos_threshold(float scale) {
         else break;
     }
     return t;
-}
-
-/* Appends 64 bits at once (any bit alignment). */
-AM_INLINE void bw_put64(bitw *w, uint64_t bits) {
-    uint64_t out = w->buf | (bits << w->n), old;
-    memcpy(&old, w->p, 8);
-    w->matches += 64 - __builtin_popcountll(out ^ old);
-    memcpy(w->p, &out, 8);
-    w->p += 8;
-    w->buf = w->n ? bits >> (64 - w->n) : 0;
 }
 
 /* Narrow matrices (C < 16: conv kernels, e.g. C = 3): rows are too short
@@ -898,19 +858,49 @@ static const am_kernels avx2_table = {
     am_avx2_stats_mats, am_avx2_u2_mats, am_avx2_moments_mats,
 };
 
+/* The AVX-512F apply of 16-bit parameters (set once by am_kernels_avx2). */
+static am_apply_fn g_apply16;
+
+static void avx512x_apply_rows(void *p, int pdt, const void *g, int gdt,
+                               int64_t R, int64_t C, int64_t r0, int64_t r1,
+                               const float *rf, const float *cf, float scale,
+                               float lr, const am_consts *k, uint64_t seed,
+                               uint32_t param_id, int64_t step, uint8_t *pol_row) {
+    if (pdt != AM_DTYPE_FLOAT32 && C >= AM_SMALL_C)
+        g_apply16(p, pdt, g, gdt, R, C, r0, r1, rf, cf, scale, lr, k, seed, param_id,
+                  step, pol_row);
+    else
+        avx2_apply_rows(p, pdt, g, gdt, R, C, r0, r1, rf, cf, scale, lr, k, seed,
+                        param_id, step, pol_row);
+}
+
+static const am_kernels avx512x_table = {
+    "avx2+avx512",   avx2_stats_tile,    avx2_u2_tile,     avx2_u2_flat,
+    avx2_agree_rows, avx512x_apply_rows, avx2_finish_flat,
+    am_avx2_stats_mats, am_avx2_u2_mats, am_avx2_moments_mats,
+};
+
 am_philox_fn am_philox32_avx2(void) { return philox32_avx2; }
+
+static int no_avx512(void) {
+    const char *e = getenv("AUTOMAGIC_NO_AVX512");
+    return e && e[0] == '1';
+}
 
 const am_kernels *am_kernels_avx2(void) {
     /* Called from dispatch.c's pthread_once before any kernel runs. */
-    if (am_philox32_avx512() && am_cpu_has_avx512()) g_philox = am_philox32_avx512();
-    return &avx2_table;
+    if (!am_cpu_has_avx512() || no_avx512()) return &avx2_table;
+    if (am_philox32_avx512()) g_philox = am_philox32_avx512();
+    g_apply16 = am_avx512_apply16();
+    return g_apply16 && am_philox32_avx512() ? &avx512x_table : &avx2_table;
 }
+
+const am_kernels *am_kernels_avx2_plain(void) { return &avx2_table; }
 
 #else /* not built for x86-64 with AVX2 + F16C */
 
-am_philox_fn am_philox32_avx2(void) { return philox32_avx2; }
-
 const am_kernels *am_kernels_avx2(void) { return NULL; }
+const am_kernels *am_kernels_avx2_plain(void) { return NULL; }
 am_philox_fn am_philox32_avx2(void) { return NULL; }
 
 #endif

@@ -8,9 +8,12 @@
 #include "internal.h"
 
 /* The AVX2+F16C kernel set (kernels_avx2.c): the reference table with the
- * slots it implements overridden, bit-identical to the reference. Only valid
- * to call through when am_cpu_has_avx2() is true. NULL when the library was
- * built without it (not x86-64, or a compiler without the intrinsics). */
+ * slots it implements overridden, bit-identical to the reference; on CPUs
+ * with AVX-512F (unless AUTOMAGIC_NO_AVX512=1) its random numbers and the
+ * apply of 16-bit parameters use AVX-512F, and its name is "avx2+avx512".
+ * Only valid to call through when am_cpu_has_avx2() is true. NULL when the
+ * library was built without it (not x86-64, or a compiler without the
+ * intrinsics). */
 const am_kernels *am_kernels_avx2(void);
 
 /* The batched small-matrix slots of the AVX2 set (kernels_avx2_mats.c),
@@ -35,6 +38,22 @@ am_philox_fn am_philox32_avx2(void);
 /* The AVX-512F generator (philox_avx512.c), NULL when not built. Only valid
  * to call when am_cpu_has_avx512() is true. */
 am_philox_fn am_philox32_avx512(void);
+
+/* The apply_rows slot's signature (internal.h). */
+typedef void (*am_apply_fn)(void *p, int pdt, const void *g, int gdt, int64_t R,
+                            int64_t C, int64_t r0, int64_t r1, const float *rf,
+                            const float *cf, float scale, float lr,
+                            const am_consts *k, uint64_t seed, uint32_t param_id,
+                            int64_t step, uint8_t *pol_row);
+
+/* The AVX-512F apply of bfloat16/float16 parameters (kernels_avx512.c), for
+ * pdt != float32 and C >= 16 only; NULL when not built. Only valid to call
+ * when am_cpu_has_avx512() is true. */
+am_apply_fn am_avx512_apply16(void);
+
+/* The AVX2 set without any AVX-512 part (for tests: the set in use on CPUs
+ * without AVX-512). NULL when not built. */
+const am_kernels *am_kernels_avx2_plain(void);
 
 /* 1 when the CPU and the OS support AVX-512F (zmm state enabled). */
 int am_cpu_has_avx512(void);
