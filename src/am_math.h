@@ -133,22 +133,31 @@ AM_HD am_u32x4 am_rng_quad(uint64_t seed, uint32_t param_id, int64_t step,
     return am_philox4x32_10(c, (uint32_t)seed, (uint32_t)(seed >> 32));
 }
 
-/* The stochastic-rounding noise of element e of a parameter of dtype
- * (0 float32, 1 bfloat16, 2 float16), SPEC 5. bfloat16 drops exactly 16 of
- * float32's bits everywhere, so 16 random bits make its rounding exactly
- * unbiased and one Philox call serves 8 elements: quad e / 8, 16-bit half
- * e % 8 of its 128 bits (word (e / 2) % 4, low half for even e). float16
- * needs 32 bits (its subnormals drop more than 16): quad e / 4, word e % 4.
- * Seen as an array of 16-bit (bfloat16) or 32-bit (float16) values in
- * memory order, the quads q0, q0+1, ... give the noise of consecutive
- * elements, which is what the vector kernels load. */
+/* The stochastic-rounding noise of element e of a 16-bit parameter
+ * (dtype 1 bfloat16, 2 float16) whose float32 value is x, SPEC 5.
+ * 16 random bits suffice wherever the rounding drops at most 16 bits:
+ * bfloat16 everywhere (it drops exactly 16 of float32's bits) and float16 in
+ * its normal range (13 bits). There one Philox call serves 8 elements: quad
+ * e / 8, 16-bit half e % 8 of its 128 bits (word (e / 2) % 4, the low half
+ * for even e). float16 values in the half subnormal range (|x| < 2^-14, zero
+ * included) need 32 bits: word e % 4 of quad e / 4 of a second stream, the
+ * quads whose index has bit 63 set (AM_SR_WIDE_STREAM; element quad indices
+ * never reach it). Seen as an array of 16-bit values in memory order, the
+ * quads q0, q0+1, ... give the noise of consecutive elements, which is what
+ * the vector kernels load. */
+#define AM_SR_WIDE_STREAM ((uint64_t)1 << 63)
+
+/* 1 when a float16 rounding of x uses 32 random bits (see am_sr_f16). */
+AM_HD int am_f16_wide(float x) { return (am_f32_bits(x) & 0x7fffffffu) < 0x38800000u; }
+
 AM_HD uint32_t am_sr_noise(uint64_t seed, uint32_t param_id, int64_t step,
-                           int64_t e, int dtype) {
-    if (dtype == 1) {
-        am_u32x4 w = am_rng_quad(seed, param_id, step, e >> 3);
-        return (w.v[(e >> 1) & 3] >> (16 * (e & 1))) & 0xffffu;
-    }
-    return am_rng_quad(seed, param_id, step, e >> 2).v[e & 3];
+                           int64_t e, int dtype, float x) {
+    am_u32x4 w;
+    if (dtype == 2 && am_f16_wide(x))
+        return am_rng_quad(seed, param_id, step,
+                           (int64_t)((uint64_t)(e >> 2) | AM_SR_WIDE_STREAM)).v[e & 3];
+    w = am_rng_quad(seed, param_id, step, e >> 3);
+    return (w.v[(e >> 1) & 3] >> (16 * (e & 1))) & 0xffffu;
 }
 
 /* ---------------------------------------------- stochastic rounding ----- */

@@ -39,57 +39,6 @@
 AM_INLINE int64_t esize(const int dt) { return dt == AM_DTYPE_FLOAT32 ? 4 : 2; }
 
 
-/* Stores v into elements i..i+7, stochastically rounded with rnd (one
- * word per element) for 16-bit types; same bits as am_store_sr. */
-AM_INLINE void st8(void *base, const int dt, int64_t i, __m256 v, __m256i rnd) {
-    __m256i b, ab, r;
-    if (dt == AM_DTYPE_FLOAT32) {
-        _mm256_storeu_ps((float *)base + i, v);
-        return;
-    }
-    b = _mm256_castps_si256(v);
-    ab = _mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff));
-    if (dt == AM_DTYPE_BFLOAT16) {
-        /* finite: (b + rnd16) >> 16; inf: b >> 16; NaN: (b >> 16) | 0x40 */
-        __m256i special = _mm256_cmpgt_epi32(ab, _mm256_set1_epi32(0x7f7fffff));
-        __m256i isnan = _mm256_cmpgt_epi32(ab, _mm256_set1_epi32(0x7f800000));
-        __m256i sp = _mm256_or_si256(_mm256_srli_epi32(b, 16),
-                                     _mm256_and_si256(isnan, _mm256_set1_epi32(0x40)));
-        r = _mm256_add_epi32(b, _mm256_and_si256(rnd, _mm256_set1_epi32(0xffff)));
-        r = _mm256_blendv_epi8(_mm256_srli_epi32(r, 16), sp, special);
-        _mm_storeu_si128((__m128i *)((uint16_t *)base + i),
-                         _mm_packus_epi32(_mm256_castsi256_si128(r),
-                                          _mm256_extracti128_si256(r, 1)));
-    } else {
-        /* Normal half range: add 13 random bits, truncate, then the value is
-         * on the half grid and F16C's round-to-nearest converts it exactly
-         * (or overflows to inf exactly as am_f32_to_f16_rne does). */
-        __m256i sign = _mm256_andnot_si256(_mm256_set1_epi32(0x7fffffff), b);
-        __m256i t = _mm256_add_epi32(ab, _mm256_and_si256(rnd, _mm256_set1_epi32(0x1fff)));
-        __m256i bad = _mm256_or_si256(
-            _mm256_cmpgt_epi32(_mm256_set1_epi32(0x38800000), ab),
-            _mm256_cmpgt_epi32(ab, _mm256_set1_epi32(0x7f7fffff)));
-        __m128i h;
-        t = _mm256_or_si256(_mm256_and_si256(t, _mm256_set1_epi32(~0x1fff)), sign);
-        h = _mm256_cvtps_ph(_mm256_castsi256_ps(t), _MM_FROUND_TO_NEAREST_INT);
-        if (!_mm256_testz_si256(bad, bad)) {
-            /* Rare: half subnormals, zeros, inf, NaN — the scalar rule. */
-            uint16_t hv[8];
-            float vf[8];
-            uint32_t rv[8], bv[8];
-            int l;
-            _mm_storeu_si128((__m128i *)hv, h);
-            _mm256_storeu_ps(vf, v);
-            _mm256_storeu_si256((__m256i *)rv, rnd);
-            _mm256_storeu_si256((__m256i *)bv, bad);
-            for (l = 0; l < 8; l++)
-                if (bv[l]) hv[l] = am_sr_f16(vf[l], rv[l]);
-            h = _mm_loadu_si128((const __m128i *)hv);
-        }
-        _mm_storeu_si128((__m128i *)((uint16_t *)base + i), h);
-    }
-}
-
 /* ------------------------------------------------------------ Philox ---- */
 
 /* am_rng_quad for quads q0..q0+31, written as 128 words: out[4k + w] is
@@ -144,38 +93,102 @@ static void philox32_avx2(uint64_t seed, uint32_t pid, int64_t step,
  * am_kernels_avx2, before any kernel runs), AVX2 otherwise. */
 static am_philox_fn g_philox = philox32_avx2;
 
-/* A window of the 32 Philox quads q0..q0+31 (am_sr_noise): the noise of
- * flat elements [4*q0, 4*q0 + 128) for float16 (32-bit words), of
- * [8*q0, 8*q0 + 256) for bfloat16 (16-bit halves). */
+/* The rounding noise of one apply (am_sr_noise): a window of the 32 Philox
+ * quads q0..q0+31, the 16-bit noise of flat elements [8*q0, 8*q0 + 256), and
+ * a window of the wide stream (float16 half subnormals: 32-bit words of
+ * elements [4*wq0, 4*wq0 + 128)), filled only when such a value occurs. */
 typedef struct rngwin {
     uint64_t seed;
     uint32_t pid;
-    int64_t step, q0;
-    int valid;
-    uint32_t w[128];
+    int64_t step, q0, wq0;
+    int valid, wvalid;
+    uint32_t w[128], ww[128];
 } rngwin;
 
-/* The noise of elements f..f+7 of a parameter of type dt (regenerating the
- * window when needed), one 32-bit lane per element. */
-AM_INLINE __m256i rnd8(rngwin *w, const int dt, int64_t f) {
-    const int per = dt == AM_DTYPE_BFLOAT16 ? 8 : 4; /* elements per quad */
-    if (!w->valid || f < per * w->q0 || f + 8 > per * (w->q0 + 32)) {
-        w->q0 = dt == AM_DTYPE_BFLOAT16 ? f >> 3 : f >> 2;
+/* The 16-bit noise of elements f..f+7 (regenerating the window when
+ * needed), one 32-bit lane per element. */
+AM_INLINE __m256i rnd8(rngwin *w, int64_t f) {
+    if (!w->valid || f < 8 * w->q0 || f + 8 > 8 * (w->q0 + 32)) {
+        w->q0 = f >> 3;
         g_philox(w->seed, w->pid, w->step, w->q0, w->w);
         w->valid = 1;
     }
-    if (dt == AM_DTYPE_BFLOAT16)
-        return _mm256_cvtepu16_epi32(
-            _mm_loadu_si128((const __m128i *)((const uint16_t *)w->w + (f - 8 * w->q0))));
-    return _mm256_loadu_si256((const __m256i *)(w->w + (f - 4 * w->q0)));
+    return _mm256_cvtepu16_epi32(
+        _mm_loadu_si128((const __m128i *)((const uint16_t *)w->w + (f - 8 * w->q0))));
+}
+
+/* The 32-bit wide-stream noise of element e. */
+static uint32_t wide_word(rngwin *w, int64_t e) {
+    if (!w->wvalid || e < 4 * w->wq0 || e >= 4 * (w->wq0 + 32)) {
+        w->wq0 = e >> 2;
+        g_philox(w->seed, w->pid, w->step, (int64_t)((uint64_t)w->wq0 | AM_SR_WIDE_STREAM),
+                 w->ww);
+        w->wvalid = 1;
+    }
+    return w->ww[e - 4 * w->wq0];
 }
 
 static void rng_init(rngwin *w, uint64_t seed, uint32_t pid, int64_t step) {
     w->seed = seed;
     w->pid = pid;
     w->step = step;
-    w->q0 = 0;
-    w->valid = 0;
+    w->q0 = w->wq0 = 0;
+    w->valid = w->wvalid = 0;
+}
+
+/* Stores v into elements i..i+7, stochastically rounded with the noise of
+ * w for 16-bit types (w unused for float32); same bits as am_store_sr with
+ * am_sr_noise. */
+AM_INLINE void st8(void *base, const int dt, int64_t i, __m256 v, rngwin *w) {
+    __m256i b, ab, r, rnd;
+    if (dt == AM_DTYPE_FLOAT32) {
+        _mm256_storeu_ps((float *)base + i, v);
+        return;
+    }
+    rnd = rnd8(w, i);
+    b = _mm256_castps_si256(v);
+    ab = _mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff));
+    if (dt == AM_DTYPE_BFLOAT16) {
+        /* finite: (b + rnd16) >> 16; inf: b >> 16; NaN: (b >> 16) | 0x40 */
+        __m256i special = _mm256_cmpgt_epi32(ab, _mm256_set1_epi32(0x7f7fffff));
+        __m256i isnan = _mm256_cmpgt_epi32(ab, _mm256_set1_epi32(0x7f800000));
+        __m256i sp = _mm256_or_si256(_mm256_srli_epi32(b, 16),
+                                     _mm256_and_si256(isnan, _mm256_set1_epi32(0x40)));
+        r = _mm256_add_epi32(b, _mm256_and_si256(rnd, _mm256_set1_epi32(0xffff)));
+        r = _mm256_blendv_epi8(_mm256_srli_epi32(r, 16), sp, special);
+        _mm_storeu_si128((__m128i *)((uint16_t *)base + i),
+                         _mm_packus_epi32(_mm256_castsi256_si128(r),
+                                          _mm256_extracti128_si256(r, 1)));
+    } else {
+        /* Normal half range: add 13 random bits, truncate, then the value is
+         * on the half grid and F16C's round-to-nearest converts it exactly
+         * (or overflows to inf exactly as am_f32_to_f16_rne does). */
+        __m256i sign = _mm256_andnot_si256(_mm256_set1_epi32(0x7fffffff), b);
+        __m256i t = _mm256_add_epi32(ab, _mm256_and_si256(rnd, _mm256_set1_epi32(0x1fff)));
+        __m256i bad = _mm256_or_si256(
+            _mm256_cmpgt_epi32(_mm256_set1_epi32(0x38800000), ab),
+            _mm256_cmpgt_epi32(ab, _mm256_set1_epi32(0x7f7fffff)));
+        __m128i h;
+        t = _mm256_or_si256(_mm256_and_si256(t, _mm256_set1_epi32(~0x1fff)), sign);
+        h = _mm256_cvtps_ph(_mm256_castsi256_ps(t), _MM_FROUND_TO_NEAREST_INT);
+        if (!_mm256_testz_si256(bad, bad)) {
+            /* Rare: half subnormals, zeros, inf, NaN — the scalar rule, with
+             * 32 bits of the wide stream for the subnormal range. */
+            uint16_t hv[8];
+            float vf[8];
+            uint32_t rv[8], bv[8];
+            int l;
+            _mm_storeu_si128((__m128i *)hv, h);
+            _mm256_storeu_ps(vf, v);
+            _mm256_storeu_si256((__m256i *)rv, rnd);
+            _mm256_storeu_si256((__m256i *)bv, bad);
+            for (l = 0; l < 8; l++)
+                if (bv[l])
+                    hv[l] = am_sr_f16(vf[l], am_f16_wide(vf[l]) ? wide_word(w, i + l) : rv[l]);
+            h = _mm_loadu_si128((const __m128i *)hv);
+        }
+        _mm_storeu_si128((__m128i *)((uint16_t *)base + i), h);
+    }
 }
 
 /* ------------------------------------------------------------ stats ---- */
@@ -650,7 +663,7 @@ AM_INLINE uint32_t apply_vec(void *p, const int pdt, const void *g, const int gd
     __m256 u = _mm256_mul_ps(fac, am_ld8(g, gdt, f)), v;
     if (!unscaled) u = _mm256_div_ps(u, sv); /* x / 1 == x exactly */
     v = apply8(am_ld8(p, pdt, f), u, lrv, wdv, has_wd);
-    st8(p, pdt, f, v, pdt == AM_DTYPE_FLOAT32 ? _mm256_setzero_si256() : rnd8(w, pdt, f));
+    st8(p, pdt, f, v, w);
     return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(u, _mm256_setzero_ps(), _CMP_GT_OQ));
 }
 
@@ -701,7 +714,7 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
             uint32_t rnd = 0;
             if (pol_row) bw_put(&bw, u > 0.0f, 1);
             if (pdt != AM_DTYPE_FLOAT32)
-                rnd = am_sr_noise(seed, param_id, step, f, pdt);
+                rnd = am_sr_noise(seed, param_id, step, f, pdt, v);
             am_store_sr(p, pdt, f, v, rnd);
         }
     }
@@ -733,14 +746,14 @@ AM_INLINE void apply_small(void *p, const int pdt, const void *g, const int gdt,
             bw_put(&bw, (uint32_t)_mm256_movemask_ps(
                             _mm256_cmp_ps(u, _mm256_setzero_ps(), _CMP_GT_OQ)), 8);
         v = apply8(am_ld8(p, pdt, f), u, lrv, wdv, has_wd);
-        st8(p, pdt, f, v, pdt == AM_DTYPE_FLOAT32 ? _mm256_setzero_si256() : rnd8(&w, pdt, f));
+        st8(p, pdt, f, v, &w);
     }
     for (; f < f1; f++) {
         float u = (fw_next(&fw) * am_load(g, gdt, f)) / scale;
         float v = am_apply(am_load(p, pdt, f), u, lr, k->wd);
         uint32_t rnd = 0;
         if (pol_row) bw_put(&bw, u > 0.0f, 1);
-        if (pdt != AM_DTYPE_FLOAT32) rnd = am_sr_noise(seed, param_id, step, f, pdt);
+        if (pdt != AM_DTYPE_FLOAT32) rnd = am_sr_noise(seed, param_id, step, f, pdt, v);
         am_store_sr(p, pdt, f, v, rnd);
     }
     if (pol_row) bw_flush(&bw);
@@ -808,7 +821,7 @@ AM_INLINE int64_t finish_flat_body(void *p, const int pdt, const void *g,
             _mm256_storeu_ps(lr + e, lrv);
         }
         st8(p, pdt, e, apply8(am_ld8(p, pdt, e), u, lrv, wdv, has_wd),
-            pdt == AM_DTYPE_FLOAT32 ? _mm256_setzero_si256() : rnd8(&w, pdt, e));
+            &w);
     }
     for (; e < e1; e++) { /* the tail of the tensor: the reference's loop */
         float x = am_load(g, gdt, e);
@@ -825,7 +838,7 @@ AM_INLINE int64_t finish_flat_body(void *p, const int pdt, const void *g,
         if (step > 0) lr[e] = am_lr_scale(lr[e], match ? k->bump_up : k->bump_down, k);
         wv = am_apply(am_load(p, pdt, e), u, lr[e], k->wd);
         if (pdt != AM_DTYPE_FLOAT32)
-            rnd = am_sr_noise(seed, param_id, step, e, pdt);
+            rnd = am_sr_noise(seed, param_id, step, e, pdt, wv);
         am_store_sr(p, pdt, e, wv, rnd);
     }
     return matches;

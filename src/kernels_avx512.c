@@ -30,33 +30,41 @@ AM_INLINE __m512 ld16(const void *base, const int dt, int64_t i) {
     return _mm512_cvtph_ps(h);
 }
 
-/* The window of 32 Philox quads (see rngwin in kernels_avx2.c). */
+/* The noise windows of one apply (see rngwin in kernels_avx2.c). */
 typedef struct rng512 {
     am_philox_fn gen;
     uint64_t seed;
     uint32_t pid;
-    int64_t step, q0;
-    int valid;
-    uint32_t w[128];
+    int64_t step, q0, wq0;
+    int valid, wvalid;
+    uint32_t w[128], ww[128];
 } rng512;
 
-/* The noise of elements f..f+15 (am_sr_noise), one 32-bit lane each. */
-AM_INLINE __m512i rnd16(rng512 *w, const int dt, int64_t f) {
-    const int per = dt == AM_DTYPE_BFLOAT16 ? 8 : 4; /* elements per quad */
-    if (!w->valid || f < per * w->q0 || f + 16 > per * (w->q0 + 32)) {
-        w->q0 = dt == AM_DTYPE_BFLOAT16 ? f >> 3 : f >> 2;
+/* The 16-bit noise of elements f..f+15 (am_sr_noise), one 32-bit lane each. */
+AM_INLINE __m512i rnd16(rng512 *w, int64_t f) {
+    if (!w->valid || f < 8 * w->q0 || f + 16 > 8 * (w->q0 + 32)) {
+        w->q0 = f >> 3;
         w->gen(w->seed, w->pid, w->step, w->q0, w->w);
         w->valid = 1;
     }
-    if (dt == AM_DTYPE_BFLOAT16)
-        return _mm512_cvtepu16_epi32(
-            _mm256_loadu_si256((const __m256i *)((const uint16_t *)w->w + (f - 8 * w->q0))));
-    return _mm512_loadu_si512((const void *)(w->w + (f - 4 * w->q0)));
+    return _mm512_cvtepu16_epi32(
+        _mm256_loadu_si256((const __m256i *)((const uint16_t *)w->w + (f - 8 * w->q0))));
 }
 
-/* Stores v into 16-bit elements i..i+15, stochastically rounded with rnd:
- * the bits of am_sr_bf16 / am_sr_f16. */
-AM_INLINE void st16(void *base, const int dt, int64_t i, __m512 v, __m512i rnd) {
+/* The 32-bit wide-stream noise of element e (float16 half subnormals). */
+static uint32_t wide_word(rng512 *w, int64_t e) {
+    if (!w->wvalid || e < 4 * w->wq0 || e >= 4 * (w->wq0 + 32)) {
+        w->wq0 = e >> 2;
+        w->gen(w->seed, w->pid, w->step, (int64_t)((uint64_t)w->wq0 | AM_SR_WIDE_STREAM), w->ww);
+        w->wvalid = 1;
+    }
+    return w->ww[e - 4 * w->wq0];
+}
+
+/* Stores v into 16-bit elements i..i+15, stochastically rounded with the
+ * noise of w: the bits of am_store_sr with am_sr_noise. */
+AM_INLINE void st16(void *base, const int dt, int64_t i, __m512 v, rng512 *w) {
+    const __m512i rnd = rnd16(w, i);
     const __m512i b = _mm512_castps_si512(v);
     const __m512i ab = _mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff));
     uint16_t *out = (uint16_t *)base + i;
@@ -80,14 +88,16 @@ AM_INLINE void st16(void *base, const int dt, int64_t i, __m512 v, __m512i rnd) 
         t = _mm512_or_si512(_mm512_and_si512(t, _mm512_set1_epi32(~0x1fff)), sign);
         _mm256_storeu_si256((__m256i *)out,
                             _mm512_cvtps_ph(_mm512_castsi512_ps(t), _MM_FROUND_TO_NEAREST_INT));
-        if (bad) { /* rare: half subnormals, zeros, inf, NaN — the scalar rule */
+        if (bad) { /* rare: half subnormals, zeros, inf, NaN — the scalar
+                    * rule, with the wide stream for the subnormal range */
             float vf[16];
             uint32_t rv[16];
             int l;
             _mm512_storeu_ps(vf, v);
             _mm512_storeu_si512((void *)rv, rnd);
             for (l = 0; l < 16; l++)
-                if (bad >> l & 1) out[l] = am_sr_f16(vf[l], rv[l]);
+                if (bad >> l & 1)
+                    out[l] = am_sr_f16(vf[l], am_f16_wide(vf[l]) ? wide_word(w, i + l) : rv[l]);
         }
     }
 }
@@ -103,7 +113,7 @@ AM_INLINE unsigned apply16(const app *a, void *p, const int pdt, const void *g,
     __m512 u = _mm512_mul_ps(fac, ld16(g, gdt, f)), pv = ld16(p, pdt, f), t;
     if (!a->unscaled) u = _mm512_div_ps(u, a->sv); /* x / 1 == x exactly */
     t = a->has_wd ? _mm512_add_ps(u, _mm512_mul_ps(a->wdv, pv)) : u;
-    st16(p, pdt, f, _mm512_sub_ps(pv, _mm512_mul_ps(a->lrv, t)), rnd16(w, pdt, f));
+    st16(p, pdt, f, _mm512_sub_ps(pv, _mm512_mul_ps(a->lrv, t)), w);
     return (unsigned)_mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_GT_OQ);
 }
 
@@ -127,8 +137,8 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
     w.seed = seed;
     w.pid = param_id;
     w.step = step;
-    w.q0 = 0;
-    w.valid = 0;
+    w.q0 = w.wq0 = 0;
+    w.valid = w.wvalid = 0;
     for (r = r0; r < r1; r++) {
         const float *cfb = cf + (r / R) * C;
         const __m512 rfv = _mm512_set1_ps(rf[r]);
@@ -156,7 +166,7 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
             float u = ((rf[r] * cfb[j]) * am_load(g, gdt, f)) / scale;
             float v = am_apply(am_load(p, pdt, f), u, lr, k->wd);
             if (pol_row) bw_put(&bw, u > 0.0f, 1);
-            am_store_sr(p, pdt, f, v, am_sr_noise(seed, param_id, step, f, pdt));
+            am_store_sr(p, pdt, f, v, am_sr_noise(seed, param_id, step, f, pdt, v));
         }
     }
     if (pol_row) bw_flush(&bw);

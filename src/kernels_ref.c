@@ -123,7 +123,7 @@ static void ref_apply_rows(void *p, int pdt, const void *g, int gdt,
             uint32_t rnd = 0;
             if (pol_row) put_bit(pol_row, (r - r0) * C + j, u > 0.0f);
             if (pdt != AM_DTYPE_FLOAT32)
-                rnd = am_sr_noise(seed, param_id, step, f, pdt);
+                rnd = am_sr_noise(seed, param_id, step, f, pdt, v);
             am_store_sr(p, pdt, f, v, rnd);
         }
     }
@@ -148,7 +148,7 @@ static int64_t ref_finish_flat(void *p, int pdt, const void *g, int gdt,
         if (step > 0) lr[e] = am_lr_scale(lr[e], match ? k->bump_up : k->bump_down, k);
         w = am_apply(am_load(p, pdt, e), u, lr[e], k->wd);
         if (pdt != AM_DTYPE_FLOAT32)
-            rnd = am_sr_noise(seed, param_id, step, e, pdt);
+            rnd = am_sr_noise(seed, param_id, step, e, pdt, w);
         am_store_sr(p, pdt, e, w, rnd);
     }
     return matches;

@@ -271,17 +271,26 @@ AM_HD uint32_t am_ck_word(const am_u32x4 *r, int64_t i) {
     return i == 0 ? r->v[0] : i == 1 ? r->v[1] : i == 2 ? r->v[2] : r->v[3];
 }
 
-/* The noise of element f from the quad that holds it (am_sr_noise): for
- * bfloat16 quad f / 8, half f % 8; otherwise quad f / 4, word f % 4. */
-AM_HD uint32_t am_ck_noise(const am_u32x4 *r, int64_t f, int pdt) {
-    if (pdt == AM_DTYPE_BFLOAT16)
-        return (am_ck_word(r, f >> 1) >> (16 * (f & 1))) & 0xffffu;
-    return am_ck_word(r, f);
+/* The 16-bit noise of element f from the quad f / 8 that holds it
+ * (am_sr_noise). */
+AM_HD uint32_t am_ck_noise16(const am_u32x4 *r, int64_t f) {
+    return (am_ck_word(r, f >> 1) >> (16 * (f & 1))) & 0xffffu;
 }
 
-/* The quad that holds element f's noise. */
-AM_HD int64_t am_ck_quad(int64_t f, int pdt) {
-    return pdt == AM_DTYPE_BFLOAT16 ? f >> 3 : f >> 2;
+/* The noise of element f of value v, from the 16-bit quad r of f / 8 and,
+ * for a float16 half subnormal, the wide-stream quad *wide of f / 4,
+ * computed here on first use (*have). */
+AM_HD uint32_t am_ck_noise(const am_ck_args *a, int64_t step, const am_u32x4 *r,
+                           am_u32x4 *wide, int *have, int64_t f, float v) {
+    if (a->pdt == AM_DTYPE_FLOAT16 && am_f16_wide(v)) {
+        if (!*have) {
+            *wide = am_rng_quad(a->seed, a->param_id, step,
+                                (int64_t)((uint64_t)(f >> 2) | AM_SR_WIDE_STREAM));
+            *have = 1;
+        }
+        return am_ck_word(wide, f);
+    }
+    return am_ck_noise16(r, f);
 }
 
 /* Walks consecutive flat elements of a factored parameter, keeping the
@@ -344,14 +353,17 @@ AM_HD void am_ck_apply_range(const am_ck_args *a, int64_t t, int64_t lo, int64_t
     float scale = a->h->scale;
     int64_t step = *a->step;
     am_ck_pos pos = am_ck_pos_at(a, f0);
-    /* bfloat16: two threads compute the same quad (8 elements), each uses
-     * its half */
-    if (a->pdt != AM_DTYPE_FLOAT32)
-        rnd = am_rng_quad(a->seed, a->param_id, step, am_ck_quad(4 * t, a->pdt));
+    am_u32x4 wide = {{0, 0, 0, 0}};
+    int have_wide = 0; /* the wide quad is quad t of that stream */
+    /* two threads compute the same quad of 16-bit noise (8 elements), each
+     * uses its half */
+    if (a->pdt != AM_DTYPE_FLOAT32) rnd = am_rng_quad(a->seed, a->param_id, step, t >> 1);
     for (f = f0; f < f1; f++) {
         float u = am_ck_u(a, &pos, f, scale);
         float v = am_apply(am_load(a->p, a->pdt, f), u, a->lr[kr], a->k.wd);
-        am_store_sr(a->p, a->pdt, f, v, am_ck_noise(&rnd, f, a->pdt));
+        uint32_t nz = a->pdt != AM_DTYPE_FLOAT32
+                          ? am_ck_noise(a, step, &rnd, &wide, &have_wide, f, v) : 0u;
+        am_store_sr(a->p, a->pdt, f, v, nz);
         am_ck_pos_next(a, &pos);
         if (++qk == a->m) { qk = 0; kr++; }
     }
@@ -371,7 +383,9 @@ AM_HD unsigned am_ck_finish_flat(const am_ck_args *a, int64_t t) {
     unsigned nb = 0, old = a->pol[t], n = 0;
     float scale = a->h->scale;
     int64_t step = *a->step;
-    am_u32x4 rnd = {{0, 0, 0, 0}};
+    am_u32x4 rnd = {{0, 0, 0, 0}}, wide = {{0, 0, 0, 0}};
+    int have_wide = 0;
+    uint32_t nz = 0;
     for (e = e0; e < e1; e++) {
         float x = am_load(a->g, a->gdt, e);
         float v = am_ema(a->sq[e], x * x, &a->k);
@@ -387,9 +401,14 @@ AM_HD unsigned am_ck_finish_flat(const am_ck_args *a, int64_t t) {
             a->lr[e] = lr;
         }
         w = am_apply(am_load(a->p, a->pdt, e), u, lr, a->k.wd);
-        if (a->pdt != AM_DTYPE_FLOAT32 && (e == e0 || (e & 3) == 0))
-            rnd = am_rng_quad(a->seed, a->param_id, step, am_ck_quad(e, a->pdt));
-        am_store_sr(a->p, a->pdt, e, w, am_ck_noise(&rnd, e, a->pdt));
+        if (a->pdt != AM_DTYPE_FLOAT32) {
+            /* elements 8t..8t+7: one quad of 16-bit noise; the wide quad
+             * changes every 4 elements */
+            if (e == e0) rnd = am_rng_quad(a->seed, a->param_id, step, t);
+            if ((e & 3) == 0) have_wide = 0;
+            nz = am_ck_noise(a, step, &rnd, &wide, &have_wide, e, w);
+        }
+        am_store_sr(a->p, a->pdt, e, w, nz);
     }
     a->pol[t] = (uint8_t)nb;
     return n;
