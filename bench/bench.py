@@ -212,7 +212,9 @@ def main():
     ap.add_argument("--threads", default="1,2", help="thread counts (default 1,2)")
     ap.add_argument("--dtypes", default=",".join(DTYPES))
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
-    ap.add_argument("--build-dir", default=os.path.join(ROOT, "build", "bench"))
+    # not build/bench: a CMake tree configured in build/ puts its bench
+    # subdirectory there, and two trees in one folder confuse each other
+    ap.add_argument("--build-dir", default=os.path.join(ROOT, "build", "bench-release"))
     ap.add_argument("--no-gpt2", action="store_true", help="skip the GPT-2 small step")
     ap.add_argument("--threshold", action="store_true",
                     help="also measure small updates with and without threads "

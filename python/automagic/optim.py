@@ -83,6 +83,42 @@ def _hparams(group: dict) -> _lib.HParams:
     return hp
 
 
+_STATE_KEYS_2D = ("lr", "polarity", "exp_avg_sq_row", "exp_avg_sq_col")
+_STATE_KEYS_1D = ("lr", "polarity", "exp_avg_sq")
+
+
+def _plan_signature(p: torch.Tensor, state: dict) -> tuple:
+    """What a _Plan's pointers depend on: the parameter's storage, dtype and
+    shape, and which state tensors it has (by identity: the plan keeps them
+    alive, so a replaced tensor cannot come back under the same id)."""
+    keys = _STATE_KEYS_2D if p.dim() >= 2 else _STATE_KEYS_1D
+    return (p.data_ptr(), p.dtype, p.shape) + tuple(id(state[k]) for k in keys)
+
+
+class _Plan:
+    """The ctypes structures of one parameter's update, built once and
+    reused: building them costs more than a small tensor's whole update."""
+
+    __slots__ = ("sig", "pt", "gt", "st", "rep", "pt_ref", "gt_ref", "st_ref", "rep_ref",
+                 "key", "workspace_bytes", "hp", "hsig", "held")
+
+    def __init__(self, p: torch.Tensor, state: dict, sig: tuple, key) -> None:
+        self.sig = sig
+        # the state tensors the pointers below point into, kept alive so
+        # that the ids in sig stay theirs
+        self.held = [v for v in state.values() if isinstance(v, torch.Tensor)]
+        self.pt = _lib.Tensor(0, _DTYPES[p.dtype], _shape(p))
+        self.gt = _lib.Tensor(0, _DTYPES[p.dtype], _shape(p))
+        self.st = _state_struct(p, state)
+        self.rep = _lib.Report()
+        self.pt_ref, self.gt_ref = ctypes.byref(self.pt), ctypes.byref(self.gt)
+        self.st_ref, self.rep_ref = ctypes.byref(self.st), ctypes.byref(self.rep)
+        self.key = key
+        self.workspace_bytes = _state_sizes(p).workspace_bytes
+        self.hp = None
+        self.hsig = None
+
+
 def _scaled_hparams(group: dict, state: dict, scale: float):
     """Hyperparameters of one update under lr_schedule="scale" with factor
     scale, and the stored lrs before scaling (None when scale is 0 or 1).
@@ -218,6 +254,7 @@ class Automagic3(torch.optim.Optimizer):
         self._deferred = set()         # indices whose hook fires twice a step
         self._warned = set()           # one-time warnings already given
         self._skipped = {}             # index -> non-finite updates skipped
+        self._plans = {}               # index -> _Plan (C views of one parameter)
 
     def _warn_once(self, key: str, msg: str, category=UserWarning) -> None:
         if key not in self._warned:
@@ -388,6 +425,22 @@ class Automagic3(torch.optim.Optimizer):
                                  "a positive initial lr, got lr=%r, initial lr=%r" % (lr, base))
         return scale
 
+    def _plan(self, p: torch.Tensor, state: dict, group: dict) -> "_Plan":
+        """The cached C views of p and its state, rebuilt whenever anything
+        they point at may have changed (p.data replaced, state tensors
+        replaced by load_state_dict, the group's hyperparameters edited)."""
+        index = self._param_index[p]
+        plan = self._plans.get(index)
+        sig = _plan_signature(p, state)
+        if plan is None or plan.sig != sig:
+            plan = _Plan(p, state, sig, _lib.RngKey(self.seed, index & 0xFFFFFFFF))
+            self._plans[index] = plan
+        hsig = tuple(group[name] for name in _lib.HPARAM_NAMES)
+        if plan.hsig != hsig:
+            plan.hp = _hparams(group)
+            plan.hsig = hsig
+        return plan
+
     @torch.no_grad()
     def _update_param(self, p: torch.Tensor, group: dict) -> None:
         if p.grad is None:
@@ -406,21 +459,22 @@ class Automagic3(torch.optim.Optimizer):
         # update is written to a copy that is then dropped.
         target = p if p.is_contiguous() and scale != 0.0 else p.contiguous().clone()
 
-        pt = _lib.Tensor(target.data_ptr(), _DTYPES[p.dtype], _shape(p))
-        gt = _lib.Tensor(grad.data_ptr(), _DTYPES[grad.dtype], _shape(p))
-        st = _state_struct(p, state)
+        plan = self._plan(p, state, group)
+        pt, gt, st, rep = plan.pt, plan.gt, plan.st, plan.rep
+        pt.data = target.data_ptr()
+        gt.data = grad.data_ptr()
+        gt.dtype = _DTYPES[grad.dtype]
         st.step = int(state["step"])
-        sizes = _lib.StateSizes()
-        _lib.lib.am_state_get_sizes(ctypes.byref(pt.shape), ctypes.byref(sizes))
-        ws = self._workspace(sizes.workspace_bytes)
-        hp, lr_before = _scaled_hparams(group, state, scale)
-        key = _lib.RngKey(self.seed, self._param_index[p] & 0xFFFFFFFF)
-        rep = _lib.Report()
+        ws = self._workspace(plan.workspace_bytes)
+        if scale in (0.0, 1.0):
+            hp, lr_before = plan.hp, None
+        else:
+            hp, lr_before = _scaled_hparams(group, state, scale)
         _lib.lib.am_set_num_threads(torch.get_num_threads())
         _lib.clear_message()
-        status = _lib.lib.am_update(ctypes.byref(pt), ctypes.byref(gt), ctypes.byref(st),
-                                    ctypes.byref(hp), key, ws.data_ptr(), ws.numel(),
-                                    ctypes.byref(rep))
+        status = _lib.lib.am_update(plan.pt_ref, plan.gt_ref, plan.st_ref,
+                                    ctypes.byref(hp), plan.key, ws.data_ptr(), ws.numel(),
+                                    plan.rep_ref)
         if lr_before is not None:
             if status == _lib.OK:
                 state["lr"].div_(scale)

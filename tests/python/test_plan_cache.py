@@ -1,0 +1,92 @@
+"""The front end caches the C views of each parameter (optim._Plan) between
+updates. These tests change what the cached views point at or were built
+from, between two steps, and check that the next update sees the change:
+each compares against a copy of the optimizer made after the change (deepcopy
+rebuilds every cache), stepped with the same gradient."""
+import copy
+
+import torch
+
+import automagic
+
+
+def _setup(shape=(6, 10), dtype=torch.float32):
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(*shape).to(dtype))
+    opt = automagic.Automagic3([p], fused=False, lr=1e-3)
+    g1, g2 = torch.randn(*shape).to(dtype), torch.randn(*shape).to(dtype)
+    p.grad = g1.clone()
+    opt.step()
+    return p, opt, g2
+
+
+def _step(p, opt, g):
+    p.grad = g.clone()
+    opt.step()
+
+
+def _twin(p, opt):
+    """A copy of (p, opt) with its own parameter and fresh caches."""
+    opt2 = copy.deepcopy(opt)
+    return opt2.param_groups[0]["params"][0], opt2
+
+
+def test_hyperparameter_change_reaches_the_update():
+    p, opt, g2 = _setup()
+    opt.param_groups[0]["weight_decay"] = 0.5
+    opt.param_groups[0]["lr_bump_rate"] = 0.3
+    q, opt2 = _twin(p, opt)
+    _step(p, opt, g2)
+    _step(q, opt2, g2)
+    assert torch.equal(p.detach(), q.detach())
+
+
+def test_weight_decay_change_changes_the_result():
+    """The check above could not fail if the change had no effect."""
+    p, opt, g2 = _setup()
+    q, opt2 = _twin(p, opt)
+    opt.param_groups[0]["weight_decay"] = 0.5  # after the copy: only opt has it
+    _step(p, opt, g2)
+    _step(q, opt2, g2)
+    assert not torch.equal(p.detach(), q.detach())
+
+
+def test_parameter_storage_replaced():
+    p, opt, g2 = _setup()
+    q, opt2 = _twin(p, opt)
+    old = p.data
+    p.data = p.data.clone()  # new storage, same values
+    _step(p, opt, g2)
+    _step(q, opt2, g2)
+    assert torch.equal(p.detach(), q.detach())
+    assert not torch.equal(old, p.detach())  # the update went to the new storage
+
+
+def test_load_state_dict_replaces_the_state():
+    p, opt, g2 = _setup()
+    q, opt2 = _twin(p, opt)
+    _step(q, opt2, torch.randn(6, 10))  # opt2 moves on: a different state
+    sd = copy.deepcopy(opt2.state_dict())
+    with torch.no_grad():
+        p.copy_(q)
+    opt.load_state_dict(sd)
+    _step(p, opt, g2)
+    _step(q, opt2, g2)
+    assert torch.equal(p.detach(), q.detach())
+    for k, v in opt.state[p].items():
+        w = opt2.state[q][k]
+        assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w, k
+
+
+def test_gradient_dtype_change():
+    """The gradient's dtype is not part of the cache: a bfloat16 gradient
+    after float32 ones (torch >= 2.10 needs grad_dtype=None to allow it)
+    gives the update of the float32 gradient with the same values."""
+    p, opt, g2 = _setup()
+    q, opt2 = _twin(p, opt)
+    for t in (p, q):
+        t.grad_dtype = None
+    gb = g2.to(torch.bfloat16)
+    _step(p, opt, gb)
+    _step(q, opt2, gb.float())  # the same values: the same update, exactly
+    assert torch.equal(p.detach(), q.detach())
