@@ -152,12 +152,19 @@ static void stats_mats_task(void *ctx, int64_t t) {
                       WS(u, off_row_sumsq, float), WS(u, off_col_sumsq, float));
 }
 
-/* Tile index == matrix index here (one tile per matrix). */
-static void u2_mats_task(void *ctx, int64_t t) {
+/* The new moments and factors of a run of small matrices, then their sums
+ * of u^2 (tile index == matrix index: one tile per matrix), while the
+ * factors are in cache; every matrix's numbers are its own, so the grouping
+ * and the threads change no bit. */
+static void moments_u2_mats_task(void *ctx, int64_t t) {
     upd *u = (upd *)ctx;
     const am_geom *g = &u->g;
     int64_t b0, b1;
     mats_range(g, t, &b0, &b1);
+    u->kt->moments_mats(g->R, g->C, b0, b1, u->state->row, u->state->col,
+                        WS(u, off_row_sumsq, float), WS(u, off_col_sumsq, float), &u->k,
+                        WS(u, off_new_row, float), WS(u, off_new_col, float),
+                        WS(u, off_rf, float), WS(u, off_cf, float), WS(u, off_rmean, float));
     u->kt->u2_mats(u->grad->data, u->grad->dtype, g->R, g->C, b0, b1,
                    WS(u, off_rf, float), WS(u, off_cf, float),
                    WS(u, off_tile_u2, double) + b0);
@@ -261,16 +268,17 @@ static am_status run_moments(upd *u) {
         float *nr = WS(u, off_new_row, float), *nc = WS(u, off_new_col, float);
         float *rf = WS(u, off_rf, float), *cf = WS(u, off_cf, float);
         float *rmean = WS(u, off_rmean, float);
-        u->kt->moments_mats(g->R, g->C, 0, g->B, u->state->row, u->state->col,
-                            rs, cs, k, nr, nc, rf, cf, rmean);
         /* Tiles also count the agreement (pass 3 then reads g once less);
          * the batched small-matrix slots do not, finish counts there. */
         u->h->counted = !batched(g);
-        if (batched(g))
-            am_parallel_for(mat_tasks(g), (double)mats_per_task(g) * (double)(g->R * g->C) * 4.0,
-                            u2_mats_task, u);
-        else
+        if (batched(g)) {
+            am_parallel_for(mat_tasks(g), (double)mats_per_task(g) * (double)(g->R * g->C) * 12.0,
+                            moments_u2_mats_task, u);
+        } else {
+            u->kt->moments_mats(g->R, g->C, 0, g->B, u->state->row, u->state->col,
+                                rs, cs, k, nr, nc, rf, cf, rmean);
             am_parallel_for(g->ntiles, (double)g->RB * (double)g->CB * 4.0, u2_task, u);
+        }
         u->h->u2_sum = sum_doubles(WS(u, off_tile_u2, double), g->ntiles);
     }
     u->h->stage = AM_STAGE_MOMENTS;
