@@ -225,7 +225,9 @@ typedef struct am_tensor {
 } am_tensor;
 
 /* Randomness of one update (SPEC 5): stochastic rounding noise is a function
- * of (seed, param_id, state step, element index) only. */
+ * of (seed, param_id, state step, element index) only (and, for float16, of
+ * whether the value is a half subnormal: those take 32 random bits, other
+ * values 16; docs/PERFORMANCE.md, "Rounding noise"). */
 typedef struct am_rng_key {
     uint64_t seed;
     uint32_t param_id;
