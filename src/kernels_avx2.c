@@ -708,14 +708,9 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
         }
 #undef AM_APPLY_VEC
         for (; j < C; j++) {
-            const int64_t f = base + j;
-            float u = ((rf[r] * cfb[j]) * am_load(g, gdt, f)) / scale;
-            float v = am_apply(am_load(p, pdt, f), u, lr, k->wd);
-            uint32_t rnd = 0;
-            if (pol_row) bw_put(&bw, u > 0.0f, 1);
-            if (pdt != AM_DTYPE_FLOAT32)
-                rnd = am_sr_noise(seed, param_id, step, f, pdt, v);
-            am_store_sr(p, pdt, f, v, rnd);
+            int pos = am_apply_one(p, pdt, g, gdt, base + j, rf[r] * cfb[j], scale, lr,
+                                   k->wd, seed, param_id, step);
+            if (pol_row) bw_put(&bw, (uint32_t)pos, 1);
         }
     }
     if (pol_row) bw_flush(&bw);
@@ -749,12 +744,9 @@ AM_INLINE void apply_small(void *p, const int pdt, const void *g, const int gdt,
         st8(p, pdt, f, v, &w);
     }
     for (; f < f1; f++) {
-        float u = (fw_next(&fw) * am_load(g, gdt, f)) / scale;
-        float v = am_apply(am_load(p, pdt, f), u, lr, k->wd);
-        uint32_t rnd = 0;
-        if (pol_row) bw_put(&bw, u > 0.0f, 1);
-        if (pdt != AM_DTYPE_FLOAT32) rnd = am_sr_noise(seed, param_id, step, f, pdt, v);
-        am_store_sr(p, pdt, f, v, rnd);
+        int pos = am_apply_one(p, pdt, g, gdt, f, fw_next(&fw), scale, lr, k->wd, seed,
+                               param_id, step);
+        if (pol_row) bw_put(&bw, (uint32_t)pos, 1);
     }
     if (pol_row) bw_flush(&bw);
 }

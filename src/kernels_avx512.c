@@ -162,11 +162,9 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
         }
 #undef AM_APPLY16
         for (; j < C; j++) {
-            const int64_t f = base + j;
-            float u = ((rf[r] * cfb[j]) * am_load(g, gdt, f)) / scale;
-            float v = am_apply(am_load(p, pdt, f), u, lr, k->wd);
-            if (pol_row) bw_put(&bw, u > 0.0f, 1);
-            am_store_sr(p, pdt, f, v, am_sr_noise(seed, param_id, step, f, pdt, v));
+            int pos = am_apply_one(p, pdt, g, gdt, base + j, rf[r] * cfb[j], scale, lr,
+                                   k->wd, seed, param_id, step);
+            if (pol_row) bw_put(&bw, (uint32_t)pos, 1);
         }
     }
     if (pol_row) bw_flush(&bw);

@@ -117,14 +117,9 @@ static void ref_apply_rows(void *p, int pdt, const void *g, int gdt,
     for (r = r0; r < r1; r++) {
         const float *cfb = cf + (r / R) * C;
         for (j = 0; j < C; j++) {
-            int64_t f = r * C + j;
-            float u = ((rf[r] * cfb[j]) * am_load(g, gdt, f)) / scale;
-            float v = am_apply(am_load(p, pdt, f), u, lr, k->wd);
-            uint32_t rnd = 0;
-            if (pol_row) put_bit(pol_row, (r - r0) * C + j, u > 0.0f);
-            if (pdt != AM_DTYPE_FLOAT32)
-                rnd = am_sr_noise(seed, param_id, step, f, pdt, v);
-            am_store_sr(p, pdt, f, v, rnd);
+            int pos = am_apply_one(p, pdt, g, gdt, r * C + j, rf[r] * cfb[j], scale, lr,
+                                   k->wd, seed, param_id, step);
+            if (pol_row) put_bit(pol_row, (r - r0) * C + j, pos);
         }
     }
 }
