@@ -10,8 +10,12 @@
  *
  * A second caller arriving while a job runs (am_update on two parameters
  * from two user threads) does not wait: am_pool_run returns 0 and it runs
- * its tasks serially. Workers sleep on a condition variable between jobs
- * (no spinning: the machine may be shared). After fork() the child has no
+ * its tasks serially. Between jobs a worker first watches for the next one
+ * for a short while (AM_POOL_SPIN_NS: an update is three or four jobs in a
+ * row, and waking a sleeping thread costs tens of microseconds on this kind
+ * of machine), then sleeps on a condition variable (the machine may be
+ * shared: no long spinning). The caller likewise watches briefly for the
+ * workers to finish before it sleeps. After fork() the child has no
  * workers; an atfork handler forgets them so the child starts fresh ones.
  */
 #define _POSIX_C_SOURCE 200809L
@@ -20,8 +24,11 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <time.h>
 
 #define AM_POOL_MAX 256
+/* How long a worker (or the caller) watches before it sleeps. */
+#define AM_POOL_SPIN_NS 100000
 
 typedef struct job {
     am_task_fn fn;
@@ -35,9 +42,9 @@ static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER; /* state below */
 static pthread_cond_t g_wake = PTHREAD_COND_INITIALIZER;
 static pthread_cond_t g_done = PTHREAD_COND_INITIALIZER;
 static int g_nworkers;       /* started and alive */
-static uint64_t g_gen;       /* incremented per job */
+static atomic_ullong g_gen;  /* incremented per job (under g_lock) */
 static job g_job;
-static int g_active;         /* workers still inside the current job */
+static atomic_int g_active;  /* workers still inside the current job */
 static atomic_llong g_next;  /* next unclaimed task */
 static pthread_once_t g_atfork_once = PTHREAD_ONCE_INIT;
 /* g_gen when worker i was created: a job published before the new thread
@@ -53,6 +60,35 @@ static void run_tasks(const job *j) {
     }
 }
 
+static int64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* Watches g_gen (without the lock) for up to AM_POOL_SPIN_NS until it
+ * differs from old; returns whether it did. */
+static int spin_watch_gen(uint64_t old) {
+    int64_t t0 = mono_ns();
+    int i;
+    for (;;) {
+        for (i = 0; i < 256; i++)
+            if (atomic_load_explicit(&g_gen, memory_order_acquire) != old) return 1;
+        if (mono_ns() - t0 > AM_POOL_SPIN_NS) return 0;
+    }
+}
+
+/* Watches for up to AM_POOL_SPIN_NS until no worker is inside the job. */
+static int spin_until_idle(void) {
+    int64_t t0 = mono_ns();
+    int i;
+    for (;;) {
+        for (i = 0; i < 256; i++)
+            if (atomic_load_explicit(&g_active, memory_order_acquire) == 0) return 1;
+        if (mono_ns() - t0 > AM_POOL_SPIN_NS) return 0;
+    }
+}
+
 static void *worker(void *arg) {
     int idx = (int)(intptr_t)arg;
     uint64_t seen;
@@ -60,14 +96,20 @@ static void *worker(void *arg) {
     seen = g_start_gen[idx];
     for (;;) {
         job j;
-        while (g_gen == seen) pthread_cond_wait(&g_wake, &g_lock);
-        seen = g_gen;
+        if (atomic_load(&g_gen) == seen) {
+            /* watch for a next job a short while before sleeping */
+            pthread_mutex_unlock(&g_lock);
+            spin_watch_gen(seen);
+            pthread_mutex_lock(&g_lock);
+        }
+        while (atomic_load(&g_gen) == seen) pthread_cond_wait(&g_wake, &g_lock);
+        seen = atomic_load(&g_gen);
         if (idx >= g_job.nwant - 1) continue; /* not needed this time */
         j = g_job;
         pthread_mutex_unlock(&g_lock);
         run_tasks(&j);
         pthread_mutex_lock(&g_lock);
-        if (--g_active == 0) pthread_cond_signal(&g_done);
+        if (atomic_fetch_sub(&g_active, 1) == 1) pthread_cond_signal(&g_done);
     }
     return NULL;
 }
@@ -79,7 +121,7 @@ static void atfork_child(void) {
     pthread_cond_init(&g_wake, NULL);
     pthread_cond_init(&g_done, NULL);
     g_nworkers = 0;
-    g_active = 0;
+    atomic_store(&g_active, 0);
 }
 
 static void register_atfork(void) { pthread_atfork(NULL, NULL, atfork_child); }
@@ -96,7 +138,7 @@ static void grow(int want) {
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
         pthread_mutex_lock(&g_lock);
-        g_start_gen[g_nworkers] = g_gen;
+        g_start_gen[g_nworkers] = atomic_load(&g_gen);
         rc = pthread_create(&th, &attr, worker, (void *)(intptr_t)g_nworkers);
         if (rc == 0) g_nworkers++;
         pthread_mutex_unlock(&g_lock);
@@ -125,13 +167,14 @@ int am_pool_run(int nthreads, int64_t ntasks, am_task_fn fn, void *ctx) {
     pthread_mutex_lock(&g_lock);
     g_job = j;
     atomic_store(&g_next, 0);
-    g_active = j.nwant - 1;
-    g_gen++;
+    atomic_store(&g_active, j.nwant - 1);
+    atomic_fetch_add_explicit(&g_gen, 1, memory_order_release);
     pthread_cond_broadcast(&g_wake);
     pthread_mutex_unlock(&g_lock);
     run_tasks(&j);
+    spin_until_idle();
     pthread_mutex_lock(&g_lock);
-    while (g_active > 0) pthread_cond_wait(&g_done, &g_lock);
+    while (atomic_load(&g_active) > 0) pthread_cond_wait(&g_done, &g_lock);
     pthread_mutex_unlock(&g_lock);
     pthread_mutex_unlock(&g_busy);
     return 1;
