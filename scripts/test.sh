@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The whole test suite: C library (CTest, then under sanitizers and valgrind),
-# then the PyTorch front end (pytest).
+# The whole test suite: C library (CTest, then under sanitizers and valgrind,
+# then cross-built for aarch64 and run under qemu), then the PyTorch front
+# end (pytest).
 # Usage: scripts/test.sh      (from the repository root; installs what it needs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +24,13 @@ if [ "${AM_SANITIZERS:-1}" != 0 ]; then
   bash scripts/test_sanitizers.sh
 else
   echo "SKIPPED: sanitizer and valgrind runs (AM_SANITIZERS=0)"
+fi
+
+echo "== C library for aarch64: cross-built, tests under qemu-user (AM_AARCH64=0 skips)"
+if [ "${AM_AARCH64:-1}" != 0 ]; then
+  bash scripts/test_aarch64.sh
+else
+  echo "SKIPPED: aarch64 build and emulated tests (AM_AARCH64=0)"
 fi
 
 echo "== C library: install, then build a program against it (pkg-config, CMake)"
