@@ -7,8 +7,11 @@ cd "$(dirname "$0")/.."
 APT_PKGS="build-essential cmake pkg-config libcmocka-dev libcjson-dev zlib1g-dev valgrind"
 APT_PKGS="$APT_PKGS python3 python3-pip python3-venv"
 missing=""
+arch=$(dpkg --print-architecture)
 for p in $APT_PKGS; do
-  dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"
+  # NAME:ARCH when another architecture's build is installed too
+  # (scripts/test_aarch64.sh adds the arm64 ones): plain NAME is ambiguous then
+  dpkg -s "$p" >/dev/null 2>&1 || dpkg -s "$p:$arch" >/dev/null 2>&1 || missing="$missing $p"
 done
 if [ -n "$missing" ]; then
   echo "== apt-get install$missing"
