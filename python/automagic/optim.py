@@ -87,12 +87,12 @@ _STATE_KEYS_2D = ("lr", "polarity", "exp_avg_sq_row", "exp_avg_sq_col")
 _STATE_KEYS_1D = ("lr", "polarity", "exp_avg_sq")
 
 
-def _plan_signature(p: torch.Tensor, state: dict) -> tuple:
-    """What a _Plan's pointers depend on: the parameter's storage, dtype and
-    shape, and which state tensors it has (by identity: the plan keeps them
-    alive, so a replaced tensor cannot come back under the same id)."""
+def _plan_signature(p: torch.Tensor, state: dict, seed: int) -> tuple:
+    """Everything a _Plan's structures hold: the parameter's storage, dtype and
+    shape, the state tensors' storage (by address: share_memory_(), .data =
+    or set_() move it without changing the tensor object), and the seed."""
     keys = _STATE_KEYS_2D if p.dim() >= 2 else _STATE_KEYS_1D
-    return (p.data_ptr(), p.dtype, p.shape) + tuple(id(state[k]) for k in keys)
+    return (p.data_ptr(), p.dtype, p.shape, seed) + tuple(state[k].data_ptr() for k in keys)
 
 
 class _Plan:
@@ -100,13 +100,10 @@ class _Plan:
     reused: building them costs more than a small tensor's whole update."""
 
     __slots__ = ("sig", "pt", "gt", "st", "rep", "pt_ref", "gt_ref", "st_ref", "rep_ref",
-                 "key", "workspace_bytes", "hp", "hsig", "held")
+                 "key", "workspace_bytes", "hp", "hsig")
 
     def __init__(self, p: torch.Tensor, state: dict, sig: tuple, key) -> None:
         self.sig = sig
-        # the state tensors the pointers below point into, kept alive so
-        # that the ids in sig stay theirs
-        self.held = [v for v in state.values() if isinstance(v, torch.Tensor)]
         self.pt = _lib.Tensor(0, _DTYPES[p.dtype], _shape(p))
         self.gt = _lib.Tensor(0, _DTYPES[p.dtype], _shape(p))
         self.st = _state_struct(p, state)
@@ -427,15 +424,17 @@ class Automagic3(torch.optim.Optimizer):
 
     def _plan(self, p: torch.Tensor, state: dict, group: dict) -> "_Plan":
         """The cached C views of p and its state, rebuilt whenever anything
-        they point at may have changed (p.data replaced, state tensors
-        replaced by load_state_dict, the group's hyperparameters edited)."""
+        they hold may have changed (p.data replaced, state tensors replaced or
+        moved, the seed or the group's hyperparameters changed)."""
         index = self._param_index[p]
         plan = self._plans.get(index)
-        sig = _plan_signature(p, state)
+        sig = _plan_signature(p, state, self.seed)
         if plan is None or plan.sig != sig:
             plan = _Plan(p, state, sig, _lib.RngKey(self.seed, index & 0xFFFFFFFF))
             self._plans[index] = plan
-        hsig = tuple(group[name] for name in _lib.HPARAM_NAMES)
+        # values, not objects: a hyperparameter held in a tensor may change
+        # in place
+        hsig = tuple(float(group[name]) for name in _lib.HPARAM_NAMES)
         if plan.hsig != hsig:
             plan.hp = _hparams(group)
             plan.hsig = hsig

@@ -90,3 +90,44 @@ def test_gradient_dtype_change():
     _step(p, opt, gb)
     _step(q, opt2, gb.float())  # the same values: the same update, exactly
     assert torch.equal(p.detach(), q.detach())
+
+
+def test_state_storage_moved_in_place():
+    """share_memory_() moves a tensor's storage without changing the object:
+    the cached pointers must follow (a use-after-free otherwise)."""
+    p, opt, g2 = _setup()
+    q, opt2 = _twin(p, opt)
+    for v in opt.state[p].values():
+        if isinstance(v, torch.Tensor):
+            v.share_memory_()
+    _step(p, opt, g2)
+    _step(q, opt2, g2)
+    assert torch.equal(p.detach(), q.detach())
+    for k, v in opt.state[p].items():
+        w = opt2.state[q][k]
+        assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w, k
+
+
+def test_state_tensor_data_replaced():
+    p, opt, g2 = _setup()
+    q, opt2 = _twin(p, opt)
+    st = opt.state[p]
+    st["lr"].data = st["lr"].data.clone()
+    _step(p, opt, g2)
+    _step(q, opt2, g2)
+    assert torch.equal(opt.state[p]["lr"], opt2.state[q]["lr"])
+    assert torch.equal(p.detach(), q.detach())
+
+
+def test_seed_change_reaches_the_update():
+    """bfloat16: the seed keys the rounding noise. opt's cached plan was built
+    with the old seed; opt2 (a copy) builds its plan after the change; opt3
+    keeps the old seed, to show that the seed changes the result."""
+    p, opt, g2 = _setup(shape=(64, 64), dtype=torch.bfloat16)
+    q, opt2 = _twin(p, opt)
+    r, opt3 = _twin(p, opt)
+    opt.seed = opt2.seed = 12345
+    for t, o in ((p, opt), (q, opt2), (r, opt3)):
+        _step(t, o, g2)
+    assert torch.equal(p.detach(), q.detach())
+    assert not torch.equal(p.detach(), r.detach())
