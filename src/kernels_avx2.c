@@ -735,13 +735,8 @@ AM_INLINE void apply_small(void *p, const int pdt, const void *g, const int gdt,
     fw_init(&fw, rf, cf, R, C, r0 + fast, r1);
     for (; f + 8 <= f1; f += 8) {
         __m256 fac = f < ffend ? ff_next8(&ff) : fw_next8(&fw);
-        __m256 u = _mm256_mul_ps(fac, am_ld8(g, gdt, f)), v;
-        if (!unscaled) u = _mm256_div_ps(u, sv);
-        if (pol_row)
-            bw_put(&bw, (uint32_t)_mm256_movemask_ps(
-                            _mm256_cmp_ps(u, _mm256_setzero_ps(), _CMP_GT_OQ)), 8);
-        v = apply8(am_ld8(p, pdt, f), u, lrv, wdv, has_wd);
-        st8(p, pdt, f, v, &w);
+        uint32_t bits = apply_vec(p, pdt, g, gdt, f, fac, sv, unscaled, lrv, wdv, has_wd, &w);
+        if (pol_row) bw_put(&bw, bits, 8);
     }
     for (; f < f1; f++) {
         int pos = am_apply_one(p, pdt, g, gdt, f, fw_next(&fw), scale, lr, k->wd, seed,

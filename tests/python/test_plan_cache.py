@@ -25,6 +25,12 @@ def _step(p, opt, g):
     opt.step()
 
 
+def _assert_same_state(a, b):
+    for k, v in a.items():
+        w = b[k]
+        assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w, k
+
+
 def _twin(p, opt):
     """A copy of (p, opt) with its own parameter and fresh caches."""
     opt2 = copy.deepcopy(opt)
@@ -73,9 +79,7 @@ def test_load_state_dict_replaces_the_state():
     _step(p, opt, g2)
     _step(q, opt2, g2)
     assert torch.equal(p.detach(), q.detach())
-    for k, v in opt.state[p].items():
-        w = opt2.state[q][k]
-        assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w, k
+    _assert_same_state(opt.state[p], opt2.state[q])
 
 
 def test_gradient_dtype_change():
@@ -103,9 +107,7 @@ def test_state_storage_moved_in_place():
     _step(p, opt, g2)
     _step(q, opt2, g2)
     assert torch.equal(p.detach(), q.detach())
-    for k, v in opt.state[p].items():
-        w = opt2.state[q][k]
-        assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w, k
+    _assert_same_state(opt.state[p], opt2.state[q])
 
 
 def test_state_tensor_data_replaced():
