@@ -327,6 +327,37 @@ AM_API int am_get_num_threads(void);
 /* The name of the CPU kernel set in use: "scalar", "avx2", ... Static. */
 AM_API const char *am_kernel_name(void);
 
+/* A host's thread pool that runs the library's parallel work instead of the
+ * library's own pool (a trainer that already keeps threads busy, e.g.
+ * PyTorch's OpenMP team, loses time when two pools compete for the cores).
+ * When the library has a parallel job it calls
+ *     runner(work, arg, nthreads, ctx)
+ * from the thread that called am_update. The runner must call work(arg) on
+ * up to nthreads threads at the same time (the calling thread may be one of
+ * them) and return only after every one of those calls has returned. Any
+ * number of calls from 1 to nthreads is correct: work claims tasks from a
+ * shared counter until none are left, and the results are bit-identical
+ * whichever threads ran which tasks. The library also runs any task left
+ * unclaimed on the calling thread after the runner returns. */
+typedef void (*am_parallel_runner)(void (*work)(void *arg), void *arg,
+                                   unsigned nthreads, void *ctx);
+
+/* Sends the parallel work of every later update to runner (with ctx); NULL
+ * returns to the library's own pool. Process-wide; waits for a parallel job
+ * in progress to finish. A process that fork()s forgets the runner in the
+ * child (the host's pool may not survive the fork) and uses the library's
+ * pool there. Never fails: returns AM_OK. */
+AM_API am_status am_set_parallel_runner(am_parallel_runner runner, void *ctx);
+
+/* A ready-made runner for a GNU OpenMP runtime (libgomp, as loaded by
+ * PyTorch's CPU build; LLVM's and Intel's runtimes provide the same entry
+ * point): ctx must be the address of that runtime's GOMP_parallel, e.g.
+ * dlsym(handle, "GOMP_parallel"). The work then runs on the runtime's
+ * thread team, as a `#pragma omp parallel num_threads(nthreads)` region in
+ * the host would. Pass it to am_set_parallel_runner. */
+AM_API void am_gomp_runner(void (*work)(void *arg), void *arg,
+                           unsigned nthreads, void *ctx);
+
 /* ---------------------------------------------------- optimizer object -- */
 
 typedef struct am_optimizer am_optimizer;

@@ -17,6 +17,11 @@
  * shared: no long spinning). The caller likewise watches briefly for the
  * workers to finish before it sleeps. After fork() the child has no
  * workers; an atfork handler forgets them so the child starts fresh ones.
+ *
+ * A host may lend its own threads instead (am_set_parallel_runner): the job
+ * is then handed to its runner, whose threads claim tasks from the same
+ * counter (PyTorch's front end passes its OpenMP team through
+ * am_gomp_runner: two pools on the same cores slowed updates by a third).
  */
 #define _POSIX_C_SOURCE 200809L
 #include "simd.h"
@@ -24,6 +29,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <string.h>
 #include <time.h>
 
 #define AM_POOL_MAX 256
@@ -50,6 +56,9 @@ static pthread_once_t g_atfork_once = PTHREAD_ONCE_INIT;
 /* g_gen when worker i was created: a job published before the new thread
  * first takes g_lock must still be seen as new by it. */
 static uint64_t g_start_gen[AM_POOL_MAX];
+/* The host's runner (am_set_parallel_runner), read and written under g_busy. */
+static am_parallel_runner g_runner;
+static void *g_runner_ctx;
 
 static void run_tasks(const job *j) {
     for (;;) {
@@ -59,6 +68,8 @@ static void run_tasks(const job *j) {
         for (t = s; t < e; t++) j->fn(j->ctx, t);
     }
 }
+
+static void runner_work(void *arg) { run_tasks((const job *)arg); }
 
 static int64_t mono_ns(void) {
     struct timespec ts;
@@ -122,6 +133,8 @@ static void atfork_child(void) {
     pthread_cond_init(&g_done, NULL);
     g_nworkers = 0;
     atomic_store(&g_active, 0);
+    g_runner = NULL; /* the host's threads may not exist in the child */
+    g_runner_ctx = NULL;
 }
 
 static void register_atfork(void) { pthread_atfork(NULL, NULL, atfork_child); }
@@ -147,23 +160,44 @@ static void grow(int want) {
     }
 }
 
+/* Threads on a job of ntasks for a wish of nthreads (at most avail), and
+ * its chunk: a few chunks per thread balance against claim overhead. */
+static job make_job(int nthreads, int avail, int64_t ntasks, am_task_fn fn,
+                    void *ctx) {
+    job j;
+    j.fn = fn;
+    j.ctx = ctx;
+    j.ntasks = ntasks;
+    j.nwant = nthreads < avail ? nthreads : avail;
+    if ((int64_t)j.nwant > ntasks) j.nwant = (int)ntasks;
+    j.chunk = ntasks / ((int64_t)j.nwant * 4);
+    if (j.chunk < 1) j.chunk = 1;
+    return j;
+}
+
+/* Runs the job on the host's runner; called with g_busy held. */
+static void run_on_runner(job *j) {
+    atomic_store(&g_next, 0);
+    g_runner(runner_work, j, (unsigned)j->nwant, g_runner_ctx);
+    run_tasks(j); /* whatever the runner's threads left */
+}
+
 int am_pool_run(int nthreads, int64_t ntasks, am_task_fn fn, void *ctx) {
     job j;
     if (nthreads < 2 || ntasks < 2) return 0;
     if (pthread_mutex_trylock(&g_busy) != 0) return 0;
+    if (g_runner != NULL) {
+        j = make_job(nthreads, nthreads, ntasks, fn, ctx);
+        run_on_runner(&j);
+        pthread_mutex_unlock(&g_busy);
+        return 1;
+    }
     grow(nthreads - 1);
     if (g_nworkers == 0) {
         pthread_mutex_unlock(&g_busy);
         return 0;
     }
-    j.fn = fn;
-    j.ctx = ctx;
-    j.ntasks = ntasks;
-    j.nwant = nthreads < g_nworkers + 1 ? nthreads : g_nworkers + 1;
-    if ((int64_t)j.nwant > ntasks) j.nwant = (int)ntasks;
-    /* a few chunks per thread: balance against claim overhead */
-    j.chunk = ntasks / ((int64_t)j.nwant * 4);
-    if (j.chunk < 1) j.chunk = 1;
+    j = make_job(nthreads, g_nworkers + 1, ntasks, fn, ctx);
     pthread_mutex_lock(&g_lock);
     g_job = j;
     atomic_store(&g_next, 0);
@@ -178,4 +212,32 @@ int am_pool_run(int nthreads, int64_t ntasks, am_task_fn fn, void *ctx) {
     pthread_mutex_unlock(&g_lock);
     pthread_mutex_unlock(&g_busy);
     return 1;
+}
+
+am_status am_set_parallel_runner(am_parallel_runner runner, void *ctx) {
+    pthread_once(&g_atfork_once, register_atfork);
+    pthread_mutex_lock(&g_busy);
+    g_runner = runner;
+    g_runner_ctx = runner != NULL ? ctx : NULL;
+    pthread_mutex_unlock(&g_busy);
+    return AM_OK;
+}
+
+/* GOMP_parallel(fn, data, num_threads, flags): the entry point GCC emits for
+ * `#pragma omp parallel` (libgomp manual, "The libgomp ABI"); flags 0 = no
+ * proc_bind clause. */
+typedef void (*gomp_parallel_fn)(void (*fn)(void *), void *data,
+                                 unsigned num_threads, unsigned flags);
+_Static_assert(sizeof(gomp_parallel_fn) == sizeof(void *),
+               "function and object pointers must have the same size (POSIX)");
+
+void am_gomp_runner(void (*work)(void *arg), void *arg, unsigned nthreads,
+                    void *ctx) {
+    gomp_parallel_fn f;
+    if (ctx == NULL) { /* no runtime given: run here (the caller finishes) */
+        work(arg);
+        return;
+    }
+    memcpy(&f, &ctx, sizeof f); /* POSIX: as dlsym's result is used */
+    f(work, arg, nthreads, 0);
 }

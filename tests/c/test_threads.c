@@ -12,6 +12,7 @@
 #include <stddef.h>
 #include <cmocka.h>
 
+#include "pool_case.h"
 #include "test_image.h"
 #include <math.h>
 #include <pthread.h>
@@ -285,87 +286,86 @@ static void test_threads_concurrent_saves(void **unused) {
 /* The worker pool itself (parallel.c), so that ThreadSanitizer sees it:
  * the parameters above are far below the threading threshold (2 MiB of
  * work per am_parallel_for, src/dispatch.c), so no update there reaches the
- * pool. These shapes do: a 1-D of 13 flat tiles (stats 13 * 16384 * 12 B,
- * finish * 20 B), a (600, 1023) matrix (~2.4 MB per pass) and one long
- * lr-row (1, 1031, 1023) whose agree/apply is split in chunks. Three
- * threads must give the bits of one. */
-typedef struct pool_run {
-    float *p, *g, *lr, *row, *col, *sq;
-    uint8_t *pol;
-    unsigned char *ws;
-    am_state_sizes sz;
-} pool_run;
-
-static void pool_update(const am_shape *sh, int threads, pool_run *r) {
-    am_hparams hp = am_hparams_default();
-    am_tensor pt, gt;
-    am_state st;
-    am_rng_key key = {11, 2};
-    int64_t i;
-    int s;
-    hp.weight_decay = 0.1;
-    assert_int_equal(am_state_get_sizes(sh, &r->sz), AM_OK);
-    r->p = (float *)malloc((size_t)r->sz.numel * 4);
-    r->g = (float *)malloc((size_t)r->sz.numel * 4);
-    r->lr = (float *)malloc((size_t)r->sz.lr_count * 4);
-    r->pol = (uint8_t *)malloc((size_t)r->sz.polarity_bytes + 1);
-    r->row = (float *)malloc((size_t)r->sz.row_count * 4 + 4);
-    r->col = (float *)malloc((size_t)r->sz.col_count * 4 + 4);
-    r->sq = (float *)malloc((size_t)r->sz.sq_count * 4 + 4);
-    r->ws = (unsigned char *)malloc((size_t)r->sz.workspace_bytes);
-    assert_true(r->p && r->g && r->lr && r->pol && r->row && r->col && r->sq && r->ws);
-    st.lr = r->lr;
-    st.polarity = r->pol;
-    st.row = sh->ndim >= 2 ? r->row : NULL;
-    st.col = sh->ndim >= 2 ? r->col : NULL;
-    st.sq = sh->ndim >= 2 ? NULL : r->sq;
-    assert_int_equal(am_state_init(sh, &st, 1e-3), AM_OK);
-    for (i = 0; i < r->sz.numel; i++) r->p[i] = (float)(i % 29) * 0.05f - 0.7f;
-    pt.data = r->p;
-    pt.dtype = AM_DTYPE_FLOAT32;
-    pt.shape = *sh;
-    gt = pt;
-    gt.data = r->g;
-    assert_int_equal(am_set_num_threads(threads), AM_OK);
-    for (s = 0; s < 2; s++) {
-        for (i = 0; i < r->sz.numel; i++)
-            r->g[i] = (float)((i * 7 + s * 5) % 23) / 23.0f - 0.45f;
-        assert_int_equal(am_update(&pt, &gt, &st, &hp, key, r->ws,
-                                   (size_t)r->sz.workspace_bytes, NULL), AM_OK);
-    }
-    assert_int_equal(am_set_num_threads(1), AM_OK);
-}
-
-static void pool_free(pool_run *r) {
-    free(r->p); free(r->g); free(r->lr); free(r->pol);
-    free(r->row); free(r->col); free(r->sq); free(r->ws);
-}
-
+ * pool; pool_case.h's shapes do. Three threads must give the bits of one. */
 static void test_threads_pool_same_bits(void **unused) {
-    static const int32_t nd[3] = {1, 2, 3};
-    static const int64_t dims[3][3] = {{13 * 16384 - 5}, {600, 1023}, {1, 1031, 1023}};
-    int c, d;
+    int c;
     (void)unused;
     for (c = 0; c < 3; c++) {
         am_shape sh;
         pool_run a, b;
-        memset(&sh, 0, sizeof sh);
-        sh.ndim = nd[c];
-        for (d = 0; d < nd[c]; d++) sh.dims[d] = dims[c][d];
+        pool_shape(c, &sh);
         pool_update(&sh, 1, &a);
         pool_update(&sh, 3, &b);
-        assert_memory_equal(a.p, b.p, (size_t)a.sz.numel * 4);
-        assert_memory_equal(a.lr, b.lr, (size_t)a.sz.lr_count * 4);
-        assert_memory_equal(a.pol, b.pol, (size_t)a.sz.polarity_bytes);
-        if (nd[c] >= 2) {
-            assert_memory_equal(a.row, b.row, (size_t)a.sz.row_count * 4);
-            assert_memory_equal(a.col, b.col, (size_t)a.sz.col_count * 4);
-        } else {
-            assert_memory_equal(a.sq, b.sq, (size_t)a.sz.sq_count * 4);
-        }
+        pool_assert_equal(&a, &b, sh.ndim);
         pool_free(&a);
         pool_free(&b);
     }
+}
+
+/* A host runner on its own threads (am_set_parallel_runner): it calls
+ * work(arg) on nthreads - 1 new threads and on the caller, then joins. */
+typedef struct spawn_stats {
+    int calls;
+    unsigned max_threads;
+} spawn_stats;
+
+typedef struct spawn_arg {
+    void (*work)(void *);
+    void *arg;
+} spawn_arg;
+
+static void *spawn_thread(void *p) {
+    spawn_arg *a = (spawn_arg *)p;
+    a->work(a->arg);
+    return NULL;
+}
+
+static void spawn_runner(void (*work)(void *), void *arg, unsigned nthreads,
+                         void *ctx) {
+    spawn_stats *st = (spawn_stats *)ctx;
+    pthread_t th[8];
+    spawn_arg a;
+    unsigned i, n = nthreads > 8 ? 8 : nthreads;
+    st->calls++;
+    if (nthreads > st->max_threads) st->max_threads = nthreads;
+    a.work = work;
+    a.arg = arg;
+    for (i = 1; i < n; i++) assert_int_equal(pthread_create(&th[i], NULL, spawn_thread, &a), 0);
+    work(arg);
+    for (i = 1; i < n; i++) assert_int_equal(pthread_join(th[i], NULL), 0);
+}
+
+/* A runner that runs nothing: the library must finish the job itself. */
+static void lazy_runner(void (*work)(void *), void *arg, unsigned nthreads, void *ctx) {
+    (void)work;
+    (void)arg;
+    (void)nthreads;
+    (*(int *)ctx)++;
+}
+
+static void test_threads_host_runner_same_bits(void **unused) {
+    int c, lazy_calls = 0;
+    (void)unused;
+    for (c = 0; c < 3; c++) {
+        am_shape sh;
+        pool_run a, b, d;
+        spawn_stats st = {0, 0};
+        pool_shape(c, &sh);
+        pool_update(&sh, 1, &a);
+        assert_int_equal(am_set_parallel_runner(spawn_runner, &st), AM_OK);
+        pool_update(&sh, 3, &b);
+        assert_int_equal(am_set_parallel_runner(lazy_runner, &lazy_calls), AM_OK);
+        pool_update(&sh, 3, &d);
+        assert_int_equal(am_set_parallel_runner(NULL, NULL), AM_OK);
+        assert_true(st.calls > 0); /* the work went through the runner */
+        assert_int_equal(st.max_threads, 3);
+        pool_assert_equal(&a, &b, sh.ndim);
+        pool_assert_equal(&a, &d, sh.ndim);
+        pool_free(&a);
+        pool_free(&b);
+        pool_free(&d);
+    }
+    assert_true(lazy_calls > 0);
 }
 
 int main(void) {
@@ -374,6 +374,7 @@ int main(void) {
         cmocka_unit_test(test_threads_kernel_layer),
         cmocka_unit_test(test_threads_concurrent_saves),
         cmocka_unit_test(test_threads_pool_same_bits),
+        cmocka_unit_test(test_threads_host_runner_same_bits),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
