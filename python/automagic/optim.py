@@ -13,7 +13,7 @@ from typing import List, Optional
 
 import torch
 
-from . import _cuda, _lib
+from . import _cuda, _lib, _threads
 from ._checkpoint import CheckpointError, prepare_load
 from ._fused import BackwardSteps
 
@@ -33,6 +33,8 @@ _PLACEHOLDER_LR = 1e-6
 _HPARAM_KEYS = _lib.HPARAM_NAMES + ("base_lr",)
 
 _STATE_DICT_FORMAT = 1
+
+_threads.use_torch_threads()
 
 
 class AutomagicError(RuntimeError):
@@ -92,7 +94,7 @@ def _plan_signature(p: torch.Tensor, state: dict, seed: int) -> tuple:
     shape, the state tensors' storage (by address: share_memory_(), .data =
     or set_() move it without changing the tensor object), and the seed."""
     keys = _STATE_KEYS_2D if p.dim() >= 2 else _STATE_KEYS_1D
-    return (p.data_ptr(), p.dtype, p.shape, seed) + tuple(state[k].data_ptr() for k in keys)
+    return (p.data_ptr(), p.dtype, p.shape, seed) + tuple([state[k].data_ptr() for k in keys])
 
 
 class _Plan:
@@ -370,12 +372,14 @@ class Automagic3(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros(p.shape, **f32)
         return state
 
-    def _workspace(self, nbytes: int) -> torch.Tensor:
+    def _workspace(self, nbytes: int):
+        """(address, bytes) of this thread's workspace, grown to nbytes."""
         ws = getattr(self._tls, "ws", None)
-        if ws is None or ws.numel() < nbytes:
-            ws = torch.empty(max(nbytes, 4096), dtype=torch.uint8)
+        if ws is None or ws[1] < nbytes:
+            t = torch.empty(max(nbytes, 4096), dtype=torch.uint8)
+            ws = (t.data_ptr(), t.numel(), t)  # the tensor keeps the memory alive
             self._tls.ws = ws
-        return ws
+        return ws[0], ws[1]
 
     # ----------------------------------------------------------- update
     def _check(self, p: torch.Tensor, grad: torch.Tensor) -> None:
@@ -422,67 +426,75 @@ class Automagic3(torch.optim.Optimizer):
                                  "a positive initial lr, got lr=%r, initial lr=%r" % (lr, base))
         return scale
 
-    def _plan(self, p: torch.Tensor, state: dict, group: dict) -> "_Plan":
+    def _plan(self, p: torch.Tensor, state: dict, group: dict, hsig: tuple) -> "_Plan":
         """The cached C views of p and its state, rebuilt whenever anything
         they hold may have changed (p.data replaced, state tensors replaced or
-        moved, the seed or the group's hyperparameters changed)."""
+        moved, the seed or the group's hyperparameters (hsig) changed)."""
         index = self._param_index[p]
         plan = self._plans.get(index)
         sig = _plan_signature(p, state, self.seed)
         if plan is None or plan.sig != sig:
             plan = _Plan(p, state, sig, _lib.RngKey(self.seed, index & 0xFFFFFFFF))
             self._plans[index] = plan
-        # values, not objects: a hyperparameter held in a tensor may change
-        # in place
-        hsig = tuple(float(group[name]) for name in _lib.HPARAM_NAMES)
         if plan.hsig != hsig:
             plan.hp = _hparams(group)
             plan.hsig = hsig
         return plan
 
+    @staticmethod
+    def _hsig(group: dict) -> tuple:
+        """The group's hyperparameter values: values, not objects, since a
+        hyperparameter held in a tensor may change in place."""
+        return tuple([float(group[name]) for name in _lib.HPARAM_NAMES])
+
     @torch.no_grad()
     def _update_param(self, p: torch.Tensor, group: dict) -> None:
+        """Updates one parameter (a backward hook, or the end of a fused
+        window): checks it, then _apply."""
         if p.grad is None:
             return
-        grad = p.grad
         if p.device.type == "cuda":  # CUDA path (issue 7): python/automagic/_cuda.py
             _cuda.update_param(self, p, group, AutomagicError)
             return
-        self._check(p, grad)
-        scale = self._lr_scale(group)
+        self._check(p, p.grad)
+        _lib.lib.am_set_num_threads(torch.get_num_threads())
+        self._apply(p, group, self._lr_scale(group), self._hsig(group))
+
+    def _apply(self, p: torch.Tensor, group: dict, scale: float, hsig: tuple) -> None:
+        """The update of a checked CPU parameter with a gradient, under
+        no_grad, with the thread count already set; scale is _lr_scale(group)
+        and hsig _hsig(group). step() calls it directly for each parameter
+        after checking them all (the fixed cost per parameter is most of a
+        small tensor's update)."""
+        grad = p.grad
         state = self.state[p]
         if len(state) == 0:
             state = self._init_state(p, group)
         grad = grad.contiguous()
         # scale 0: the state advances but the parameter must not move, so the
         # update is written to a copy that is then dropped.
-        target = p if p.is_contiguous() and scale != 0.0 else p.contiguous().clone()
+        target = p if scale != 0.0 and p.is_contiguous() else p.contiguous().clone()
 
-        plan = self._plan(p, state, group)
+        plan = self._plan(p, state, group, hsig)
         pt, gt, st, rep = plan.pt, plan.gt, plan.st, plan.rep
         pt.data = target.data_ptr()
         gt.data = grad.data_ptr()
         gt.dtype = _DTYPES[grad.dtype]
         st.step = int(state["step"])
-        ws = self._workspace(plan.workspace_bytes)
-        if scale in (0.0, 1.0):
+        ws_ptr, ws_bytes = self._workspace(plan.workspace_bytes)
+        if scale == 1.0 or scale == 0.0:
             hp, lr_before = plan.hp, None
         else:
             hp, lr_before = _scaled_hparams(group, state, scale)
-        _lib.lib.am_set_num_threads(torch.get_num_threads())
         _lib.clear_message()
         status = _lib.lib.am_update(plan.pt_ref, plan.gt_ref, plan.st_ref,
-                                    ctypes.byref(hp), plan.key, ws.data_ptr(), ws.numel(),
+                                    ctypes.byref(hp), plan.key, ws_ptr, ws_bytes,
                                     plan.rep_ref)
         if lr_before is not None:
             if status == _lib.OK:
                 state["lr"].div_(scale)
             else:
                 state["lr"].copy_(lr_before)
-        if status < 0:
-            raise AutomagicError("Automagic3: update of a parameter of shape %s failed: %s"
-                                 % (tuple(p.shape), _lib.last_message()
-                                    or _lib.status_string(status)))
         if status == _lib.OK:
             state["step"] = st.step
             if target is not p and scale != 0.0:
@@ -491,6 +503,10 @@ class Automagic3(torch.optim.Optimizer):
             # a backward that still needs the old value raises, as it would
             # after any in-place update.
             torch.autograd.graph.increment_version(p)
+        elif status < 0:
+            raise AutomagicError("Automagic3: update of a parameter of shape %s failed: %s"
+                                 % (tuple(p.shape), _lib.last_message()
+                                    or _lib.status_string(status)))
         else:
             if self.nonfinite == "raise":
                 raise NonFiniteGradientError(
@@ -543,12 +559,20 @@ class Automagic3(torch.optim.Optimizer):
             self._lr_scale(group)
         for p, _ in todo:
             self._check(p, p.grad)
+        if todo and self.fused:
+            self._warn_once("nohook", "a parameter of shape %s has a gradient but "
+                            "no backward hook (it did not require grad when it "
+                            "was added); step() updates it" % (tuple(todo[0][0].shape),))
+        _lib.lib.am_set_num_threads(torch.get_num_threads())
+        per_group = {}
         for p, group in todo:
-            if self.fused:
-                self._warn_once("nohook", "a parameter of shape %s has a gradient but "
-                                "no backward hook (it did not require grad when it "
-                                "was added); step() updates it" % (tuple(p.shape),))
-            self._update_param(p, group)
+            g = per_group.get(id(group))
+            if g is None:
+                g = per_group[id(group)] = (self._lr_scale(group), self._hsig(group))
+            if p.device.type == "cuda":
+                _cuda.update_param(self, p, group, AutomagicError)
+            else:
+                self._apply(p, group, g[0], g[1])
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -56,3 +56,47 @@ def test_force_scalar_and_debug_log():
                        check=True)
     assert r.stdout.strip() == "scalar"
     assert "using scalar kernels" in r.stderr and "AUTOMAGIC_FORCE_SCALAR=1" in r.stderr
+
+
+_RUNNER_SCRIPT = """
+import hashlib, torch, automagic
+from automagic import _threads
+torch.set_num_threads(2)
+g = torch.Generator().manual_seed(4)
+ps = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.1) for s in [(700, 1023), (300001,)]]
+o = automagic.Automagic3(ps, lr=1e-3, fused=False, seed=9)
+for _ in range(2):
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g) * 1e-3
+    o.step()
+h = hashlib.sha256()
+for p in ps:
+    h.update(p.detach().numpy().tobytes())
+    for k, v in sorted(o.state[p].items()):
+        if isinstance(v, torch.Tensor):
+            h.update(v.numpy().tobytes())
+print(h.hexdigest(), _threads.runtime)
+"""
+
+
+def test_torch_openmp_runner_same_bits():
+    """By default the library's parallel jobs run on torch's OpenMP team
+    (python/automagic/_threads.py); AUTOMAGIC_TORCH_THREADS=0 keeps the
+    library's own pool. Both give the same bits; the debug log says which."""
+    def run(**env):
+        r = subprocess.run([sys.executable, "-c", _RUNNER_SCRIPT],
+                           env=dict(os.environ, AUTOMAGIC_DEBUG="1", **env),
+                           capture_output=True, text=True, check=True)
+        digest, runtime = r.stdout.split()
+        return digest, runtime, r.stderr
+
+    d_own, rt_own, err_own = run(AUTOMAGIC_TORCH_THREADS="0")
+    d_omp, rt_omp, err_omp = run()
+    assert rt_own == "None"
+    assert "own threads: AUTOMAGIC_TORCH_THREADS=0" in err_own
+    assert d_omp == d_own
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        import pytest
+        pytest.skip("this torch build does not run on OpenMP: the runner is not used")
+    assert "libgomp" in rt_omp or "libiomp" in rt_omp or "libomp" in rt_omp
+    assert "parallel work on torch's OpenMP runtime" in err_omp
