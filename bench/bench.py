@@ -119,7 +119,7 @@ class Runner:
 
     def __init__(self, torch, kind, ps, gs, Ref):
         self.torch, self.kind, self.ps, self.gs = torch, kind, ps, gs
-        if kind == "ours":
+        if kind in ("ours", "ours_own_pool"):
             import automagic
             self.opt = automagic.Automagic3(ps, fused=False)
         elif kind == "reference":
@@ -136,7 +136,16 @@ class Runner:
     def step(self):
         for p, g in zip(self.ps, self.gs):
             p.grad = g
-        if self.kind == "reference":
+        if self.kind == "ours_own_pool":
+            # the library's own threads instead of torch's OpenMP team
+            # (python/automagic/_threads.py), for comparison
+            from automagic import _threads
+            on = _threads.set_enabled(False)
+            try:
+                self.opt.step()
+            finally:
+                _threads.set_enabled(on)
+        elif self.kind == "reference":
             for p in self.ps:
                 self.opt._update_param(p, self.group)
         else:
@@ -283,7 +292,7 @@ def gpt2_bench(torch, exe, threads, Ref, reps):
     torch.set_num_threads(threads)
     out = {"params": n, "tensors": len(shapes), "threads": threads, "dtype": "float32",
            "step": {}, "state_bytes_per_param": {}}
-    for kind in ["ours", "reference", "adamw_foreach", "adamw_fused"]:
+    for kind in ["ours", "ours_own_pool", "reference", "adamw_foreach", "adamw_fused"]:
         if kind == "reference" and Ref is None:
             continue
         ps, gs = make_params(torch, shapes, torch.float32)

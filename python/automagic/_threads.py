@@ -21,8 +21,9 @@ from . import _lib
 _lib.lib.am_set_parallel_runner.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
 _OPENMP_NAMES = ("libgomp", "libiomp5", "libomp")
 
-runtime = None  # path of the OpenMP runtime in use, or None (own pool)
+runtime = None  # path of the OpenMP runtime found, or None (own pool)
 reason = ""     # why it is (not) used
+_address = None  # its GOMP_parallel
 
 
 def _mapped_openmp_runtimes():
@@ -60,14 +61,31 @@ def _choose():
     return (found[0], address), "torch's OpenMP runtime"
 
 
+_enabled = False
+
+
+def set_enabled(on):
+    """Sends the library's jobs to torch's team (on, when one was found) or
+    to its own pool; returns whether torch's team was in use before. For
+    comparisons (bench.py)."""
+    global _enabled
+    before = _enabled
+    _enabled = bool(on) and _address is not None
+    if _enabled:
+        _lib.lib.am_set_parallel_runner(
+            ctypes.cast(_lib.lib.am_gomp_runner, ctypes.c_void_p), _address)
+    else:
+        _lib.lib.am_set_parallel_runner(None, None)
+    return before
+
+
 def use_torch_threads():
     """Installs torch's OpenMP team as the library's runner (once per process)."""
-    global runtime, reason
+    global runtime, reason, _address
     chosen, reason = _choose()
     if chosen is not None:
-        runtime, address = chosen
-        _lib.lib.am_set_parallel_runner(
-            ctypes.cast(_lib.lib.am_gomp_runner, ctypes.c_void_p), address)
+        runtime, _address = chosen
+        set_enabled(True)
     if os.environ.get("AUTOMAGIC_DEBUG") == "1":
         sys.stderr.write("automagic: parallel work on %s\n"
                          % ("%s (%s)" % (reason, runtime) if runtime
