@@ -32,7 +32,9 @@ def _mapped_openmp_runtimes():
     try:
         with open("/proc/self/maps") as f:
             for line in f:
-                path = line.rstrip("\n").split(None, 5)[-1] if line.count(" ") >= 5 else ""
+                # address perms offset dev inode [path]; the path may hold spaces
+                fields = line.rstrip("\n").split(None, 5)
+                path = fields[5] if len(fields) == 6 else ""
                 base = os.path.basename(path)
                 if base.startswith(_OPENMP_NAMES) and ".so" in base and path not in paths:
                     paths.append(path)

@@ -100,3 +100,29 @@ def test_torch_openmp_runner_same_bits():
         pytest.skip("this torch build does not run on OpenMP: the runner is not used")
     assert "libgomp" in rt_omp or "libiomp" in rt_omp or "libomp" in rt_omp
     assert "parallel work on torch's OpenMP runtime" in err_omp
+
+
+def test_openmp_runtime_choice(monkeypatch):
+    """Which OpenMP runtime the front end would use: torch's own when several
+    are loaded, none when it cannot tell, none when switched off."""
+    from automagic import _threads
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        import pytest
+        pytest.skip("this torch build does not run on OpenMP")
+    mine = _threads._mapped_openmp_runtimes()
+    assert mine, "torch runs on OpenMP but no OpenMP runtime is mapped"
+    torch_lib = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "lib")
+    own = [p for p in mine if os.path.abspath(p).startswith(torch_lib)]
+    other = "/usr/lib/x86_64-linux-gnu/libgomp.so.1"
+    if own:
+        monkeypatch.setattr(_threads, "_mapped_openmp_runtimes", lambda: [other] + own[:1])
+        chosen, _ = _threads._choose()
+        assert chosen is not None and chosen[0] == own[0]
+    monkeypatch.setattr(_threads, "_mapped_openmp_runtimes", lambda: [other, other + ".x"])
+    chosen, reason = _threads._choose()
+    assert chosen is None and "several OpenMP runtimes" in reason
+    monkeypatch.setattr(_threads, "_mapped_openmp_runtimes", lambda: [])
+    chosen, reason = _threads._choose()
+    assert chosen is None and "no OpenMP runtime" in reason
+    monkeypatch.setenv("AUTOMAGIC_TORCH_THREADS", "0")
+    assert _threads._choose() == (None, "AUTOMAGIC_TORCH_THREADS=0")
