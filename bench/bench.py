@@ -269,7 +269,7 @@ def main():
                 result["torch"].append({"shape": list(s), "dtype": d, "threads": t, **r})
 
     if not args.no_gpt2:
-        result["gpt2"] = gpt2_bench(torch, exe, threads[-1], Ref, 1 if args.quick else 3)
+        result["gpt2"] = gpt2_bench(torch, exe, threads[-1], Ref, 1 if args.quick else 7)
     if args.threshold:
         result["threshold"] = threshold_bench(exe)
 
@@ -292,15 +292,20 @@ def gpt2_bench(torch, exe, threads, Ref, reps):
     torch.set_num_threads(threads)
     out = {"params": n, "tensors": len(shapes), "threads": threads, "dtype": "float32",
            "step": {}, "state_bytes_per_param": {}}
+    # All optimizers side by side (about 8 GB), timed round-robin as in
+    # torch_case: timed one after the other, bursts of load from other
+    # processes made single runs differ by 30% here.
+    runners = {}
     for kind in ["ours", "ours_own_pool", "reference", "adamw_foreach", "adamw_fused"]:
         if kind == "reference" and Ref is None:
             continue
         ps, gs = make_params(torch, shapes, torch.float32)
-        r = Runner(torch, kind, ps, gs, Ref)
-        res = time_runners({kind: r}, reps, 0.0)
+        runners[kind] = Runner(torch, kind, ps, gs, Ref)
+    res = time_runners(runners, reps, 0.0)
+    for kind, r in runners.items():
         out["step"][kind] = {"sec_min": res[kind][0], "sec_median": res[kind][1]}
         out["state_bytes_per_param"][kind] = r.state_bytes() / n
-        del r, ps, gs
+    del runners
     # The sum of our kernels' times over the same list, from the C program
     # (one am_update per tensor, no Python): the front end's overhead is the
     # difference.
