@@ -260,6 +260,7 @@ static void avx2_stats_tile(const void *g, int gdt, int64_t C, int64_t i0,
     case AM_DTYPE_BFLOAT16: stats_body(g, 1, C, i0, i1, j0, j1, rowpart, colpart); break;
     default: stats_body(g, 2, C, i0, i1, j0, j1, rowpart, colpart); break;
     }
+    _mm256_zeroupper(); /* see AM_CLEAN_RETURN (simd.h) */
 }
 
 /* 8 polarity bits starting at bit q (any alignment; reads only bytes that
@@ -391,10 +392,10 @@ AM_INLINE double u2_tile_body(const void *g, const int gdt, const int cnt,
 }
 
 #define AM_U2_CASE(GD)                                                        \
-    return pm ? u2_tile_body(g, GD, 1, C, i0, i1, j0, j1, rf, cf, pm,         \
-                             rowmatch, minpos)                                \
-              : u2_tile_body(g, GD, 0, C, i0, i1, j0, j1, rf, cf, NULL, NULL, \
-                             NULL)
+    AM_CLEAN_RETURN(double, pm ? u2_tile_body(g, GD, 1, C, i0, i1, j0, j1, rf, cf, pm, \
+                                      rowmatch, minpos)                       \
+                       : u2_tile_body(g, GD, 0, C, i0, i1, j0, j1, rf, cf,    \
+                                      NULL, NULL, NULL))
 
 static double avx2_u2_tile(const void *g, int gdt, int64_t C, int64_t i0,
                            int64_t i1, int64_t j0, int64_t j1, const float *rf,
@@ -449,9 +450,9 @@ AM_INLINE double u2_flat_body(const void *g, const int gdt, const float *sq,
 static double avx2_u2_flat(const void *g, int gdt, const float *sq, int64_t e0,
                            int64_t e1, const am_consts *k) {
     switch (gdt) {
-    case AM_DTYPE_FLOAT32: return u2_flat_body(g, 0, sq, e0, e1, k);
-    case AM_DTYPE_BFLOAT16: return u2_flat_body(g, 1, sq, e0, e1, k);
-    default: return u2_flat_body(g, 2, sq, e0, e1, k);
+    case AM_DTYPE_FLOAT32: AM_CLEAN_RETURN(double, u2_flat_body(g, 0, sq, e0, e1, k));
+    case AM_DTYPE_BFLOAT16: AM_CLEAN_RETURN(double, u2_flat_body(g, 1, sq, e0, e1, k));
+    default: AM_CLEAN_RETURN(double, u2_flat_body(g, 2, sq, e0, e1, k));
     }
 }
 
@@ -638,14 +639,14 @@ static int64_t avx2_agree_rows(const void *g, int gdt, int64_t R, int64_t C,
                                int64_t r0, int64_t r1, const float *rf,
                                const float *cf, float scale, uint8_t *pol_row) {
     if (C < AM_SMALL_C) switch (gdt) {
-        case AM_DTYPE_FLOAT32: return agree_small(g, 0, R, C, r0, r1, rf, cf, scale, pol_row);
-        case AM_DTYPE_BFLOAT16: return agree_small(g, 1, R, C, r0, r1, rf, cf, scale, pol_row);
-        default: return agree_small(g, 2, R, C, r0, r1, rf, cf, scale, pol_row);
+        case AM_DTYPE_FLOAT32: AM_CLEAN_RETURN(int64_t, agree_small(g, 0, R, C, r0, r1, rf, cf, scale, pol_row));
+        case AM_DTYPE_BFLOAT16: AM_CLEAN_RETURN(int64_t, agree_small(g, 1, R, C, r0, r1, rf, cf, scale, pol_row));
+        default: AM_CLEAN_RETURN(int64_t, agree_small(g, 2, R, C, r0, r1, rf, cf, scale, pol_row));
         }
     switch (gdt) {
-    case AM_DTYPE_FLOAT32: return agree_body(g, 0, R, C, r0, r1, rf, cf, scale, pol_row);
-    case AM_DTYPE_BFLOAT16: return agree_body(g, 1, R, C, r0, r1, rf, cf, scale, pol_row);
-    default: return agree_body(g, 2, R, C, r0, r1, rf, cf, scale, pol_row);
+    case AM_DTYPE_FLOAT32: AM_CLEAN_RETURN(int64_t, agree_body(g, 0, R, C, r0, r1, rf, cf, scale, pol_row));
+    case AM_DTYPE_BFLOAT16: AM_CLEAN_RETURN(int64_t, agree_body(g, 1, R, C, r0, r1, rf, cf, scale, pol_row));
+    default: AM_CLEAN_RETURN(int64_t, agree_body(g, 2, R, C, r0, r1, rf, cf, scale, pol_row));
     }
 }
 
@@ -770,6 +771,7 @@ static void avx2_apply_rows(void *p, int pdt, const void *g, int gdt,
     case 7: AM_APPLY_CASE(2, 1); break;
     default: AM_APPLY_CASE(2, 2); break;
     }
+    _mm256_zeroupper(); /* see AM_CLEAN_RETURN (simd.h) */
 }
 
 AM_INLINE int64_t finish_flat_body(void *p, const int pdt, const void *g,
@@ -832,8 +834,8 @@ AM_INLINE int64_t finish_flat_body(void *p, const int pdt, const void *g,
 }
 
 #define AM_FLAT_CASE(PD, GD)                                                  \
-    return finish_flat_body(p, PD, g, GD, sq, lr, pol, e0, e1, scale, k,     \
-                            seed, param_id, step)
+    AM_CLEAN_RETURN(int64_t, finish_flat_body(p, PD, g, GD, sq, lr, pol, e0, e1, scale, \
+                                     k, seed, param_id, step))
 
 static int64_t avx2_finish_flat(void *p, int pdt, const void *g, int gdt,
                                 float *sq, float *lr, uint8_t *pol, int64_t e0,
@@ -872,6 +874,7 @@ static void avx512x_apply_rows(void *p, int pdt, const void *g, int gdt,
     else
         avx2_apply_rows(p, pdt, g, gdt, R, C, r0, r1, rf, cf, scale, lr, k, seed,
                         param_id, step, pol_row);
+    _mm256_zeroupper(); /* see AM_CLEAN_RETURN (simd.h) */
 }
 
 static const am_kernels avx512x_table = {

@@ -119,6 +119,7 @@ void am_avx2_stats_mats(const void *g, int gdt, int64_t R, int64_t C,
 #undef AM_STATS_LOOP
 #undef AM_STATS_DT
     }
+    _mm256_zeroupper(); /* before the scalar code (simd.h, AM_CLEAN_RETURN) */
     if (b < b1) am_kernels_ref.stats_mats(g, gdt, R, C, b, b1, rowsum, colsum);
 }
 
@@ -164,6 +165,7 @@ void am_avx2_u2_mats(const void *g, int gdt, int64_t R, int64_t C, int64_t b0,
 #undef AM_U2_LOOP
 #undef AM_U2_DT
     }
+    _mm256_zeroupper(); /* before the scalar code (simd.h, AM_CLEAN_RETURN) */
     if (b < b1) am_kernels_ref.u2_mats(g, gdt, R, C, b, b1, rf, cf, out + (b - b0));
 }
 
@@ -222,6 +224,7 @@ void am_avx2_moments_mats(int64_t R, int64_t C, int64_t b0, int64_t b1,
         AM_SHAPES(AM_MOM)
 #undef AM_MOM
     }
+    _mm256_zeroupper(); /* before the scalar code (simd.h, AM_CLEAN_RETURN) */
     if (b < b1)
         am_kernels_ref.moments_mats(R, C, b, b1, row, col, rs, cs, k, nr, nc, rf,
                                     cf, rmean);

@@ -188,6 +188,7 @@ static void avx512_apply_rows(void *p, int pdt, const void *g, int gdt,
     case 4: AM_512_CASE(2, 1); break;
     default: AM_512_CASE(2, 2); break;
     }
+    _mm256_zeroupper(); /* see AM_CLEAN_RETURN (simd.h) */
 }
 
 am_apply_fn am_avx512_apply16(void) { return avx512_apply_rows; }

@@ -67,6 +67,23 @@ int am_cpu_has_avx2(void);
  * thread-safe with respect to updates running at the same time. */
 void am_kernels_select(int force_scalar);
 
+/* Returns the value of expr (of type T) from a SIMD kernel entry point with
+ * the upper halves of the vector registers zeroed (vzeroupper). Every
+ * kernel slot returns through it or ends with _mm256_zeroupper(): the code
+ * that calls them (update.c, libm's exp) is plain SSE, and SSE instructions
+ * that run while the upper halves are dirty wait on the last vector
+ * operation that wrote those registers (measured here: a 12288x192 float32
+ * update spent a third of its time in two such stalls per matrix row, in
+ * the lr bump's exp and the next row's task; the compiler's own vzeroupper
+ * was missing on the path that flushes the polarity bits). Only expanded in
+ * the files built with -mavx2 / -mavx512f. */
+#define AM_CLEAN_RETURN(T, expr)                                              \
+    do {                                                                      \
+        T am_ret_ = (expr);                                                   \
+        _mm256_zeroupper();                                                   \
+        return am_ret_;                                                       \
+    } while (0)
+
 /* Thread pool (parallel.c). am_pool_run runs fn(ctx, t) for t in [0, ntasks)
  * on nthreads threads (the caller included), returns 0 when it could not
  * (pool busy with another caller, or threads unavailable): the caller then
