@@ -874,7 +874,7 @@ static void avx512x_apply_rows(void *p, int pdt, const void *g, int gdt,
     else
         avx2_apply_rows(p, pdt, g, gdt, R, C, r0, r1, rf, cf, scale, lr, k, seed,
                         param_id, step, pol_row);
-    _mm256_zeroupper(); /* see AM_CLEAN_RETURN (simd.h) */
+    /* both callees return with vzeroupper (AM_CLEAN_RETURN, simd.h) */
 }
 
 static const am_kernels avx512x_table = {
