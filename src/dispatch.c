@@ -61,7 +61,7 @@ static int detect_avx512(void) {
     if (!detect_avx2()) return 0;
     if ((xgetbv0() & 0xE6u) != 0xE6u) return 0; /* opmask, zmm state saved */
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
-    return (b >> 16) & 1u; /* AVX-512F */
+    return (b >> 16 & 1u) && (b >> 30 & 1u); /* AVX-512F and AVX-512BW */
 }
 #else
 static int detect_avx2(void) { return 0; }
@@ -93,9 +93,9 @@ static void choose(void) {
     else if (g_has_avx2) {
         g_best = am_kernels_avx2();
         why = g_best != am_kernels_avx2_plain()
-                  ? "CPU and OS support AVX2, FMA, F16C; AVX-512F random numbers and "
+                  ? "CPU and OS support AVX2, FMA, F16C; AVX-512F/BW random numbers and "
                     "16-bit parameter apply"
-                  : g_has_avx512 ? "CPU and OS support AVX2, FMA, F16C; AVX-512F not used"
+                  : g_has_avx512 ? "CPU and OS support AVX2, FMA, F16C; AVX-512F/BW not used"
                                  : "CPU and OS support AVX2, FMA, F16C";
     }
     atomic_store(&g_current, g_best);

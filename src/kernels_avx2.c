@@ -271,20 +271,69 @@ AM_INLINE unsigned bits8_at(const uint8_t *bits, int64_t q) {
     return s ? ((unsigned)p[0] | (unsigned)p[1] << 8) >> s & 0xffu : p[0];
 }
 
+/* 32 polarity bits starting at bit q (any alignment; reads only bytes that
+ * hold some of those bits). */
+AM_INLINE uint32_t bits32_at(const uint8_t *bits, int64_t q) {
+    const uint8_t *p = bits + (q >> 3);
+    const int s = (int)(q & 7);
+    uint32_t w;
+    memcpy(&w, p, 4);
+    return s ? w >> s | (uint32_t)p[4] << (32 - s) : w;
+}
+
 /* Per-row state of the agreement count in u2_tile_body. */
 typedef struct rowcnt {
     int64_t q;       /* bit index of the row's element j0 */
     int64_t mism;    /* vector part: (u > 0) != old bit */
 } rowcnt;
 
+/* The running minimum of the positive elements of u, kept as the smallest
+ * unsigned (bits of u) - 1: +0 becomes 0xffffffff and every negative value
+ * (-0 included) at least 0x7fffffff, so positive values, whose bit order is
+ * their order, win over them (two integer operations; a blend against +inf
+ * costs three on recent Intel cores). See minpos_of for the way back. */
+AM_INLINE __m256i min_pos(__m256i mn, __m256 u) {
+    return _mm256_min_epu32(mn, _mm256_sub_epi32(_mm256_castps_si256(u),
+                                                 _mm256_set1_epi32(1)));
+}
+
+/* The smallest positive element recorded by min_pos, +inf when none: a
+ * result past +inf's bits is a NaN (never positive), 0 a wrapped +0, and
+ * 0x80000000 and above negative. */
+static float minpos_of(__m256i mn) {
+    uint32_t v[8], best = 0xffffffffu;
+    float f = INFINITY;
+    int l;
+    _mm256_storeu_si256((__m256i *)v, mn);
+    for (l = 0; l < 8; l++)
+        if (v[l] < best) best = v[l];
+    best += 1u;
+    if (best != 0u && best < 0x7f800000u) memcpy(&f, &best, 4);
+    return f;
+}
+
 /* Vector u's sign bits against the stored bits j..j+7 of a row; the running
  * minimum of its positive elements. */
 AM_INLINE void count8(rowcnt *rc, const uint8_t *bits, int64_t j, __m256 u,
-                      __m256 *mn) {
+                      __m256i *mn) {
     const __m256 pos = _mm256_cmp_ps(u, _mm256_setzero_ps(), _CMP_GT_OQ);
     const unsigned nb = (unsigned)_mm256_movemask_ps(pos);
     rc->mism += __builtin_popcount(nb ^ bits8_at(bits, rc->q + j));
-    *mn = _mm256_min_ps(*mn, _mm256_blendv_ps(_mm256_set1_ps(INFINITY), u, pos));
+    *mn = min_pos(*mn, u);
+}
+
+/* count8 for u at j..j+7, ..., j+24..j+31 of a row: one read of the stored
+ * bits and one popcount for all 32. */
+AM_INLINE void count32(rowcnt *rc, const uint8_t *bits, int64_t j, __m256 u0,
+                       __m256 u1, __m256 u2, __m256 u3, __m256i *mn) {
+    const __m256 z = _mm256_setzero_ps();
+    const uint32_t nb =
+        (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(u0, z, _CMP_GT_OQ)) |
+        (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(u1, z, _CMP_GT_OQ)) << 8 |
+        (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(u2, z, _CMP_GT_OQ)) << 16 |
+        (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(u3, z, _CMP_GT_OQ)) << 24;
+    rc->mism += __builtin_popcount(nb ^ bits32_at(bits, rc->q + j));
+    *mn = min_pos(min_pos(min_pos(min_pos(*mn, u0), u1), u2), u3);
 }
 
 /* The scalar tail of one row: lanes, agreement and minimum as the
@@ -307,6 +356,20 @@ AM_INLINE void u2_row_tail(const void *g, const int gdt, const int cnt,
     if (cnt) *match = m;
 }
 
+/* Columns j..j+31 of one row of u2_tile_body's four: its accumulator takes
+ * the four vectors in column order; then their agreement (count32). */
+#define AM_U2_ROW32(ACC, RV, BASE, Q)                                         \
+    do {                                                                      \
+        __m256 u_[4];                                                         \
+        int v_;                                                               \
+        for (v_ = 0; v_ < 4; v_++) {                                          \
+            u_[v_] = _mm256_mul_ps(_mm256_mul_ps(RV, _mm256_loadu_ps(cfj + j + 8 * v_)), \
+                                   am_ld8(g, gdt, (BASE) + j + 8 * v_));      \
+            ACC = _mm256_add_ps(ACC, _mm256_mul_ps(u_[v_], u_[v_]));          \
+        }                                                                     \
+        count32(&rc[Q], bits, j, u_[0], u_[1], u_[2], u_[3], &mn);            \
+    } while (0)
+
 /* Four rows at a time: four independent load streams and accumulator
  * chains (one core reads memory faster with several streams in flight);
  * each row keeps its own 8 lanes and rows are added to the total in
@@ -321,9 +384,8 @@ AM_INLINE double u2_tile_body(const void *g, const int gdt, const int cnt,
     const float *cfj = cf + j0;
     const uint8_t *bits = cnt ? pm->bits : NULL;
     double total = 0.0;
-    __m256 mn = _mm256_set1_ps(INFINITY);
-    float mp = INFINITY, mv[8];
-    int l;
+    __m256i mn = _mm256_set1_epi32(-1);
+    float mp = INFINITY, mv;
     for (i = i0; i + 4 <= i1; i += 4) {
         const int64_t b0 = i * C + j0, b1 = b0 + C, b2 = b1 + C, b3 = b2 + C;
         const __m256 r0 = _mm256_set1_ps(rf[i]), r1 = _mm256_set1_ps(rf[i + 1]);
@@ -337,7 +399,15 @@ AM_INLINE double u2_tile_body(const void *g, const int gdt, const int cnt,
                 rc[q].q = am_polmap_bit(pm, i + q, j0);
                 rc[q].mism = 0;
             }
-        for (j = 0; j < nv; j += 8) {
+        /* 32 columns of the four rows at a time: each row's accumulator
+         * still takes its vectors in ascending column order */
+        for (j = 0; cnt && j + 32 <= nv; j += 32) {
+            AM_U2_ROW32(a0, r0, b0, 0);
+            AM_U2_ROW32(a1, r1, b1, 1);
+            AM_U2_ROW32(a2, r2, b2, 2);
+            AM_U2_ROW32(a3, r3, b3, 3);
+        }
+        for (; j < nv; j += 8) {
             const __m256 c = _mm256_loadu_ps(cfj + j);
             __m256 u0 = _mm256_mul_ps(_mm256_mul_ps(r0, c), am_ld8(g, gdt, b0 + j));
             __m256 u1 = _mm256_mul_ps(_mm256_mul_ps(r1, c), am_ld8(g, gdt, b1 + j));
@@ -383,9 +453,8 @@ AM_INLINE double u2_tile_body(const void *g, const int gdt, const int cnt,
         total += (double)am_lanesum_finish(a);
     }
     if (cnt) {
-        _mm256_storeu_ps(mv, mn);
-        for (l = 0; l < 8; l++)
-            if (mv[l] < mp) mp = mv[l];
+        mv = minpos_of(mn);
+        if (mv < mp) mp = mv;
         *minpos = mp;
     }
     return total;
@@ -860,7 +929,7 @@ static const am_kernels avx2_table = {
     am_avx2_stats_mats, am_avx2_u2_mats, am_avx2_moments_mats,
 };
 
-/* The AVX-512F apply of 16-bit parameters (set once by am_kernels_avx2). */
+/* The AVX-512F/BW apply of 16-bit parameters (set once by am_kernels_avx2). */
 static am_apply_fn g_apply16;
 
 static void avx512x_apply_rows(void *p, int pdt, const void *g, int gdt,

@@ -6,47 +6,88 @@
  * as kernels_ref.c's ref_apply_rows: every operation is the reference's IEEE
  * float operation on one element (no fused multiply-add: -ffp-contract=off),
  * the noise is am_sr_noise's, the rounding am_sr_bf16/am_sr_f16's.
- * Built with -mavx512f on this file only; kernels_avx2.c uses it when
+ * Built with -mavx512f -mavx512bw on this file only; kernels_avx2.c uses it when
  * dispatch.c found AVX-512F with the zmm state enabled.
  */
 #include "simd.h"
 
-#if defined(__x86_64__) && defined(__AVX512F__)
+#if defined(__x86_64__) && defined(__AVX512F__) && defined(__AVX512BW__)
 
 #include <immintrin.h>
 
 #include "am_bits.h"
 
 #define AM_INLINE static inline __attribute__((always_inline))
+#define AM_NOINLINE __attribute__((noinline))
 #define AM_PREFETCH 512 /* elements ahead, as in kernels_avx2.c */
 
-/* Elements i..i+15 as float32, exactly (bf16: a shift; half: vcvtph2ps). */
+/* Word w of a zmm taken from word (w >> 1) of the source: with the even words
+ * zeroed, 16 bfloat16 values become their float32 bit patterns (value << 16)
+ * in one vpermw (a widening move plus a shift would be two instructions). */
+AM_INLINE __m512i widen_idx(void) {
+    return _mm512_set_epi16(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8,
+                            7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+}
+
+/* Word w < 16 taken from word 2w + 1: the high halves of 16 32-bit lanes. */
+AM_INLINE __m512i high_idx(void) {
+    return _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1,
+                            31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+}
+
+/* Elements i..i+15 as float32, exactly (bf16: the bits moved up 16;
+ * half: vcvtph2ps). */
 AM_INLINE __m512 ld16(const void *base, const int dt, int64_t i) {
     __m256i h;
     if (dt == AM_DTYPE_FLOAT32) return _mm512_loadu_ps((const float *)base + i);
     h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
     if (dt == AM_DTYPE_BFLOAT16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(
+            0xAAAAAAAAu, widen_idx(), _mm512_castsi256_si512(h)));
     return _mm512_cvtph_ps(h);
 }
 
-/* The noise windows of one apply (see rngwin in kernels_avx2.c). */
+/* The noise windows of one apply (see rngwin in kernels_avx2.c): w holds
+ * the 16-bit noise of elements [8 * q0, wend). An apply walks its elements
+ * in ascending order, so only the end of the window is checked, once per
+ * span of 16 or 64 elements, and the generator is called between spans:
+ * no call inside a span, so the compiler keeps the span's vectors in
+ * registers. float16 values that need the scalar rule (half subnormals,
+ * zeros, inf, NaN) are set aside in fv/fixmask and rounded after their span
+ * (f16_fixup). */
 typedef struct rng512 {
     am_philox_fn gen;
     uint64_t seed;
     uint32_t pid;
-    int64_t step, q0, wq0;
-    int valid, wvalid;
-    uint32_t w[128], ww[128];
+    int64_t step, q0, wend, wq0, span0;
+    int wvalid;
+    uint64_t fixmask;             /* bit l: element span0 + l is in fv[l] */
+    uint32_t w[4 * (32 + 16)];    /* up to 16 quads kept + 32 generated */
+    uint32_t ww[128];
+    float fv[64];
 } rng512;
 
-/* The 16-bit noise of elements f..f+15 (am_sr_noise), one 32-bit lane each. */
-AM_INLINE __m512i rnd16(rng512 *w, int64_t f) {
-    if (!w->valid || f < 8 * w->q0 || f + 16 > 8 * (w->q0 + 32)) {
-        w->q0 = f >> 3;
-        w->gen(w->seed, w->pid, w->step, w->q0, w->w);
-        w->valid = 1;
-    }
+/* Makes the window hold elements [f, f + 64): the quads from f's on that
+ * are already there move to the front (no noise is generated twice), the
+ * next 32 quads follow them. */
+static AM_NOINLINE void rng_refill(rng512 *w, int64_t f) {
+    const int64_t q = f >> 3;
+    int64_t keep = w->wend / 8 - q; /* quads q.. already generated */
+    if (keep < 0 || w->wend < 8 * q) keep = 0;
+    if (keep > 0) memmove(w->w, w->w + 4 * (q - w->q0), (size_t)(16 * keep));
+    w->gen(w->seed, w->pid, w->step, q + keep, w->w + 4 * keep);
+    w->q0 = q;
+    w->wend = 8 * (q + keep + 32);
+}
+
+/* Makes the window hold elements [f, f + n), n <= 64. */
+AM_INLINE void rng_need(rng512 *w, int64_t f, int64_t n) {
+    if (f + n > w->wend) rng_refill(w, f);
+}
+
+/* The 16-bit noise of elements f..f+15 (am_sr_noise), one 32-bit lane each;
+ * the window holds them (rng_need). */
+AM_INLINE __m512i rnd16(const rng512 *w, int64_t f) {
     return _mm512_cvtepu16_epi32(
         _mm256_loadu_si256((const __m256i *)((const uint16_t *)w->w + (f - 8 * w->q0))));
 }
@@ -61,6 +102,22 @@ static uint32_t wide_word(rng512 *w, int64_t e) {
     return w->ww[e - 4 * w->wq0];
 }
 
+/* The scalar rule (am_sr_f16) for the float16 elements set aside in the
+ * span just stored, with the wide stream for the half subnormal range. */
+static AM_NOINLINE void f16_fixup(uint16_t *p, rng512 *w) {
+    uint64_t m = w->fixmask;
+    while (m) {
+        const int l = __builtin_ctzll(m);
+        const int64_t e = w->span0 + l;
+        const float v = w->fv[l];
+        const uint32_t rnd = am_f16_wide(v) ? wide_word(w, e)
+                                            : ((const uint16_t *)w->w)[e - 8 * w->q0];
+        p[e] = am_sr_f16(v, rnd);
+        m &= m - 1;
+    }
+    w->fixmask = 0;
+}
+
 /* Stores v into 16-bit elements i..i+15, stochastically rounded with the
  * noise of w: the bits of am_store_sr with am_sr_noise. */
 AM_INLINE void st16(void *base, const int dt, int64_t i, __m512 v, rng512 *w) {
@@ -69,85 +126,76 @@ AM_INLINE void st16(void *base, const int dt, int64_t i, __m512 v, rng512 *w) {
     const __m512i ab = _mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff));
     uint16_t *out = (uint16_t *)base + i;
     if (dt == AM_DTYPE_BFLOAT16) {
-        /* finite: (b + rnd16) >> 16; inf: b >> 16; NaN: (b >> 16) | 0x40 */
-        const __mmask16 special = _mm512_cmpgt_epu32_mask(ab, _mm512_set1_epi32(0x7f7fffff));
-        const __mmask16 isnan = _mm512_cmpgt_epu32_mask(ab, _mm512_set1_epi32(0x7f800000));
-        __m512i r = _mm512_srli_epi32(
-            _mm512_add_epi32(b, _mm512_and_si512(rnd, _mm512_set1_epi32(0xffff))), 16);
-        r = _mm512_mask_mov_epi32(r, special, _mm512_srli_epi32(b, 16));
-        r = _mm512_mask_or_epi32(r, isnan, r, _mm512_set1_epi32(0x40));
-        _mm256_storeu_si256((__m256i *)out, _mm512_cvtepi32_epi16(r));
+        /* finite and inf: (b + rnd16) >> 16 (an infinity's low 16 bits are
+         * zero, so the noise never reaches its high half); NaN:
+         * (b >> 16) | 0x40. rnd holds 16 bits (rnd16). */
+        const __mmask16 isnan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        __m512i r = _mm512_add_epi32(b, rnd);
+        if (isnan)
+            r = _mm512_mask_or_epi32(r, isnan, b, _mm512_set1_epi32(0x00400000));
+        _mm256_storeu_si256((__m256i *)out,
+                            _mm512_castsi512_si256(_mm512_permutexvar_epi16(high_idx(), r)));
     } else {
         /* Normal half range: add 13 random bits, truncate; the value is then
-         * on the half grid and the round-to-nearest conversion is exact. */
-        const __m512i sign = _mm512_andnot_si512(_mm512_set1_epi32(0x7fffffff), b);
-        const __mmask16 bad =
-            _mm512_cmplt_epu32_mask(ab, _mm512_set1_epi32(0x38800000)) |
-            _mm512_cmpgt_epu32_mask(ab, _mm512_set1_epi32(0x7f7fffff));
-        __m512i t = _mm512_add_epi32(ab, _mm512_and_si512(rnd, _mm512_set1_epi32(0x1fff)));
-        t = _mm512_or_si512(_mm512_and_si512(t, _mm512_set1_epi32(~0x1fff)), sign);
+         * on the half grid and the round-to-nearest conversion is exact. The
+         * bits are added to the signed pattern: |b| + 0x1fff stays below the
+         * sign bit, so the sign is kept. bad: |b| outside [2^-14, max float],
+         * one unsigned compare after a shift of the range to 0. */
+        const __mmask16 bad = _mm512_cmpgt_epu32_mask(
+            _mm512_sub_epi32(ab, _mm512_set1_epi32(0x38800000)),
+            _mm512_set1_epi32(0x7f7fffff - 0x38800000));
+        __m512i t = _mm512_add_epi32(b, _mm512_and_si512(rnd, _mm512_set1_epi32(0x1fff)));
+        t = _mm512_and_si512(t, _mm512_set1_epi32(~0x1fff));
         _mm256_storeu_si256((__m256i *)out,
                             _mm512_cvtps_ph(_mm512_castsi512_ps(t), _MM_FROUND_TO_NEAREST_INT));
-        if (bad) { /* rare: half subnormals, zeros, inf, NaN — the scalar
-                    * rule, with the wide stream for the subnormal range */
-            float vf[16];
-            uint32_t rv[16];
-            int l;
-            _mm512_storeu_ps(vf, v);
-            _mm512_storeu_si512((void *)rv, rnd);
-            for (l = 0; l < 16; l++)
-                if (bad >> l & 1)
-                    out[l] = am_sr_f16(vf[l], am_f16_wide(vf[l]) ? wide_word(w, i + l) : rv[l]);
+        if (bad) { /* rare: rounded after the span (f16_fixup) */
+            _mm512_storeu_ps(w->fv + (i - w->span0), v);
+            w->fixmask |= (uint64_t)bad << (i - w->span0);
         }
     }
 }
 
-typedef struct app {
-    __m512 sv, lrv, wdv;
-    int unscaled, has_wd;
-} app;
-
-/* Elements f..f+15 with factors fac; returns the new polarity bits. */
-AM_INLINE unsigned apply16(const app *a, void *p, const int pdt, const void *g,
-                           const int gdt, int64_t f, __m512 fac, rng512 *w) {
+/* Elements f..f+15 with factors fac; returns the new polarity bits.
+ * scaled and wd are constants in every instance (see apply_mode): the
+ * division by the clip scale is skipped when the scale is 1 (x / 1 == x
+ * exactly), the decay term when wd is 0. */
+AM_INLINE unsigned apply16(void *p, const int pdt, const void *g, const int gdt,
+                           int64_t f, __m512 fac, __m512 sv, __m512 lrv, __m512 wdv,
+                           const int scaled, const int wd, rng512 *w) {
     __m512 u = _mm512_mul_ps(fac, ld16(g, gdt, f)), pv = ld16(p, pdt, f), t;
-    if (!a->unscaled) u = _mm512_div_ps(u, a->sv); /* x / 1 == x exactly */
-    t = a->has_wd ? _mm512_add_ps(u, _mm512_mul_ps(a->wdv, pv)) : u;
-    st16(p, pdt, f, _mm512_sub_ps(pv, _mm512_mul_ps(a->lrv, t)), w);
+    if (scaled) u = _mm512_div_ps(u, sv);
+    t = wd ? _mm512_add_ps(u, _mm512_mul_ps(wdv, pv)) : u;
+    st16(p, pdt, f, _mm512_sub_ps(pv, _mm512_mul_ps(lrv, t)), w);
     return (unsigned)_mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_GT_OQ);
 }
 
-/* ref_apply_rows for a 16-bit parameter, rows of C >= 16 elements. */
-AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
+/* ref_apply_rows for a 16-bit parameter, rows of C >= 16 elements, with the
+ * clip division (scaled) and the decay (wd) fixed: the loop holds no test
+ * of them and keeps its constants in registers. */
+AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
                           int64_t R, int64_t C, int64_t r0, int64_t r1,
-                          const float *rf, const float *cf, float scale,
-                          float lr, const am_consts *k, uint64_t seed,
-                          uint32_t param_id, int64_t step, uint8_t *pol_row) {
+                          const float *rf, const float *cf, float scale, float lr,
+                          const am_consts *k, uint64_t seed, uint32_t param_id,
+                          int64_t step, uint8_t *pol_row, const int scaled,
+                          const int wd, rng512 *w) {
     const int64_t n16 = C & ~(int64_t)15, n64 = C & ~(int64_t)63;
+    const __m512 sv = _mm512_set1_ps(scale), lrv = _mm512_set1_ps(lr),
+                 wdv = _mm512_set1_ps(k->wd);
+    const float wdf = k->wd;
     bitw bw = {pol_row, 0, 0, 0};
-    rng512 w;
-    app a;
     int64_t r, j;
-    a.sv = _mm512_set1_ps(scale);
-    a.lrv = _mm512_set1_ps(lr);
-    a.wdv = _mm512_set1_ps(k->wd);
-    a.unscaled = scale == 1.0f;
-    a.has_wd = k->wd != 0.0f;
-    w.gen = am_philox32_avx512();
-    w.seed = seed;
-    w.pid = param_id;
-    w.step = step;
-    w.q0 = w.wq0 = 0;
-    w.valid = w.wvalid = 0;
     for (r = r0; r < r1; r++) {
         const float *cfb = cf + (r / R) * C;
         const __m512 rfv = _mm512_set1_ps(rf[r]);
         const int64_t base = r * C;
 #define AM_APPLY16(J)                                                         \
-    apply16(&a, p, pdt, g, gdt, base + (J),                                   \
-            _mm512_mul_ps(rfv, _mm512_loadu_ps(cfb + (J))), &w)
+    apply16(p, pdt, g, gdt, base + (J),                                       \
+            _mm512_mul_ps(rfv, _mm512_loadu_ps(cfb + (J))), sv, lrv, wdv,     \
+            scaled, wd, w)
         for (j = 0; j < n64; j += 64) {
             uint64_t bits;
+            rng_need(w, base + j, 64);
+            w->span0 = base + j;
             _mm_prefetch((const char *)p + (base + j + AM_PREFETCH) * 2, _MM_HINT_T0);
             _mm_prefetch((const char *)g + (base + j + AM_PREFETCH) *
                                                (gdt == AM_DTYPE_FLOAT32 ? 4 : 2),
@@ -155,19 +203,52 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
             bits = (uint64_t)AM_APPLY16(j) | (uint64_t)AM_APPLY16(j + 16) << 16 |
                    (uint64_t)AM_APPLY16(j + 32) << 32 | (uint64_t)AM_APPLY16(j + 48) << 48;
             if (pol_row) bw_put64(&bw, bits);
+            if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) f16_fixup((uint16_t *)p, w);
         }
         for (; j < n16; j += 16) {
-            unsigned bits = AM_APPLY16(j);
+            unsigned bits;
+            rng_need(w, base + j, 16);
+            w->span0 = base + j;
+            bits = AM_APPLY16(j);
             if (pol_row) bw_put(&bw, bits, 16);
+            if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) f16_fixup((uint16_t *)p, w);
         }
 #undef AM_APPLY16
         for (; j < C; j++) {
             int pos = am_apply_one(p, pdt, g, gdt, base + j, rf[r] * cfb[j], scale, lr,
-                                   k->wd, seed, param_id, step);
+                                   wdf, seed, param_id, step);
             if (pol_row) bw_put(&bw, (uint32_t)pos, 1);
         }
     }
     if (pol_row) bw_flush(&bw);
+}
+
+AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
+                          int64_t R, int64_t C, int64_t r0, int64_t r1,
+                          const float *rf, const float *cf, float scale,
+                          float lr, const am_consts *k, uint64_t seed,
+                          uint32_t param_id, int64_t step, uint8_t *pol_row) {
+    rng512 w;
+    w.gen = am_philox32_avx512();
+    w.seed = seed;
+    w.pid = param_id;
+    w.step = step;
+    w.q0 = w.wq0 = 0;
+    w.wend = INT64_MIN; /* empty: the first rnd16 fills it */
+    w.wvalid = 0;
+    w.span0 = 0;
+    w.fixmask = 0;
+#define AM_MODE(S, W)                                                         \
+    apply_mode(p, pdt, g, gdt, R, C, r0, r1, rf, cf, scale, lr, k, seed,     \
+               param_id, step, pol_row, S, W, &w)
+    if (scale != 1.0f) {
+        if (k->wd != 0.0f) AM_MODE(1, 1);
+        else AM_MODE(1, 0);
+    } else {
+        if (k->wd != 0.0f) AM_MODE(0, 1);
+        else AM_MODE(0, 0);
+    }
+#undef AM_MODE
 }
 
 #define AM_512_CASE(PD, GD)                                                   \

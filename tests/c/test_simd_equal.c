@@ -62,6 +62,13 @@ static void fill(void *buf, int dt, int64_t n, uint64_t *s, int param) {
     }
 }
 
+/* Element i of buf (dtype dt) set to x, rounded to nearest. */
+static void set_value(void *buf, int dt, int64_t i, float x) {
+    if (dt == AM_DTYPE_FLOAT32) ((float *)buf)[i] = x;
+    else if (dt == AM_DTYPE_BFLOAT16) ((uint16_t *)buf)[i] = am_f32_to_bf16_rne(x);
+    else ((uint16_t *)buf)[i] = am_f32_to_f16_rne(x);
+}
+
 static void *xmalloc(size_t n) {
     void *p = malloc(n ? n : 1);
     assert_non_null(p);
@@ -94,6 +101,12 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
     k = am_consts_from(&hp);
     fill(g, gdt, n, s, 0);
     fill(p1, pdt, n, s, 1);
+    if (n > 3) { /* a NaN and infinities among the parameters: the apply's
+                  * special cases (bfloat16 NaN: quiet bit set) */
+        set_value(p1, pdt, n / 3, NAN);
+        set_value(p1, pdt, n / 2, INFINITY);
+        set_value(p1, pdt, n - 1, -INFINITY);
+    }
     memcpy(p2, p1, (size_t)n * ps);
     for (i = 0; i < R; i++) rf[i] = 0.5f + rng_unit(s) * 0.25f;
     for (i = 0; i < C; i++) cf[i] = 1e3f * (1.5f + rng_unit(s));
