@@ -16,12 +16,6 @@
 
 #include <immintrin.h>
 
-/* The high 32 bits of each 64-bit lane moved to the low half (the high half
- * then holds the old low half: garbage, see the layout above). A shuffle
- * rather than a shift: zmm shifts and vpmuludq share one port on Intel
- * cores (Ice Lake, Sapphire Rapids), shuffles go to another. */
-static inline __m512i hi_to_lo(__m512i x) { return _mm512_shuffle_epi32(x, _MM_PERM_CDAB); }
-
 /* Quads q0..q0+31 as four independent chains of eight instances: the
  * chains hide the multiply latency of each other. out: 128 words. */
 static void philox32_avx512(uint64_t seed, uint32_t pid, int64_t step,
@@ -46,8 +40,8 @@ static void philox32_avx512(uint64_t seed, uint32_t pid, int64_t step,
         for (ch = 0; ch < 4; ch++) {
             __m512i p0 = _mm512_mul_epu32(c0[ch], M0), p1 = _mm512_mul_epu32(c2[ch], M1);
             /* n0 = hi(p1) ^ c1 ^ k0, n2 = hi(p0) ^ c3 ^ k1 (0x96: a ^ b ^ c) */
-            c0[ch] = _mm512_ternarylogic_epi64(hi_to_lo(p1), c1[ch], K0, 0x96);
-            c2[ch] = _mm512_ternarylogic_epi64(hi_to_lo(p0), c3[ch], K1, 0x96);
+            c0[ch] = _mm512_ternarylogic_epi64(_mm512_srli_epi64(p1, 32), c1[ch], K0, 0x96);
+            c2[ch] = _mm512_ternarylogic_epi64(_mm512_srli_epi64(p0, 32), c3[ch], K1, 0x96);
             c1[ch] = p1;
             c3[ch] = p0;
         }
