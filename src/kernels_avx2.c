@@ -946,9 +946,23 @@ static void avx512x_apply_rows(void *p, int pdt, const void *g, int gdt,
     /* both callees return with vzeroupper (AM_CLEAN_RETURN, simd.h) */
 }
 
+/* The AVX-512 finish of unfactored 16-bit parameters (set with g_apply16). */
+static am_flat_fn g_flat16;
+
+static int64_t avx512x_finish_flat(void *p, int pdt, const void *g, int gdt, float *sq,
+                                   float *lr, uint8_t *pol, int64_t e0, int64_t e1,
+                                   float scale, const am_consts *k, uint64_t seed,
+                                   uint32_t param_id, int64_t step) {
+    /* both callees return with vzeroupper (AM_CLEAN_RETURN, simd.h) */
+    if (pdt != AM_DTYPE_FLOAT32)
+        return g_flat16(p, pdt, g, gdt, sq, lr, pol, e0, e1, scale, k, seed, param_id, step);
+    return avx2_finish_flat(p, pdt, g, gdt, sq, lr, pol, e0, e1, scale, k, seed, param_id,
+                            step);
+}
+
 static const am_kernels avx512x_table = {
     "avx2+avx512",   avx2_stats_tile,    avx2_u2_tile,     avx2_u2_flat,
-    avx2_agree_rows, avx512x_apply_rows, avx2_finish_flat,
+    avx2_agree_rows, avx512x_apply_rows, avx512x_finish_flat,
     am_avx2_stats_mats, am_avx2_u2_mats, am_avx2_moments_mats,
 };
 
@@ -964,7 +978,8 @@ const am_kernels *am_kernels_avx2(void) {
     if (!am_cpu_has_avx512() || no_avx512()) return &avx2_table;
     if (am_philox32_avx512()) g_philox = am_philox32_avx512();
     g_apply16 = am_avx512_apply16();
-    return g_apply16 && am_philox32_avx512() ? &avx512x_table : &avx2_table;
+    g_flat16 = am_avx512_flat16();
+    return g_apply16 && g_flat16 && am_philox32_avx512() ? &avx512x_table : &avx2_table;
 }
 
 const am_kernels *am_kernels_avx2_plain(void) { return &avx2_table; }

@@ -67,6 +67,19 @@ typedef struct rng512 {
     float fv[64];
 } rng512;
 
+/* An empty window for the noise of (seed, param_id, step). */
+static void rng_init(rng512 *w, uint64_t seed, uint32_t param_id, int64_t step) {
+    w->gen = am_philox32_avx512();
+    w->seed = seed;
+    w->pid = param_id;
+    w->step = step;
+    w->q0 = w->wq0 = 0;
+    w->wend = INT64_MIN; /* the first rng_need fills it */
+    w->wvalid = 0;
+    w->span0 = 0;
+    w->fixmask = 0;
+}
+
 /* Makes the window hold elements [f, f + 64): the quads from f's on that
  * are already there move to the front (no noise is generated twice), the
  * next 32 quads follow them. */
@@ -229,15 +242,7 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
                           float lr, const am_consts *k, uint64_t seed,
                           uint32_t param_id, int64_t step, uint8_t *pol_row) {
     rng512 w;
-    w.gen = am_philox32_avx512();
-    w.seed = seed;
-    w.pid = param_id;
-    w.step = step;
-    w.q0 = w.wq0 = 0;
-    w.wend = INT64_MIN; /* empty: the first rnd16 fills it */
-    w.wvalid = 0;
-    w.span0 = 0;
-    w.fixmask = 0;
+    rng_init(&w, seed, param_id, step);
 #define AM_MODE(S, W)                                                         \
     apply_mode(p, pdt, g, gdt, R, C, r0, r1, rf, cf, scale, lr, k, seed,     \
                param_id, step, pol_row, S, W, &w)
@@ -274,8 +279,99 @@ static void avx512_apply_rows(void *p, int pdt, const void *g, int gdt,
 
 am_apply_fn am_avx512_apply16(void) { return avx512_apply_rows; }
 
+/* ref_finish_flat for a 16-bit parameter (e0 % 8 == 0), 16 elements per
+ * vector: the same IEEE operations per element as the reference (ema, 1 /
+ * sqrt, the division by the clip scale, the lr bump and clamp, the apply),
+ * the same noise and rounding as apply16. scaled and wd as in apply_mode. */
+AM_INLINE int64_t flat_mode(void *p, const int pdt, const void *g, const int gdt,
+                            float *sq, float *lr, uint8_t *pol, int64_t e0,
+                            int64_t e1, float scale, const am_consts *k, uint64_t seed,
+                            uint32_t param_id, int64_t step, const int scaled,
+                            const int wd, rng512 *w) {
+    const __m512 sv = _mm512_set1_ps(scale), wdv = _mm512_set1_ps(k->wd);
+    const __m512 up = _mm512_set1_ps(k->bump_up), down = _mm512_set1_ps(k->bump_down);
+    const __m512 lo = _mm512_set1_ps(k->min_lr), hi = _mm512_set1_ps(k->max_lr);
+    const __m512 b2 = _mm512_set1_ps(k->beta2), omb2 = _mm512_set1_ps(k->one_m_beta2);
+    const __m512 eps = _mm512_set1_ps(k->eps), one = _mm512_set1_ps(1.0f);
+    int64_t e = e0, matches = 0;
+    /* e0 % 8 == 0: every vector owns two whole polarity bytes */
+    for (; e + 16 <= e1; e += 16) {
+        const __m512 x = ld16(g, gdt, e);
+        const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(sq + e), b2),
+                                       _mm512_mul_ps(_mm512_mul_ps(x, x), omb2));
+        __m512 u = _mm512_mul_ps(_mm512_div_ps(one, _mm512_sqrt_ps(_mm512_add_ps(v, eps))), x);
+        __m512 lrv = _mm512_loadu_ps(lr + e), pv, t;
+        uint16_t pb, mb, old;
+        rng_need(w, e, 16);
+        w->span0 = e;
+        if (scaled) u = _mm512_div_ps(u, sv);
+        pb = (uint16_t)_mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_GT_OQ);
+        memcpy(&old, pol + (e >> 3), 2);
+        mb = (uint16_t)~(pb ^ old);
+        memcpy(pol + (e >> 3), &pb, 2);
+        _mm512_storeu_ps(sq + e, v);
+        matches += __builtin_popcount(mb);
+        if (step > 0) {
+            lrv = _mm512_mul_ps(lrv, _mm512_mask_blend_ps(mb, down, up));
+            lrv = _mm512_mask_mov_ps(lrv, _mm512_cmp_ps_mask(lrv, lo, _CMP_LT_OQ), lo);
+            lrv = _mm512_mask_mov_ps(lrv, _mm512_cmp_ps_mask(lrv, hi, _CMP_GT_OQ), hi);
+            _mm512_storeu_ps(lr + e, lrv);
+        }
+        pv = ld16(p, pdt, e);
+        t = wd ? _mm512_add_ps(u, _mm512_mul_ps(wdv, pv)) : u;
+        st16(p, pdt, e, _mm512_sub_ps(pv, _mm512_mul_ps(lrv, t)), w);
+        if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) f16_fixup((uint16_t *)p, w);
+    }
+    if (e < e1) { /* the last 8..15 elements: the reference's loop (SSE code) */
+        _mm256_zeroupper();
+        matches += am_kernels_ref.finish_flat(p, pdt, g, gdt, sq, lr, pol, e, e1, scale,
+                                              k, seed, param_id, step);
+    }
+    return matches;
+}
+
+AM_INLINE int64_t flat_body(void *p, const int pdt, const void *g, const int gdt,
+                            float *sq, float *lr, uint8_t *pol, int64_t e0, int64_t e1,
+                            float scale, const am_consts *k, uint64_t seed,
+                            uint32_t param_id, int64_t step) {
+    rng512 w;
+    rng_init(&w, seed, param_id, step);
+#define AM_MODE(S, W)                                                         \
+    return flat_mode(p, pdt, g, gdt, sq, lr, pol, e0, e1, scale, k, seed,   \
+                     param_id, step, S, W, &w)
+    if (scale != 1.0f) {
+        if (k->wd != 0.0f) AM_MODE(1, 1);
+        AM_MODE(1, 0);
+    }
+    if (k->wd != 0.0f) AM_MODE(0, 1);
+    AM_MODE(0, 0);
+#undef AM_MODE
+}
+
+#define AM_FLAT512_CASE(PD, GD)                                               \
+    AM_CLEAN_RETURN(int64_t, flat_body(p, PD, g, GD, sq, lr, pol, e0, e1, scale, k, \
+                                       seed, param_id, step))
+
+/* pdt must be bfloat16 or float16. */
+static int64_t avx512_finish_flat(void *p, int pdt, const void *g, int gdt, float *sq,
+                                  float *lr, uint8_t *pol, int64_t e0, int64_t e1,
+                                  float scale, const am_consts *k, uint64_t seed,
+                                  uint32_t param_id, int64_t step) {
+    switch ((pdt - 1) * 3 + gdt) {
+    case 0: AM_FLAT512_CASE(1, 0);
+    case 1: AM_FLAT512_CASE(1, 1);
+    case 2: AM_FLAT512_CASE(1, 2);
+    case 3: AM_FLAT512_CASE(2, 0);
+    case 4: AM_FLAT512_CASE(2, 1);
+    default: AM_FLAT512_CASE(2, 2);
+    }
+}
+
+am_flat_fn am_avx512_flat16(void) { return avx512_finish_flat; }
+
 #else
 
 am_apply_fn am_avx512_apply16(void) { return NULL; }
+am_flat_fn am_avx512_flat16(void) { return NULL; }
 
 #endif

@@ -46,10 +46,21 @@ typedef void (*am_apply_fn)(void *p, int pdt, const void *g, int gdt, int64_t R,
                             const am_consts *k, uint64_t seed, uint32_t param_id,
                             int64_t step, uint8_t *pol_row);
 
-/* The AVX-512F apply of bfloat16/float16 parameters (kernels_avx512.c), for
+/* The AVX-512F/BW apply of bfloat16/float16 parameters (kernels_avx512.c), for
  * pdt != float32 and C >= 16 only; NULL when not built. Only valid to call
  * when am_cpu_has_avx512() is true. */
 am_apply_fn am_avx512_apply16(void);
+
+/* The finish_flat slot's signature (internal.h). */
+typedef int64_t (*am_flat_fn)(void *p, int pdt, const void *g, int gdt, float *sq,
+                              float *lr, uint8_t *pol, int64_t e0, int64_t e1,
+                              float scale, const am_consts *k, uint64_t seed,
+                              uint32_t param_id, int64_t step);
+
+/* The AVX-512F finish of unfactored bfloat16/float16 parameters
+ * (kernels_avx512.c), for pdt != float32 only; NULL when not built. Only
+ * valid to call when am_cpu_has_avx512() is true. */
+am_flat_fn am_avx512_flat16(void);
 
 /* The AVX2 set without any AVX-512 part (for tests: the set in use on CPUs
  * without AVX-512). NULL when not built. */
