@@ -1,13 +1,14 @@
 /*
- * kernels_avx512.c — the apply pass of bfloat16/float16 parameters with
- * AVX-512F, 16 elements per vector. That pass is compute-bound on the
- * stochastic rounding (float32 parameters are memory-bound and keep the AVX2
- * kernel), so twice the vector width is worth a kernel of its own. Same bits
- * as kernels_ref.c's ref_apply_rows: every operation is the reference's IEEE
- * float operation on one element (no fused multiply-add: -ffp-contract=off),
- * the noise is am_sr_noise's, the rounding am_sr_bf16/am_sr_f16's.
- * Built with -mavx512f -mavx512bw on this file only; kernels_avx2.c uses it when
- * dispatch.c found AVX-512F with the zmm state enabled.
+ * kernels_avx512.c — the passes of bfloat16/float16 parameters that are
+ * compute-bound on the stochastic rounding, with AVX-512F/BW, 16 elements
+ * per vector: the factored apply (apply_rows) and the unfactored finish
+ * (finish_flat). float32 parameters are memory-bound there and keep the
+ * AVX2 kernels. Same bits as kernels_ref.c: every operation is the
+ * reference's IEEE float operation on one element (no fused multiply-add:
+ * -ffp-contract=off), the noise is am_sr_noise's, the rounding
+ * am_sr_bf16/am_sr_f16's. Built with -mavx512f -mavx512bw on this file
+ * only; kernels_avx2.c uses it when dispatch.c found AVX-512F and AVX-512BW
+ * with the zmm state enabled.
  */
 #include "simd.h"
 
