@@ -140,36 +140,40 @@ static void rng_init(rngwin *w, uint64_t seed, uint32_t pid, int64_t step) {
  * w for 16-bit types (w unused for float32); same bits as am_store_sr with
  * am_sr_noise. */
 AM_INLINE void st8(void *base, const int dt, int64_t i, __m256 v, rngwin *w) {
-    __m256i b, ab, r, rnd;
+    __m256i b, r, rnd;
     if (dt == AM_DTYPE_FLOAT32) {
         _mm256_storeu_ps((float *)base + i, v);
         return;
     }
     rnd = rnd8(w, i);
     b = _mm256_castps_si256(v);
-    ab = _mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff));
     if (dt == AM_DTYPE_BFLOAT16) {
-        /* finite: (b + rnd16) >> 16; inf: b >> 16; NaN: (b >> 16) | 0x40 */
-        __m256i special = _mm256_cmpgt_epi32(ab, _mm256_set1_epi32(0x7f7fffff));
-        __m256i isnan = _mm256_cmpgt_epi32(ab, _mm256_set1_epi32(0x7f800000));
-        __m256i sp = _mm256_or_si256(_mm256_srli_epi32(b, 16),
-                                     _mm256_and_si256(isnan, _mm256_set1_epi32(0x40)));
-        r = _mm256_add_epi32(b, _mm256_and_si256(rnd, _mm256_set1_epi32(0xffff)));
-        r = _mm256_blendv_epi8(_mm256_srli_epi32(r, 16), sp, special);
+        /* finite and inf: (b + rnd16) >> 16 (an infinity's low 16 bits are
+         * zero, so the noise never reaches its high half); NaN:
+         * (b >> 16) | 0x40, in the rare branch. rnd holds 16 bits. */
+        const __m256 isnan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+        r = _mm256_add_epi32(b, rnd);
+        if (!_mm256_testz_ps(isnan, isnan))
+            r = _mm256_blendv_epi8(r, _mm256_or_si256(b, _mm256_set1_epi32(0x00400000)),
+                                   _mm256_castps_si256(isnan));
+        r = _mm256_srli_epi32(r, 16);
         _mm_storeu_si128((__m128i *)((uint16_t *)base + i),
                          _mm_packus_epi32(_mm256_castsi256_si128(r),
                                           _mm256_extracti128_si256(r, 1)));
     } else {
         /* Normal half range: add 13 random bits, truncate, then the value is
          * on the half grid and F16C's round-to-nearest converts it exactly
-         * (or overflows to inf exactly as am_f32_to_f16_rne does). */
-        __m256i sign = _mm256_andnot_si256(_mm256_set1_epi32(0x7fffffff), b);
-        __m256i t = _mm256_add_epi32(ab, _mm256_and_si256(rnd, _mm256_set1_epi32(0x1fff)));
-        __m256i bad = _mm256_or_si256(
-            _mm256_cmpgt_epi32(_mm256_set1_epi32(0x38800000), ab),
-            _mm256_cmpgt_epi32(ab, _mm256_set1_epi32(0x7f7fffff)));
+         * (or overflows to inf exactly as am_f32_to_f16_rne does). The bits
+         * are added to the signed pattern (|b| + 0x1fff stays below the sign
+         * bit); bad: |b| outside [2^-14, max float], one signed compare
+         * after shifting the range's start to INT32_MIN. */
+        const __m256i ab = _mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff));
+        __m256i t = _mm256_add_epi32(b, _mm256_and_si256(rnd, _mm256_set1_epi32(0x1fff)));
+        const __m256i bad = _mm256_cmpgt_epi32(
+            _mm256_add_epi32(ab, _mm256_set1_epi32((int32_t)(0x80000000u - 0x38800000u))),
+            _mm256_set1_epi32((int32_t)(0x80000000u + (0x7f7fffffu - 0x38800000u))));
         __m128i h;
-        t = _mm256_or_si256(_mm256_and_si256(t, _mm256_set1_epi32(~0x1fff)), sign);
+        t = _mm256_and_si256(t, _mm256_set1_epi32(~0x1fff));
         h = _mm256_cvtps_ph(_mm256_castsi256_ps(t), _MM_FROUND_TO_NEAREST_INT);
         if (!_mm256_testz_si256(bad, bad)) {
             /* Rare: half subnormals, zeros, inf, NaN — the scalar rule, with

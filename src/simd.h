@@ -9,8 +9,9 @@
 
 /* The AVX2+F16C kernel set (kernels_avx2.c): the reference table with the
  * slots it implements overridden, bit-identical to the reference; on CPUs
- * with AVX-512F (unless AUTOMAGIC_NO_AVX512=1) its random numbers and the
- * apply of 16-bit parameters use AVX-512F, and its name is "avx2+avx512".
+ * with AVX-512F and AVX-512BW (unless AUTOMAGIC_NO_AVX512=1) its random numbers,
+ * the apply of 16-bit parameters and the finish of unfactored 16-bit
+ * parameters use AVX-512, and its name is "avx2+avx512".
  * Only valid to call through when am_cpu_has_avx2() is true. NULL when the
  * library was built without it (not x86-64, or a compiler without the
  * intrinsics). */
@@ -57,7 +58,7 @@ typedef int64_t (*am_flat_fn)(void *p, int pdt, const void *g, int gdt, float *s
                               float scale, const am_consts *k, uint64_t seed,
                               uint32_t param_id, int64_t step);
 
-/* The AVX-512F finish of unfactored bfloat16/float16 parameters
+/* The AVX-512F/BW finish of unfactored bfloat16/float16 parameters
  * (kernels_avx512.c), for pdt != float32 only; NULL when not built. Only
  * valid to call when am_cpu_has_avx512() is true. */
 am_flat_fn am_avx512_flat16(void);
@@ -66,7 +67,8 @@ am_flat_fn am_avx512_flat16(void);
  * without AVX-512). NULL when not built. */
 const am_kernels *am_kernels_avx2_plain(void);
 
-/* 1 when the CPU and the OS support AVX-512F (zmm state enabled). */
+/* 1 when the CPU and the OS support AVX-512F and AVX-512BW (zmm state
+ * enabled). */
 int am_cpu_has_avx512(void);
 
 /* 1 when the CPU and the OS support AVX2, FMA and F16C with the ymm state
