@@ -614,7 +614,7 @@ typedef struct facfast {
 static int64_t ff_init(facfast *w, const float *rf, const float *cf, int64_t R,
                        int64_t C, int64_t r0, int64_t r1) {
     int32_t ri[8], ci[8];
-    int v, l;
+    int v, l, mm, i, j;
     if (R * C > AM_MATS_MAX_ELEMS || r0 % R != 0 || r1 - r0 < 8 * R) return 0;
     w->rfb = rf + r0;
     w->cfb = cf + (r0 / R) * C;
@@ -622,11 +622,20 @@ static int64_t ff_init(facfast *w, const float *rf, const float *cf, int64_t R,
     w->C = C;
     w->n = (int)(R * C);
     w->v = 0;
+    /* element e = 8 v + l of the run: matrix mm, row i, column j, counted
+     * up (no division: this runs twice per lr-row) */
+    mm = i = j = 0;
     for (v = 0; v < w->n; v++) {
         for (l = 0; l < 8; l++) {
-            int e = 8 * v + l, mm = e / w->n, i = (e % w->n) / (int)C;
             ri[l] = mm * (int)R + i;
-            ci[l] = mm * (int)C + (e % w->n) % (int)C;
+            ci[l] = mm * (int)C + j;
+            if (++j == (int)C) {
+                j = 0;
+                if (++i == (int)R) {
+                    i = 0;
+                    mm++;
+                }
+            }
         }
         w->ri[v] = _mm256_loadu_si256((const __m256i *)ri);
         w->ci[v] = _mm256_loadu_si256((const __m256i *)ci);
@@ -980,10 +989,11 @@ static int no_avx512(void) {
 const am_kernels *am_kernels_avx2(void) {
     /* Called from dispatch.c's pthread_once before any kernel runs. */
     if (!am_cpu_has_avx512() || no_avx512()) return &avx2_table;
-    if (am_philox32_avx512()) g_philox = am_philox32_avx512();
     g_apply16 = am_avx512_apply16();
     g_flat16 = am_avx512_flat16();
-    return g_apply16 && g_flat16 && am_philox32_avx512() ? &avx512x_table : &avx2_table;
+    if (!g_apply16 || !g_flat16 || !am_philox32_avx512()) return &avx2_table;
+    g_philox = am_philox32_avx512(); /* only with the whole AVX-512 set */
+    return &avx512x_table;
 }
 
 const am_kernels *am_kernels_avx2_plain(void) { return &avx2_table; }

@@ -63,7 +63,7 @@ typedef struct rng512 {
     int64_t step, q0, wend, wq0, span0;
     int wvalid;
     uint64_t fixmask;             /* bit l: element span0 + l is in fv[l] */
-    uint32_t w[4 * (32 + 16)];    /* up to 16 quads kept + 32 generated */
+    uint32_t w[4 * (32 + 8)];     /* up to 8 quads kept + 32 generated */
     uint32_t ww[128];
     float fv[64];
 } rng512;
@@ -81,9 +81,10 @@ static void rng_init(rng512 *w, uint64_t seed, uint32_t param_id, int64_t step) 
     w->fixmask = 0;
 }
 
-/* Makes the window hold elements [f, f + 64): the quads from f's on that
- * are already there move to the front (no noise is generated twice), the
- * next 32 quads follow them. */
+/* Makes the window hold elements [f, f + 64) (in fact at least 249 from
+ * f): the quads from f's on that are already there (at most 8, as
+ * rng_need refills only when fewer than 64 elements are left) move to the
+ * front, so no noise is generated twice; the next 32 quads follow them. */
 static AM_NOINLINE void rng_refill(rng512 *w, int64_t f) {
     const int64_t q = f >> 3;
     int64_t keep = w->wend / 8 - q; /* quads q.. already generated */
@@ -323,7 +324,7 @@ AM_INLINE int64_t flat_mode(void *p, const int pdt, const void *g, const int gdt
         st16(p, pdt, e, _mm512_sub_ps(pv, _mm512_mul_ps(lrv, t)), w);
         if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) f16_fixup((uint16_t *)p, w);
     }
-    if (e < e1) { /* the last 8..15 elements: the reference's loop (SSE code) */
+    if (e < e1) { /* the last 1..15 elements: the reference's loop (SSE code) */
         _mm256_zeroupper();
         matches += am_kernels_ref.finish_flat(p, pdt, g, gdt, sq, lr, pol, e, e1, scale,
                                               k, seed, param_id, step);

@@ -205,6 +205,18 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
             a->apply_rows(p1, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 1e-12f, &k, 99, 7, 8, NULL);
             b->apply_rows(p2, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 1e-12f, &k, 99, 7, 8, NULL);
             assert_memory_equal(p1, p2, (size_t)n * ps);
+            { /* the largest half moved outward (p = -65504 * sign(g)): the
+               * rounding overflows to inf in some elements */
+                int64_t ninf = 0;
+                for (i = 0; i < n; i++)
+                    ((uint16_t *)p1)[i] = ((uint16_t *)p2)[i] =
+                        am_load(g, gdt, i) > 0.0f ? 0xfbffu : 0x7bffu;
+                a->apply_rows(p1, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 0.05f, &k, 99, 7, 9, NULL);
+                b->apply_rows(p2, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 0.05f, &k, 99, 7, 9, NULL);
+                assert_memory_equal(p1, p2, (size_t)n * ps);
+                for (i = 0; i < n; i++) ninf += (((uint16_t *)p1)[i] & 0x7fffu) == 0x7c00u;
+                if (n >= 64) assert_true(ninf > 0);
+            }
         }
     }
     {
