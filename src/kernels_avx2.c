@@ -944,18 +944,27 @@ static const am_kernels avx2_table = {
 
 /* The AVX-512F/BW apply of 16-bit parameters (set once by am_kernels_avx2). */
 static am_apply_fn g_apply16;
+static am_apply_mats_fn g_apply16_mats;
 
 static void avx512x_apply_rows(void *p, int pdt, const void *g, int gdt,
                                int64_t R, int64_t C, int64_t r0, int64_t r1,
                                const float *rf, const float *cf, float scale,
                                float lr, const am_consts *k, uint64_t seed,
                                uint32_t param_id, int64_t step, uint8_t *pol_row) {
-    if (pdt != AM_DTYPE_FLOAT32 && C >= AM_SMALL_C)
+    if (pdt != AM_DTYPE_FLOAT32 && C >= AM_SMALL_C) {
         g_apply16(p, pdt, g, gdt, R, C, r0, r1, rf, cf, scale, lr, k, seed, param_id,
                   step, pol_row);
-    else
-        avx2_apply_rows(p, pdt, g, gdt, R, C, r0, r1, rf, cf, scale, lr, k, seed,
-                        param_id, step, pol_row);
+        return;
+    }
+    if (pdt != AM_DTYPE_FLOAT32) { /* small matrices: runs of 16, then the rest */
+        const int64_t done = g_apply16_mats(p, pdt, g, gdt, R, C, r0, r1, rf, cf, scale,
+                                            lr, k, seed, param_id, step, pol_row);
+        if (pol_row) pol_row += done * C / 8; /* done * C: a multiple of 16 */
+        r0 += done;
+        if (r0 == r1) return;
+    }
+    avx2_apply_rows(p, pdt, g, gdt, R, C, r0, r1, rf, cf, scale, lr, k, seed, param_id,
+                    step, pol_row);
     /* both callees return with vzeroupper (AM_CLEAN_RETURN, simd.h) */
 }
 
@@ -991,7 +1000,9 @@ const am_kernels *am_kernels_avx2(void) {
     if (!am_cpu_has_avx512() || no_avx512()) return &avx2_table;
     g_apply16 = am_avx512_apply16();
     g_flat16 = am_avx512_flat16();
-    if (!g_apply16 || !g_flat16 || !am_philox32_avx512()) return &avx2_table;
+    g_apply16_mats = am_avx512_apply16_mats();
+    if (!g_apply16 || !g_flat16 || !g_apply16_mats || !am_philox32_avx512())
+        return &avx2_table;
     g_philox = am_philox32_avx512(); /* only with the whole AVX-512 set */
     return &avx512x_table;
 }

@@ -281,6 +281,127 @@ static void avx512_apply_rows(void *p, int pdt, const void *g, int gdt,
 
 am_apply_fn am_avx512_apply16(void) { return avx512_apply_rows; }
 
+/* Factors of runs of 16 whole small matrices (R*C <= 64, e.g. 3x3
+ * convolution weights), as ff_init/ff_next8 in kernels_avx2.c with 16
+ * lanes: a run is 16*R*C elements = R*C vectors, and the (row, column) of
+ * lane l of vector v repeats from one run to the next, so the rf and cf
+ * indices are tabulated once per call and the factors gathered: the same
+ * product rf[r] * cf[b, j] as the reference. */
+typedef struct ff16 {
+    const float *rfb, *cfb;
+    int64_t R, C;
+    int n, v;
+    __m512i ri[AM_MATS_MAX_ELEMS], ci[AM_MATS_MAX_ELEMS];
+} ff16;
+
+/* The rows [r0, r0 + returned) it covers: a multiple of 16*R, 0 when r0 is
+ * not on a matrix, the matrices are too big or fewer than 16 are left. */
+static int64_t ff16_init(ff16 *w, const float *rf, const float *cf, int64_t R,
+                         int64_t C, int64_t r0, int64_t r1) {
+    int32_t ri[16], ci[16];
+    int v, l, mm = 0, i = 0, j = 0;
+    if (R * C > AM_MATS_MAX_ELEMS || r0 % R != 0 || r1 - r0 < 16 * R) return 0;
+    w->rfb = rf + r0;
+    w->cfb = cf + (r0 / R) * C;
+    w->R = R;
+    w->C = C;
+    w->n = (int)(R * C);
+    w->v = 0;
+    for (v = 0; v < w->n; v++) {
+        for (l = 0; l < 16; l++) { /* element 16 v + l: matrix mm, row i, column j */
+            ri[l] = mm * (int)R + i;
+            ci[l] = mm * (int)C + j;
+            if (++j == (int)C) {
+                j = 0;
+                if (++i == (int)R) {
+                    i = 0;
+                    mm++;
+                }
+            }
+        }
+        w->ri[v] = _mm512_loadu_si512((const void *)ri);
+        w->ci[v] = _mm512_loadu_si512((const void *)ci);
+    }
+    return (r1 - r0) / (16 * R) * (16 * R);
+}
+
+AM_INLINE __m512 ff16_next(ff16 *w) {
+    const __m512 fac = _mm512_mul_ps(_mm512_i32gather_ps(w->ri[w->v], w->rfb, 4),
+                                     _mm512_i32gather_ps(w->ci[w->v], w->cfb, 4));
+    if (++w->v == w->n) {
+        w->v = 0;
+        w->rfb += 16 * w->R;
+        w->cfb += 16 * w->C;
+    }
+    return fac;
+}
+
+/* The apply of an lr-row of small matrices (C < 16), walked as one flat
+ * stream of 16-element vectors: the runs of 16 whole matrices ff16_init
+ * covers, polarity included (a multiple of 16 bits, so the caller's rest
+ * starts on a byte). Returns the rows done. */
+AM_INLINE int64_t mats_mode(void *p, const int pdt, const void *g, const int gdt,
+                            int64_t R, int64_t C, int64_t r0, int64_t r1,
+                            const float *rf, const float *cf, float scale, float lr,
+                            const am_consts *k, uint8_t *pol_row, const int scaled,
+                            const int wd, rng512 *w) {
+    const __m512 sv = _mm512_set1_ps(scale), lrv = _mm512_set1_ps(lr),
+                 wdv = _mm512_set1_ps(k->wd);
+    bitw bw = {pol_row, 0, 0, 0};
+    ff16 ff;
+    const int64_t rows = ff16_init(&ff, rf, cf, R, C, r0, r1), f1 = (r0 + rows) * C;
+    int64_t f;
+    for (f = r0 * C; f < f1; f += 16) {
+        unsigned bits;
+        rng_need(w, f, 16);
+        w->span0 = f;
+        bits = apply16(p, pdt, g, gdt, f, ff16_next(&ff), sv, lrv, wdv, scaled, wd, w);
+        if (pol_row) bw_put(&bw, bits, 16);
+        if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) f16_fixup((uint16_t *)p, w);
+    }
+    return rows;
+}
+
+AM_INLINE int64_t mats_body(void *p, const int pdt, const void *g, const int gdt,
+                            int64_t R, int64_t C, int64_t r0, int64_t r1,
+                            const float *rf, const float *cf, float scale, float lr,
+                            const am_consts *k, uint64_t seed, uint32_t param_id,
+                            int64_t step, uint8_t *pol_row) {
+    rng512 w;
+    rng_init(&w, seed, param_id, step);
+#define AM_MODE(S, W)                                                         \
+    return mats_mode(p, pdt, g, gdt, R, C, r0, r1, rf, cf, scale, lr, k, pol_row, S, W, &w)
+    if (scale != 1.0f) {
+        if (k->wd != 0.0f) AM_MODE(1, 1);
+        AM_MODE(1, 0);
+    }
+    if (k->wd != 0.0f) AM_MODE(0, 1);
+    AM_MODE(0, 0);
+#undef AM_MODE
+}
+
+#define AM_MATS512_CASE(PD, GD)                                               \
+    AM_CLEAN_RETURN(int64_t, mats_body(p, PD, g, GD, R, C, r0, r1, rf, cf, scale, lr, k, \
+                                       seed, param_id, step, pol_row))
+
+/* pdt must be bfloat16 or float16. */
+static int64_t avx512_apply_mats(void *p, int pdt, const void *g, int gdt, int64_t R,
+                                 int64_t C, int64_t r0, int64_t r1, const float *rf,
+                                 const float *cf, float scale, float lr,
+                                 const am_consts *k, uint64_t seed, uint32_t param_id,
+                                 int64_t step, uint8_t *pol_row) {
+    switch ((pdt - 1) * 3 + gdt) {
+    case 0: AM_MATS512_CASE(1, 0);
+    case 1: AM_MATS512_CASE(1, 1);
+    case 2: AM_MATS512_CASE(1, 2);
+    case 3: AM_MATS512_CASE(2, 0);
+    case 4: AM_MATS512_CASE(2, 1);
+    default: AM_MATS512_CASE(2, 2);
+    }
+}
+
+am_apply_mats_fn am_avx512_apply16_mats(void) { return avx512_apply_mats; }
+
 /* ref_finish_flat for a 16-bit parameter (e0 % 8 == 0), 16 elements per
  * vector: the same IEEE operations per element as the reference (ema, 1 /
  * sqrt, the division by the clip scale, the lr bump and clamp, the apply),
@@ -374,6 +495,7 @@ am_flat_fn am_avx512_flat16(void) { return avx512_finish_flat; }
 #else
 
 am_apply_fn am_avx512_apply16(void) { return NULL; }
+am_apply_mats_fn am_avx512_apply16_mats(void) { return NULL; }
 am_flat_fn am_avx512_flat16(void) { return NULL; }
 
 #endif
