@@ -951,21 +951,42 @@ static void avx512x_apply_rows(void *p, int pdt, const void *g, int gdt,
                                const float *rf, const float *cf, float scale,
                                float lr, const am_consts *k, uint64_t seed,
                                uint32_t param_id, int64_t step, uint8_t *pol_row) {
-    if (pdt != AM_DTYPE_FLOAT32 && C >= AM_SMALL_C) {
-        g_apply16(p, pdt, g, gdt, R, C, r0, r1, rf, cf, scale, lr, k, seed, param_id,
-                  step, pol_row);
+    /* every callee returns with vzeroupper (AM_CLEAN_RETURN, simd.h) */
+    if (C >= AM_SMALL_C) {
+        if (pdt != AM_DTYPE_FLOAT32)
+            g_apply16(p, pdt, g, gdt, R, C, r0, r1, rf, cf, scale, lr, k, seed, param_id,
+                      step, pol_row);
+        else
+            avx2_apply_rows(p, pdt, g, gdt, R, C, r0, r1, rf, cf, scale, lr, k, seed,
+                            param_id, step, pol_row);
         return;
     }
-    if (pdt != AM_DTYPE_FLOAT32) { /* small matrices: runs of 16, then the rest */
+    { /* small matrices: runs of 16 in AVX-512, then the rest */
         const int64_t done = g_apply16_mats(p, pdt, g, gdt, R, C, r0, r1, rf, cf, scale,
                                             lr, k, seed, param_id, step, pol_row);
         if (pol_row) pol_row += done * C / 8; /* done * C: a multiple of 16 */
         r0 += done;
-        if (r0 == r1) return;
     }
-    avx2_apply_rows(p, pdt, g, gdt, R, C, r0, r1, rf, cf, scale, lr, k, seed, param_id,
-                    step, pol_row);
-    /* both callees return with vzeroupper (AM_CLEAN_RETURN, simd.h) */
+    if (r0 < r1)
+        avx2_apply_rows(p, pdt, g, gdt, R, C, r0, r1, rf, cf, scale, lr, k, seed,
+                        param_id, step, pol_row);
+}
+
+/* The AVX-512 agreement sweep of small matrices (set with g_apply16). */
+static am_agree_mats_fn g_agree_mats;
+
+static int64_t avx512x_agree_rows(const void *g, int gdt, int64_t R, int64_t C,
+                                  int64_t r0, int64_t r1, const float *rf,
+                                  const float *cf, float scale, uint8_t *pol_row) {
+    int64_t matches = 0;
+    if (C < AM_SMALL_C) { /* small matrices: runs of 16 in AVX-512, then the rest */
+        const int64_t done = g_agree_mats(g, gdt, R, C, r0, r1, rf, cf,
+                                          pos_threshold(scale), pol_row, &matches);
+        pol_row += done * C / 8; /* done * C: a multiple of 16 */
+        r0 += done;
+        if (r0 == r1) return matches;
+    }
+    return matches + avx2_agree_rows(g, gdt, R, C, r0, r1, rf, cf, scale, pol_row);
 }
 
 /* The AVX-512 finish of unfactored 16-bit parameters (set with g_apply16). */
@@ -984,7 +1005,7 @@ static int64_t avx512x_finish_flat(void *p, int pdt, const void *g, int gdt, flo
 
 static const am_kernels avx512x_table = {
     "avx2+avx512",   avx2_stats_tile,    avx2_u2_tile,     avx2_u2_flat,
-    avx2_agree_rows, avx512x_apply_rows, avx512x_finish_flat,
+    avx512x_agree_rows, avx512x_apply_rows, avx512x_finish_flat,
     am_avx2_stats_mats, am_avx2_u2_mats, am_avx2_moments_mats,
 };
 
@@ -1001,7 +1022,8 @@ const am_kernels *am_kernels_avx2(void) {
     g_apply16 = am_avx512_apply16();
     g_flat16 = am_avx512_flat16();
     g_apply16_mats = am_avx512_apply16_mats();
-    if (!g_apply16 || !g_flat16 || !g_apply16_mats || !am_philox32_avx512())
+    g_agree_mats = am_avx512_agree_mats();
+    if (!g_apply16 || !g_flat16 || !g_apply16_mats || !g_agree_mats || !am_philox32_avx512())
         return &avx2_table;
     g_philox = am_philox32_avx512(); /* only with the whole AVX-512 set */
     return &avx512x_table;

@@ -136,10 +136,15 @@ static AM_NOINLINE void f16_fixup(uint16_t *p, rng512 *w) {
 /* Stores v into 16-bit elements i..i+15, stochastically rounded with the
  * noise of w: the bits of am_store_sr with am_sr_noise. */
 AM_INLINE void st16(void *base, const int dt, int64_t i, __m512 v, rng512 *w) {
-    const __m512i rnd = rnd16(w, i);
     const __m512i b = _mm512_castps_si512(v);
     const __m512i ab = _mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff));
     uint16_t *out = (uint16_t *)base + i;
+    __m512i rnd;
+    if (dt == AM_DTYPE_FLOAT32) { /* no rounding (the small-matrix apply) */
+        _mm512_storeu_ps((float *)base + i, v);
+        return;
+    }
+    rnd = rnd16(w, i);
     if (dt == AM_DTYPE_BFLOAT16) {
         /* finite and inf: (b + rnd16) >> 16 (an infinity's low 16 bits are
          * zero, so the noise never reaches its high half); NaN:
@@ -353,7 +358,7 @@ AM_INLINE int64_t mats_mode(void *p, const int pdt, const void *g, const int gdt
     int64_t f;
     for (f = r0 * C; f < f1; f += 16) {
         unsigned bits;
-        rng_need(w, f, 16);
+        if (pdt != AM_DTYPE_FLOAT32) rng_need(w, f, 16);
         w->span0 = f;
         bits = apply16(p, pdt, g, gdt, f, ff16_next(&ff), sv, lrv, wdv, scaled, wd, w);
         if (pol_row) bw_put(&bw, bits, 16);
@@ -384,23 +389,66 @@ AM_INLINE int64_t mats_body(void *p, const int pdt, const void *g, const int gdt
     AM_CLEAN_RETURN(int64_t, mats_body(p, PD, g, GD, R, C, r0, r1, rf, cf, scale, lr, k, \
                                        seed, param_id, step, pol_row))
 
-/* pdt must be bfloat16 or float16. */
 static int64_t avx512_apply_mats(void *p, int pdt, const void *g, int gdt, int64_t R,
                                  int64_t C, int64_t r0, int64_t r1, const float *rf,
                                  const float *cf, float scale, float lr,
                                  const am_consts *k, uint64_t seed, uint32_t param_id,
                                  int64_t step, uint8_t *pol_row) {
-    switch ((pdt - 1) * 3 + gdt) {
-    case 0: AM_MATS512_CASE(1, 0);
-    case 1: AM_MATS512_CASE(1, 1);
-    case 2: AM_MATS512_CASE(1, 2);
-    case 3: AM_MATS512_CASE(2, 0);
-    case 4: AM_MATS512_CASE(2, 1);
+    switch (pdt * 3 + gdt) {
+    case 0: AM_MATS512_CASE(0, 0);
+    case 1: AM_MATS512_CASE(0, 1);
+    case 2: AM_MATS512_CASE(0, 2);
+    case 3: AM_MATS512_CASE(1, 0);
+    case 4: AM_MATS512_CASE(1, 1);
+    case 5: AM_MATS512_CASE(1, 2);
+    case 6: AM_MATS512_CASE(2, 0);
+    case 7: AM_MATS512_CASE(2, 1);
     default: AM_MATS512_CASE(2, 2);
     }
 }
 
 am_apply_mats_fn am_avx512_apply16_mats(void) { return avx512_apply_mats; }
+
+/* The agreement sweep of an lr-row of small matrices (agree_small in
+ * kernels_avx2.c with 16 lanes): the runs of 16 whole matrices from r0 on,
+ * their new polarity bits written and compared with the old ones; the sign
+ * test is u >= thr (pos_threshold of the clip scale). Returns the rows
+ * done, their matches in *matches. */
+AM_INLINE int64_t agree_mats_body(const void *g, const int gdt, int64_t R, int64_t C,
+                                  int64_t r0, int64_t r1, const float *rf,
+                                  const float *cf, float thr, uint8_t *pol_row,
+                                  int64_t *matches) {
+    const __m512 tv = _mm512_set1_ps(thr);
+    bitw bw = {pol_row, 0, 0, 0};
+    ff16 ff;
+    const int64_t rows = ff16_init(&ff, rf, cf, R, C, r0, r1), f1 = (r0 + rows) * C;
+    int64_t f;
+    for (f = r0 * C; f < f1; f += 16) {
+        const __m512 u = _mm512_mul_ps(ff16_next(&ff), ld16(g, gdt, f));
+        bw_put(&bw, (uint32_t)_mm512_cmp_ps_mask(u, tv, _CMP_GE_OQ), 16);
+    }
+    *matches = bw.matches;
+    return rows;
+}
+
+static int64_t avx512_agree_mats(const void *g, int gdt, int64_t R, int64_t C,
+                                 int64_t r0, int64_t r1, const float *rf,
+                                 const float *cf, float thr, uint8_t *pol_row,
+                                 int64_t *matches) {
+    switch (gdt) {
+    case AM_DTYPE_FLOAT32:
+        AM_CLEAN_RETURN(int64_t, agree_mats_body(g, 0, R, C, r0, r1, rf, cf, thr, pol_row,
+                                                 matches));
+    case AM_DTYPE_BFLOAT16:
+        AM_CLEAN_RETURN(int64_t, agree_mats_body(g, 1, R, C, r0, r1, rf, cf, thr, pol_row,
+                                                 matches));
+    default:
+        AM_CLEAN_RETURN(int64_t, agree_mats_body(g, 2, R, C, r0, r1, rf, cf, thr, pol_row,
+                                                 matches));
+    }
+}
+
+am_agree_mats_fn am_avx512_agree_mats(void) { return avx512_agree_mats; }
 
 /* ref_finish_flat for a 16-bit parameter (e0 % 8 == 0), 16 elements per
  * vector: the same IEEE operations per element as the reference (ema, 1 /
@@ -496,6 +544,7 @@ am_flat_fn am_avx512_flat16(void) { return avx512_finish_flat; }
 
 am_apply_fn am_avx512_apply16(void) { return NULL; }
 am_apply_mats_fn am_avx512_apply16_mats(void) { return NULL; }
+am_agree_mats_fn am_avx512_agree_mats(void) { return NULL; }
 am_flat_fn am_avx512_flat16(void) { return NULL; }
 
 #endif

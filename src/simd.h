@@ -60,11 +60,25 @@ typedef int64_t (*am_apply_mats_fn)(void *p, int pdt, const void *g, int gdt,
                                     float lr, const am_consts *k, uint64_t seed,
                                     uint32_t param_id, int64_t step, uint8_t *pol_row);
 
-/* The AVX-512F/BW apply of bfloat16/float16 small matrices (R*C <= 64, e.g.
- * 3x3 convolution weights; kernels_avx512.c): the runs of 16 whole matrices
- * from r0 on (a multiple of 16*R rows; 0 when r0 is not on a matrix).
- * NULL when not built. Only valid to call when am_cpu_has_avx512() is true. */
+/* The AVX-512F/BW apply of small matrices (R*C <= 64, e.g. 3x3 convolution
+ * weights; kernels_avx512.c), any parameter dtype: the runs of 16 whole
+ * matrices from r0 on (a multiple of 16*R rows; 0 when r0 is not on a
+ * matrix). NULL when not built. Only valid to call when am_cpu_has_avx512()
+ * is true. */
 am_apply_mats_fn am_avx512_apply16_mats(void);
+
+/* The agreement sweep over a prefix of rows [r0, r1) of one lr-row of small
+ * matrices (arguments as the agree_rows slot, with the sign threshold thr
+ * in place of the scale): returns the rows done, their matches in
+ * *matches, polarity bits written. */
+typedef int64_t (*am_agree_mats_fn)(const void *g, int gdt, int64_t R, int64_t C,
+                                    int64_t r0, int64_t r1, const float *rf,
+                                    const float *cf, float thr, uint8_t *pol_row,
+                                    int64_t *matches);
+
+/* Its AVX-512F/BW version (kernels_avx512.c): the runs of 16 whole
+ * matrices, as am_avx512_apply16_mats. NULL when not built. */
+am_agree_mats_fn am_avx512_agree_mats(void);
 
 /* The finish_flat slot's signature (internal.h). */
 typedef int64_t (*am_flat_fn)(void *p, int pdt, const void *g, int gdt, float *sq,

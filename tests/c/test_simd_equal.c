@@ -386,9 +386,12 @@ static void test_agree_underflow(void **unused) {
     static const float scales[] = {1.0f, 1.5f, 2.0f, 2.9999998f, 3.0f, 7.25f, 1e30f, 3.4e38f,
                                    INFINITY};
     enum { C = 200 };
-    float g[C], rf[1] = {1.0f}, cf[C];
+    float g[C], rf[C], cf[C];
     uint8_t pa[C / 8 + 1], pb[C / 8 + 1];
-    int si, j;
+    /* the same elements as one row, and as 200 small matrices 1x1, 1x2
+     * and 2x1 (the runs of 16 matrices of the AVX-512 set, then the rest) */
+    static const int64_t shapes[][3] = {{1, C, 1}, {1, 1, C}, {1, 2, C / 2}, {2, 1, C}};
+    int si, j, sh;
     (void)unused;
     if (!simd || !am_cpu_has_avx2()) {
         print_message("SKIPPED: no AVX2 kernels on this build/CPU; nothing to compare\n");
@@ -398,17 +401,20 @@ static void test_agree_underflow(void **unused) {
         /* k * 2^-149 for small k, both signs, then values near 2^-126 */
         float v = j < 120 ? (float)(j / 2) * 1.40129846e-45f : (float)(j - 119) * 1.1754944e-38f;
         g[j] = (j & 1) ? -v : v;
-        cf[j] = 1.0f;
+        cf[j] = rf[j] = 1.0f;
     }
-    for (si = 0; si < (int)(sizeof scales / sizeof scales[0]); si++) {
-        int64_t ma, mb;
-        memset(pa, 0x55, sizeof pa);
-        memset(pb, 0x55, sizeof pb);
-        ma = am_kernels_ref.agree_rows(g, AM_DTYPE_FLOAT32, 1, C, 0, 1, rf, cf, scales[si], pa);
-        mb = simd->agree_rows(g, AM_DTYPE_FLOAT32, 1, C, 0, 1, rf, cf, scales[si], pb);
-        assert_int_equal(ma, mb);
-        assert_memory_equal(pa, pb, sizeof pa);
-    }
+    for (sh = 0; sh < 4; sh++)
+        for (si = 0; si < (int)(sizeof scales / sizeof scales[0]); si++) {
+            const int64_t R = shapes[sh][0], Cm = shapes[sh][1], rows = shapes[sh][2];
+            int64_t ma, mb;
+            memset(pa, 0x55, sizeof pa);
+            memset(pb, 0x55, sizeof pb);
+            ma = am_kernels_ref.agree_rows(g, AM_DTYPE_FLOAT32, R, Cm, 0, rows, rf, cf,
+                                           scales[si], pa);
+            mb = simd->agree_rows(g, AM_DTYPE_FLOAT32, R, Cm, 0, rows, rf, cf, scales[si], pb);
+            assert_int_equal(ma, mb);
+            assert_memory_equal(pa, pb, sizeof pa);
+        }
 }
 
 /* The moments pass counts the agreement with the unscaled sign (u > 0);
