@@ -289,29 +289,60 @@ am_apply_fn am_avx512_apply16(void) { return avx512_apply_rows; }
 /* Factors of runs of 16 whole small matrices (R*C <= 64, e.g. 3x3
  * convolution weights), as ff_init/ff_next8 in kernels_avx2.c with 16
  * lanes: a run is 16*R*C elements = R*C vectors, and the (row, column) of
- * lane l of vector v repeats from one run to the next, so the rf and cf
- * indices are tabulated once per call and the factors gathered: the same
- * product rf[r] * cf[b, j] as the reference. */
+ * lane l of vector v repeats from one run to the next. Element e of a run
+ * (matrix e / (R*C), flat row e / C) takes rf[e / C] * cf[C * (e / (R*C)) +
+ * e % C], the reference's product. For every shape with C < 16 and R*C <=
+ * 64 the 16 lanes of a vector use at most 16 consecutive rf values and 16
+ * consecutive cf values (checked for each vector when the tables are
+ * built), so each vector loads that window of each (masked to the values it
+ * uses: nothing past them is read) and picks its lanes with one permute
+ * instead of a gather; window offsets, index vectors and masks are
+ * tabulated once per call. */
+typedef struct ffwin {
+    int32_t off;   /* window start, relative to the run's start */
+    __mmask16 use; /* the window's floats read */
+} ffwin;
+
 typedef struct ff16 {
     const float *rfb, *cfb;
     int64_t R, C;
     int n, v;
     __m512i ri[AM_MATS_MAX_ELEMS], ci[AM_MATS_MAX_ELEMS];
+    ffwin rw[AM_MATS_MAX_ELEMS], cw[AM_MATS_MAX_ELEMS];
 } ff16;
+
+/* The window of one vector's indices idx (from their smallest to their
+ * largest), the permute's index vector and the window's mask; 0 when they
+ * span more than 16 floats. */
+static int ff16_win(const int32_t *idx, __m512i *out, ffwin *win) {
+    int32_t rel[16], lo = idx[0], hi = idx[0];
+    int l, span;
+    for (l = 1; l < 16; l++) {
+        if (idx[l] < lo) lo = idx[l];
+        if (idx[l] > hi) hi = idx[l];
+    }
+    span = hi - lo + 1;
+    if (span > 16) return 0;
+    for (l = 0; l < 16; l++) rel[l] = idx[l] - lo;
+    *out = _mm512_loadu_si512((const void *)rel);
+    win->off = lo;
+    win->use = (__mmask16)(span == 16 ? 0xffffu : (1u << span) - 1u);
+    return 1;
+}
 
 /* The rows [r0, r0 + returned) it covers: a multiple of 16*R, 0 when r0 is
  * not on a matrix, the matrices are too big or fewer than 16 are left. */
-static int64_t ff16_init(ff16 *w, const float *rf, const float *cf, int64_t R,
+static AM_NOINLINE int64_t ff16_init(ff16 *w, const float *rf, const float *cf, int64_t R,
                          int64_t C, int64_t r0, int64_t r1) {
     int32_t ri[16], ci[16];
     int v, l, mm = 0, i = 0, j = 0;
-    if (R * C > AM_MATS_MAX_ELEMS || r0 % R != 0 || r1 - r0 < 16 * R) return 0;
     w->rfb = rf + r0;
     w->cfb = cf + (r0 / R) * C;
     w->R = R;
     w->C = C;
     w->n = (int)(R * C);
     w->v = 0;
+    if (R * C > AM_MATS_MAX_ELEMS || r0 % R != 0 || r1 - r0 < 16 * R) return 0;
     for (v = 0; v < w->n; v++) {
         for (l = 0; l < 16; l++) { /* element 16 v + l: matrix mm, row i, column j */
             ri[l] = mm * (int)R + i;
@@ -324,15 +355,28 @@ static int64_t ff16_init(ff16 *w, const float *rf, const float *cf, int64_t R,
                 }
             }
         }
-        w->ri[v] = _mm512_loadu_si512((const void *)ri);
-        w->ci[v] = _mm512_loadu_si512((const void *)ci);
+        if (!ff16_win(ri, &w->ri[v], &w->rw[v]) || !ff16_win(ci, &w->ci[v], &w->cw[v]))
+            return 0; /* never for C < 16, R*C <= 64 (see above) */
     }
     return (r1 - r0) / (16 * R) * (16 * R);
 }
 
+/* The 16 values base[win.off + idx[l]] (the window's masked floats only). */
+AM_INLINE __m512 ff16_pick(const float *base, const ffwin *win, __m512i idx) {
+    return _mm512_permutexvar_ps(idx, _mm512_maskz_loadu_ps(win->use, base + win->off));
+}
+
+/* GCC (12, -O3) warns that the tables "may be used uninitialized" here:
+ * ff16_init (not inlined) writes every entry a loop reaches, and the loops
+ * run only when it returned rows. The warning is off for this function. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 AM_INLINE __m512 ff16_next(ff16 *w) {
-    const __m512 fac = _mm512_mul_ps(_mm512_i32gather_ps(w->ri[w->v], w->rfb, 4),
-                                     _mm512_i32gather_ps(w->ci[w->v], w->cfb, 4));
+    const int v = w->v;
+    const __m512 fac = _mm512_mul_ps(ff16_pick(w->rfb, &w->rw[v], w->ri[v]),
+                                     ff16_pick(w->cfb, &w->cw[v], w->ci[v]));
     if (++w->v == w->n) {
         w->v = 0;
         w->rfb += 16 * w->R;
@@ -340,6 +384,9 @@ AM_INLINE __m512 ff16_next(ff16 *w) {
     }
     return fac;
 }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 /* The apply of an lr-row of small matrices (C < 16), walked as one flat
  * stream of 16-element vectors: the runs of 16 whole matrices ff16_init
@@ -356,6 +403,7 @@ AM_INLINE int64_t mats_mode(void *p, const int pdt, const void *g, const int gdt
     ff16 ff;
     const int64_t rows = ff16_init(&ff, rf, cf, R, C, r0, r1), f1 = (r0 + rows) * C;
     int64_t f;
+    if (rows == 0) return 0;
     for (f = r0 * C; f < f1; f += 16) {
         unsigned bits;
         if (pdt != AM_DTYPE_FLOAT32) rng_need(w, f, 16);
@@ -423,6 +471,8 @@ AM_INLINE int64_t agree_mats_body(const void *g, const int gdt, int64_t R, int64
     ff16 ff;
     const int64_t rows = ff16_init(&ff, rf, cf, R, C, r0, r1), f1 = (r0 + rows) * C;
     int64_t f;
+    *matches = 0;
+    if (rows == 0) return 0;
     for (f = r0 * C; f < f1; f += 16) {
         const __m512 u = _mm512_mul_ps(ff16_next(&ff), ld16(g, gdt, f));
         bw_put(&bw, (uint32_t)_mm512_cmp_ps_mask(u, tv, _CMP_GE_OQ), 16);
