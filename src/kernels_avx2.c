@@ -614,7 +614,8 @@ typedef struct facfast {
 static int64_t ff_init(facfast *w, const float *rf, const float *cf, int64_t R,
                        int64_t C, int64_t r0, int64_t r1) {
     int32_t ri[8], ci[8];
-    int v, l, mm, i, j;
+    am_runpos pos = {0, 0, 0};
+    int v;
     if (R * C > AM_MATS_MAX_ELEMS || r0 % R != 0 || r1 - r0 < 8 * R) return 0;
     w->rfb = rf + r0;
     w->cfb = cf + (r0 / R) * C;
@@ -622,21 +623,8 @@ static int64_t ff_init(facfast *w, const float *rf, const float *cf, int64_t R,
     w->C = C;
     w->n = (int)(R * C);
     w->v = 0;
-    /* element e = 8 v + l of the run: matrix mm, row i, column j, counted
-     * up (no division: this runs twice per lr-row) */
-    mm = i = j = 0;
-    for (v = 0; v < w->n; v++) {
-        for (l = 0; l < 8; l++) {
-            ri[l] = mm * (int)R + i;
-            ci[l] = mm * (int)C + j;
-            if (++j == (int)C) {
-                j = 0;
-                if (++i == (int)R) {
-                    i = 0;
-                    mm++;
-                }
-            }
-        }
+    for (v = 0; v < w->n; v++) { /* elements 8 v .. 8 v + 7 of the run */
+        am_run_next(&pos, (int)R, (int)C, 8, ri, ci);
         w->ri[v] = _mm256_loadu_si256((const __m256i *)ri);
         w->ci[v] = _mm256_loadu_si256((const __m256i *)ci);
     }

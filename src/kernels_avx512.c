@@ -189,6 +189,19 @@ AM_INLINE unsigned apply16(void *p, const int pdt, const void *g, const int gdt,
     return (unsigned)_mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_GT_OQ);
 }
 
+/* Runs MODE(scaled, wd) with the two flags as constants: scaled when the
+ * clip scale is not 1, wd when the decay is not 0 (see apply_mode). */
+#define AM_WITH_MODES(scale, k, MODE)                                         \
+    do {                                                                      \
+        if ((scale) != 1.0f) {                                                \
+            if ((k)->wd != 0.0f) MODE(1, 1);                                  \
+            else MODE(1, 0);                                                  \
+        } else {                                                              \
+            if ((k)->wd != 0.0f) MODE(0, 1);                                  \
+            else MODE(0, 0);                                                  \
+        }                                                                     \
+    } while (0)
+
 /* ref_apply_rows for a 16-bit parameter, rows of C >= 16 elements, with the
  * clip division (scaled) and the decay (wd) fixed: the loop holds no test
  * of them and keeps its constants in registers. */
@@ -253,13 +266,7 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
 #define AM_MODE(S, W)                                                         \
     apply_mode(p, pdt, g, gdt, R, C, r0, r1, rf, cf, scale, lr, k, seed,     \
                param_id, step, pol_row, S, W, &w)
-    if (scale != 1.0f) {
-        if (k->wd != 0.0f) AM_MODE(1, 1);
-        else AM_MODE(1, 0);
-    } else {
-        if (k->wd != 0.0f) AM_MODE(0, 1);
-        else AM_MODE(0, 0);
-    }
+    AM_WITH_MODES(scale, k, AM_MODE);
 #undef AM_MODE
 }
 
@@ -335,7 +342,8 @@ static int ff16_win(const int32_t *idx, __m512i *out, ffwin *win) {
 static AM_NOINLINE int64_t ff16_init(ff16 *w, const float *rf, const float *cf, int64_t R,
                          int64_t C, int64_t r0, int64_t r1) {
     int32_t ri[16], ci[16];
-    int v, l, mm = 0, i = 0, j = 0;
+    am_runpos pos = {0, 0, 0};
+    int v;
     w->rfb = rf + r0;
     w->cfb = cf + (r0 / R) * C;
     w->R = R;
@@ -343,18 +351,8 @@ static AM_NOINLINE int64_t ff16_init(ff16 *w, const float *rf, const float *cf, 
     w->n = (int)(R * C);
     w->v = 0;
     if (R * C > AM_MATS_MAX_ELEMS || r0 % R != 0 || r1 - r0 < 16 * R) return 0;
-    for (v = 0; v < w->n; v++) {
-        for (l = 0; l < 16; l++) { /* element 16 v + l: matrix mm, row i, column j */
-            ri[l] = mm * (int)R + i;
-            ci[l] = mm * (int)C + j;
-            if (++j == (int)C) {
-                j = 0;
-                if (++i == (int)R) {
-                    i = 0;
-                    mm++;
-                }
-            }
-        }
+    for (v = 0; v < w->n; v++) { /* elements 16 v .. 16 v + 15 of the run */
+        am_run_next(&pos, (int)R, (int)C, 16, ri, ci);
         if (!ff16_win(ri, &w->ri[v], &w->rw[v]) || !ff16_win(ci, &w->ci[v], &w->cw[v]))
             return 0; /* never for C < 16, R*C <= 64 (see above) */
     }
@@ -422,15 +420,12 @@ AM_INLINE int64_t mats_body(void *p, const int pdt, const void *g, const int gdt
                             int64_t step, uint8_t *pol_row) {
     rng512 w;
     rng_init(&w, seed, param_id, step);
+    int64_t rows = 0;
 #define AM_MODE(S, W)                                                         \
-    return mats_mode(p, pdt, g, gdt, R, C, r0, r1, rf, cf, scale, lr, k, pol_row, S, W, &w)
-    if (scale != 1.0f) {
-        if (k->wd != 0.0f) AM_MODE(1, 1);
-        AM_MODE(1, 0);
-    }
-    if (k->wd != 0.0f) AM_MODE(0, 1);
-    AM_MODE(0, 0);
+    rows = mats_mode(p, pdt, g, gdt, R, C, r0, r1, rf, cf, scale, lr, k, pol_row, S, W, &w)
+    AM_WITH_MODES(scale, k, AM_MODE);
 #undef AM_MODE
+    return rows;
 }
 
 #define AM_MATS512_CASE(PD, GD)                                               \
@@ -557,16 +552,13 @@ AM_INLINE int64_t flat_body(void *p, const int pdt, const void *g, const int gdt
                             uint32_t param_id, int64_t step) {
     rng512 w;
     rng_init(&w, seed, param_id, step);
+    int64_t matches = 0;
 #define AM_MODE(S, W)                                                         \
-    return flat_mode(p, pdt, g, gdt, sq, lr, pol, e0, e1, scale, k, seed,   \
-                     param_id, step, S, W, &w)
-    if (scale != 1.0f) {
-        if (k->wd != 0.0f) AM_MODE(1, 1);
-        AM_MODE(1, 0);
-    }
-    if (k->wd != 0.0f) AM_MODE(0, 1);
-    AM_MODE(0, 0);
+    matches = flat_mode(p, pdt, g, gdt, sq, lr, pol, e0, e1, scale, k, seed, \
+                        param_id, step, S, W, &w)
+    AM_WITH_MODES(scale, k, AM_MODE);
 #undef AM_MODE
+    return matches;
 }
 
 #define AM_FLAT512_CASE(PD, GD)                                               \

@@ -125,6 +125,30 @@ void am_kernels_select(int force_scalar);
         return am_ret_;                                                       \
     } while (0)
 
+/* Element positions in a run of small R x C matrices (the small-matrix
+ * factor tables of kernels_avx2.c and kernels_avx512.c): am_run_next writes
+ * the flat row (mm * R + i) and the column of matrix mm (mm * C + j) of the
+ * next n elements, counting up without a division. */
+typedef struct am_runpos {
+    int mm, i, j;
+} am_runpos;
+
+static inline void am_run_next(am_runpos *pos, int R, int C, int n, int32_t *ri,
+                               int32_t *ci) {
+    int l;
+    for (l = 0; l < n; l++) {
+        ri[l] = pos->mm * R + pos->i;
+        ci[l] = pos->mm * C + pos->j;
+        if (++pos->j == C) {
+            pos->j = 0;
+            if (++pos->i == R) {
+                pos->i = 0;
+                pos->mm++;
+            }
+        }
+    }
+}
+
 /* Thread pool (parallel.c). am_pool_run runs fn(ctx, t) for t in [0, ntasks)
  * on nthreads threads (the caller included), returns 0 when it could not
  * (pool busy with another caller, or threads unavailable): the caller then
