@@ -930,9 +930,10 @@ static const am_kernels avx2_table = {
     am_avx2_stats_mats, am_avx2_u2_mats, am_avx2_moments_mats,
 };
 
-/* The AVX-512F/BW apply of 16-bit parameters (set once by am_kernels_avx2). */
+/* The AVX-512F/BW apply of 16-bit parameters and of small matrices (set
+ * once by am_kernels_avx2). */
 static am_apply_fn g_apply16;
-static am_apply_mats_fn g_apply16_mats;
+static am_apply_mats_fn g_apply_mats;
 
 static void avx512x_apply_rows(void *p, int pdt, const void *g, int gdt,
                                int64_t R, int64_t C, int64_t r0, int64_t r1,
@@ -950,8 +951,8 @@ static void avx512x_apply_rows(void *p, int pdt, const void *g, int gdt,
         return;
     }
     { /* small matrices: runs of 16 in AVX-512, then the rest */
-        const int64_t done = g_apply16_mats(p, pdt, g, gdt, R, C, r0, r1, rf, cf, scale,
-                                            lr, k, seed, param_id, step, pol_row);
+        const int64_t done = g_apply_mats(p, pdt, g, gdt, R, C, r0, r1, rf, cf, scale,
+                                          lr, k, seed, param_id, step, pol_row);
         if (pol_row) pol_row += done * C / 8; /* done * C: a multiple of 16 */
         r0 += done;
     }
@@ -1009,9 +1010,9 @@ const am_kernels *am_kernels_avx2(void) {
     if (!am_cpu_has_avx512() || no_avx512()) return &avx2_table;
     g_apply16 = am_avx512_apply16();
     g_flat16 = am_avx512_flat16();
-    g_apply16_mats = am_avx512_apply16_mats();
+    g_apply_mats = am_avx512_apply_mats();
     g_agree_mats = am_avx512_agree_mats();
-    if (!g_apply16 || !g_flat16 || !g_apply16_mats || !g_agree_mats || !am_philox32_avx512())
+    if (!g_apply16 || !g_flat16 || !g_apply_mats || !g_agree_mats || !am_philox32_avx512())
         return &avx2_table;
     g_philox = am_philox32_avx512(); /* only with the whole AVX-512 set */
     return &avx512x_table;

@@ -1,14 +1,16 @@
 /*
- * kernels_avx512.c — the passes of bfloat16/float16 parameters that are
- * compute-bound on the stochastic rounding, with AVX-512F/BW, 16 elements
- * per vector: the factored apply (apply_rows) and the unfactored finish
- * (finish_flat). float32 parameters are memory-bound there and keep the
- * AVX2 kernels. Same bits as kernels_ref.c: every operation is the
- * reference's IEEE float operation on one element (no fused multiply-add:
- * -ffp-contract=off), the noise is am_sr_noise's, the rounding
- * am_sr_bf16/am_sr_f16's. Built with -mavx512f -mavx512bw on this file
- * only; kernels_avx2.c uses it when dispatch.c found AVX-512F and AVX-512BW
- * with the zmm state enabled.
+ * kernels_avx512.c — the passes that are compute-bound, with AVX-512F/BW,
+ * 16 elements per vector: the factored apply (apply_rows) and the
+ * unfactored finish (finish_flat) of bfloat16/float16 parameters, whose
+ * stochastic rounding dominates them (float32 parameters are memory-bound
+ * there and keep the AVX2 kernels), and the apply and agreement sweep of
+ * small matrices (C < 16, R*C <= 64: convolution weights) in every dtype,
+ * where the per-element factors dominate. Same bits as kernels_ref.c: every
+ * operation is the reference's IEEE float operation on one element (no
+ * fused multiply-add: -ffp-contract=off), the noise is am_sr_noise's, the
+ * rounding am_sr_bf16/am_sr_f16's. Built with -mavx512f -mavx512bw on this
+ * file only; kernels_avx2.c uses it when dispatch.c found AVX-512F and
+ * AVX-512BW with the zmm state enabled.
  */
 #include "simd.h"
 
@@ -87,8 +89,9 @@ static void rng_init(rng512 *w, uint64_t seed, uint32_t param_id, int64_t step) 
  * front, so no noise is generated twice; the next 32 quads follow them. */
 static AM_NOINLINE void rng_refill(rng512 *w, int64_t f) {
     const int64_t q = f >> 3;
-    int64_t keep = w->wend / 8 - q; /* quads q.. already generated */
-    if (keep < 0 || w->wend < 8 * q) keep = 0;
+    int64_t keep = w->wend / 8 - q; /* quads q.. already generated (wend is a
+                                     * multiple of 8; negative: none) */
+    if (keep < 0) keep = 0;
     if (keep > 0) memmove(w->w, w->w + 4 * (q - w->q0), (size_t)(16 * keep));
     w->gen(w->seed, w->pid, w->step, q + keep, w->w + 4 * keep);
     w->q0 = q;
@@ -137,7 +140,6 @@ static AM_NOINLINE void f16_fixup(uint16_t *p, rng512 *w) {
  * noise of w: the bits of am_store_sr with am_sr_noise. */
 AM_INLINE void st16(void *base, const int dt, int64_t i, __m512 v, rng512 *w) {
     const __m512i b = _mm512_castps_si512(v);
-    const __m512i ab = _mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff));
     uint16_t *out = (uint16_t *)base + i;
     __m512i rnd;
     if (dt == AM_DTYPE_FLOAT32) { /* no rounding (the small-matrix apply) */
@@ -161,6 +163,7 @@ AM_INLINE void st16(void *base, const int dt, int64_t i, __m512 v, rng512 *w) {
          * bits are added to the signed pattern: |b| + 0x1fff stays below the
          * sign bit, so the sign is kept. bad: |b| outside [2^-14, max float],
          * one unsigned compare after a shift of the range to 0. */
+        const __m512i ab = _mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff));
         const __mmask16 bad = _mm512_cmpgt_epu32_mask(
             _mm512_sub_epi32(ab, _mm512_set1_epi32(0x38800000)),
             _mm512_set1_epi32(0x7f7fffff - 0x38800000));
@@ -450,7 +453,7 @@ static int64_t avx512_apply_mats(void *p, int pdt, const void *g, int gdt, int64
     }
 }
 
-am_apply_mats_fn am_avx512_apply16_mats(void) { return avx512_apply_mats; }
+am_apply_mats_fn am_avx512_apply_mats(void) { return avx512_apply_mats; }
 
 /* The agreement sweep of an lr-row of small matrices (agree_small in
  * kernels_avx2.c with 16 lanes): the runs of 16 whole matrices from r0 on,
@@ -585,7 +588,7 @@ am_flat_fn am_avx512_flat16(void) { return avx512_finish_flat; }
 #else
 
 am_apply_fn am_avx512_apply16(void) { return NULL; }
-am_apply_mats_fn am_avx512_apply16_mats(void) { return NULL; }
+am_apply_mats_fn am_avx512_apply_mats(void) { return NULL; }
 am_agree_mats_fn am_avx512_agree_mats(void) { return NULL; }
 am_flat_fn am_avx512_flat16(void) { return NULL; }
 

@@ -65,7 +65,7 @@ typedef int64_t (*am_apply_mats_fn)(void *p, int pdt, const void *g, int gdt,
  * matrices from r0 on (a multiple of 16*R rows; 0 when r0 is not on a
  * matrix). NULL when not built. Only valid to call when am_cpu_has_avx512()
  * is true. */
-am_apply_mats_fn am_avx512_apply16_mats(void);
+am_apply_mats_fn am_avx512_apply_mats(void);
 
 /* The agreement sweep over a prefix of rows [r0, r1) of one lr-row of small
  * matrices (arguments as the agree_rows slot, with the sign threshold thr
@@ -77,7 +77,7 @@ typedef int64_t (*am_agree_mats_fn)(const void *g, int gdt, int64_t R, int64_t C
                                     int64_t *matches);
 
 /* Its AVX-512F/BW version (kernels_avx512.c): the runs of 16 whole
- * matrices, as am_avx512_apply16_mats. NULL when not built. */
+ * matrices, as am_avx512_apply_mats. NULL when not built. */
 am_agree_mats_fn am_avx512_agree_mats(void);
 
 /* The finish_flat slot's signature (internal.h). */
