@@ -1,7 +1,8 @@
 /*
  * am_bits.h — the packed polarity writer shared by the SIMD kernel files:
  * appends sign bits (bit 0 of a byte first) at any bit alignment and counts
- * how many equal the bits they replace. Plain C, no intrinsics.
+ * how many equal the bits they replace; and readers of stored bits at any
+ * alignment. Plain C, no intrinsics.
  */
 #ifndef AM_BITS_H
 #define AM_BITS_H
@@ -49,6 +50,24 @@ static inline void bw_flush(bitw *w) {
         *w->p = (uint8_t)((ob & ~mask) | (w->buf & mask));
         w->n = 0;
     }
+}
+
+/* 8 stored bits starting at bit q (any alignment; reads only bytes that
+ * hold some of those bits). */
+static inline unsigned am_bits8_at(const uint8_t *bits, int64_t q) {
+    const uint8_t *p = bits + (q >> 3);
+    const int s = (int)(q & 7);
+    return s ? ((unsigned)p[0] | (unsigned)p[1] << 8) >> s & 0xffu : p[0];
+}
+
+/* 32 stored bits starting at bit q (any alignment; reads only bytes that
+ * hold some of those bits). */
+static inline uint32_t am_bits32_at(const uint8_t *bits, int64_t q) {
+    const uint8_t *p = bits + (q >> 3);
+    const int s = (int)(q & 7);
+    uint32_t w;
+    memcpy(&w, p, 4);
+    return s ? w >> s | (uint32_t)p[4] << (32 - s) : w;
 }
 
 #endif /* AM_BITS_H */

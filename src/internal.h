@@ -63,7 +63,7 @@ typedef struct am_geom {
     size_t off_row_sumsq, off_col_sumsq, off_rowpart, off_colpart;
     size_t off_new_row, off_new_col, off_rf, off_cf, off_rmean;
     size_t off_tile_u2, off_tile_count, off_agree;
-    size_t off_rowmatch, off_tile_minpos; /* agreement counted in pass 2 */
+    size_t off_rowmatch, off_tile_minpos; /* agreement counted in pass 1 */
 } am_geom;
 
 /* Fills g from shape; AM_ERR_NULL_POINTER / AM_ERR_INVALID_SHAPE. */
@@ -75,7 +75,7 @@ typedef struct am_ws_header {
     int64_t nonfinite;
     int64_t stage;      /* AM_STAGE_*: guards against phases out of order */
     int64_t numel;      /* shape check between phases */
-    int64_t counted;    /* 1: moments counted the agreement (rowmatch) */
+    int64_t counted;    /* 1: stats counted the agreement (rowmatch) */
 } am_ws_header;
 
 enum { AM_STAGE_NONE = 0, AM_STAGE_STATS = 0x5157A7, AM_STAGE_MOMENTS = 0x5157A8 };
@@ -113,23 +113,23 @@ typedef struct am_kernels {
     /* Factored stats for one tile of matrix b (rows [i0,i1), cols [j0,j1)),
      * g_mat pointing at that matrix's element (0,0), C its row length:
      * rowpart[i-i0] = lanesum(g[i,j0:j1]^2); colpart[j-j0] = sum over i
-     * ascending of g[i,j]^2. */
+     * ascending of g[i,j]^2. When pm is not NULL the tile also counts the
+     * agreement of the gradient's sign with the stored polarity:
+     * rowmatch[i-i0] = #{j in [j0,j1) : (g > 0) == old bit of (i, j)}, and
+     * *minpos = the smallest g > 0 of the tile (+inf when none), from which
+     * finish tells whether (g > 0) is the SPEC's (u / scale > 0) for every
+     * element (update.c, counts_valid). */
     void (*stats_tile)(const void *g_mat, int gdt, int64_t C, int64_t i0,
                        int64_t i1, int64_t j0, int64_t j1, float *rowpart,
-                       float *colpart);
+                       float *colpart, const struct am_polmap *pm,
+                       int32_t *rowmatch, float *minpos);
 
     /* Sum of u^2 over one tile, u = (rf[i]*cf[j]) * g: over rows ascending,
      * (double) lanesum over the row's columns. rf/cf are the matrix's
-     * factors (indexed by i and j). When pm is not NULL the tile also counts
-     * the agreement of the unscaled sign with the stored polarity:
-     * rowmatch[i-i0] = #{j in [j0,j1) : (u > 0) == old bit of (i, j)}, and
-     * *minpos = the smallest u > 0 of the tile (+inf when none), from which
-     * finish tells whether (u > 0) is the SPEC's (u / scale > 0) for every
-     * element (update.c). */
+     * factors (indexed by i and j). */
     double (*u2_tile)(const void *g_mat, int gdt, int64_t C, int64_t i0,
                       int64_t i1, int64_t j0, int64_t j1, const float *rf,
-                      const float *cf, const struct am_polmap *pm,
-                      int32_t *rowmatch, float *minpos);
+                      const float *cf);
 
     /* Unfactored (ndim <= 1) sum of u^2 over elements [e0, e1):
      * (double) lanesum of u^2, u = rsqrt(ema(sq, g*g) + eps) * g; NaN when

@@ -197,107 +197,13 @@ AM_INLINE void st8(void *base, const int dt, int64_t i, __m256 v, rngwin *w) {
 
 /* ------------------------------------------------------------ stats ---- */
 
-/* Four rows at a time (as u2_tile_body): four load streams and four row
- * chains; each column still adds its rows in ascending order. */
-AM_INLINE void stats_body(const void *g, const int gdt, int64_t C, int64_t i0,
-                          int64_t i1, int64_t j0, int64_t j1, float *rowpart,
-                          float *colpart) {
-    int64_t n = j1 - j0, nv = n & ~(int64_t)7, i, j;
-    for (j = 0; j < n; j++) colpart[j] = 0.0f;
-    for (i = i0; i + 4 <= i1; i += 4) {
-        const int64_t b0 = i * C + j0, b1 = b0 + C, b2 = b1 + C, b3 = b2 + C;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        float a[4][AM_LANES];
-        int q;
-        for (j = 0; j < nv; j += 8) {
-            __m256 x0 = am_ld8(g, gdt, b0 + j), x1 = am_ld8(g, gdt, b1 + j);
-            __m256 x2 = am_ld8(g, gdt, b2 + j), x3 = am_ld8(g, gdt, b3 + j);
-            __m256 c = _mm256_loadu_ps(colpart + j);
-            x0 = _mm256_mul_ps(x0, x0);
-            x1 = _mm256_mul_ps(x1, x1);
-            x2 = _mm256_mul_ps(x2, x2);
-            x3 = _mm256_mul_ps(x3, x3);
-            a0 = _mm256_add_ps(a0, x0);
-            a1 = _mm256_add_ps(a1, x1);
-            a2 = _mm256_add_ps(a2, x2);
-            a3 = _mm256_add_ps(a3, x3);
-            c = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(_mm256_add_ps(c, x0), x1), x2), x3);
-            _mm256_storeu_ps(colpart + j, c);
-        }
-        _mm256_storeu_ps(a[0], a0);
-        _mm256_storeu_ps(a[1], a1);
-        _mm256_storeu_ps(a[2], a2);
-        _mm256_storeu_ps(a[3], a3);
-        for (j = nv; j < n; j++)
-            for (q = 0; q < 4; q++) {
-                float x = am_load(g, gdt, (i + q) * C + j0 + j), x2 = x * x;
-                a[q][j & 7] += x2;
-                colpart[j] += x2;
-            }
-        for (q = 0; q < 4; q++) rowpart[i + q - i0] = am_lanesum_finish(a[q]);
-    }
-    for (; i < i1; i++) {
-        const int64_t base = i * C + j0;
-        __m256 acc = _mm256_setzero_ps();
-        float a[AM_LANES];
-        for (j = 0; j < nv; j += 8) {
-            __m256 x = am_ld8(g, gdt, base + j);
-            __m256 x2 = _mm256_mul_ps(x, x);
-            acc = _mm256_add_ps(acc, x2);
-            _mm256_storeu_ps(colpart + j, _mm256_add_ps(_mm256_loadu_ps(colpart + j), x2));
-        }
-        _mm256_storeu_ps(a, acc);
-        for (; j < n; j++) {
-            float x = am_load(g, gdt, base + j), x2 = x * x;
-            a[j & 7] += x2;
-            colpart[j] += x2;
-        }
-        rowpart[i - i0] = am_lanesum_finish(a);
-    }
-}
-
-static void avx2_stats_tile(const void *g, int gdt, int64_t C, int64_t i0,
-                            int64_t i1, int64_t j0, int64_t j1, float *rowpart,
-                            float *colpart) {
-    switch (gdt) {
-    case AM_DTYPE_FLOAT32: stats_body(g, 0, C, i0, i1, j0, j1, rowpart, colpart); break;
-    case AM_DTYPE_BFLOAT16: stats_body(g, 1, C, i0, i1, j0, j1, rowpart, colpart); break;
-    default: stats_body(g, 2, C, i0, i1, j0, j1, rowpart, colpart); break;
-    }
-    _mm256_zeroupper(); /* see AM_CLEAN_RETURN (simd.h) */
-}
-
-/* 8 polarity bits starting at bit q (any alignment; reads only bytes that
- * hold some of those bits). */
-AM_INLINE unsigned bits8_at(const uint8_t *bits, int64_t q) {
-    const uint8_t *p = bits + (q >> 3);
-    const int s = (int)(q & 7);
-    return s ? ((unsigned)p[0] | (unsigned)p[1] << 8) >> s & 0xffu : p[0];
-}
-
-/* 32 polarity bits starting at bit q (any alignment; reads only bytes that
- * hold some of those bits). */
-AM_INLINE uint32_t bits32_at(const uint8_t *bits, int64_t q) {
-    const uint8_t *p = bits + (q >> 3);
-    const int s = (int)(q & 7);
-    uint32_t w;
-    memcpy(&w, p, 4);
-    return s ? w >> s | (uint32_t)p[4] << (32 - s) : w;
-}
-
-/* Per-row state of the agreement count in u2_tile_body. */
-typedef struct rowcnt {
-    int64_t q;       /* bit index of the row's element j0 */
-    int64_t mism;    /* vector part: (u > 0) != old bit */
-} rowcnt;
-
-/* The running minimum of the positive elements of u, kept as the smallest
- * unsigned (bits of u) - 1: +0 becomes 0xffffffff and every negative value
+/* The running minimum of the positive elements of x, kept as the smallest
+ * unsigned (bits of x) - 1: +0 becomes 0xffffffff and every negative value
  * (-0 included) at least 0x7fffffff, so positive values, whose bit order is
  * their order, win over them (two integer operations; a blend against +inf
  * costs three on recent Intel cores). See minpos_of for the way back. */
-AM_INLINE __m256i min_pos(__m256i mn, __m256 u) {
-    return _mm256_min_epu32(mn, _mm256_sub_epi32(_mm256_castps_si256(u),
+AM_INLINE __m256i min_pos(__m256i mn, __m256 x) {
+    return _mm256_min_epu32(mn, _mm256_sub_epi32(_mm256_castps_si256(x),
                                                  _mm256_set1_epi32(1)));
 }
 
@@ -316,102 +222,176 @@ static float minpos_of(__m256i mn) {
     return f;
 }
 
-/* Vector u's sign bits against the stored bits j..j+7 of a row; the running
- * minimum of its positive elements. */
-AM_INLINE void count8(rowcnt *rc, const uint8_t *bits, int64_t j, __m256 u,
-                      __m256i *mn) {
-    const __m256 pos = _mm256_cmp_ps(u, _mm256_setzero_ps(), _CMP_GT_OQ);
-    const unsigned nb = (unsigned)_mm256_movemask_ps(pos);
-    rc->mism += __builtin_popcount(nb ^ bits8_at(bits, rc->q + j));
-    *mn = min_pos(*mn, u);
+/* Bit l: lane l of x is > 0. */
+AM_INLINE uint32_t pos8(__m256 x) {
+    return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ));
 }
 
-/* count8 for u at j..j+7, ..., j+24..j+31 of a row: one read of the stored
- * bits and one popcount for all 32. */
-AM_INLINE void count32(rowcnt *rc, const uint8_t *bits, int64_t j, __m256 u0,
-                       __m256 u1, __m256 u2, __m256 u3, __m256i *mn) {
-    const __m256 z = _mm256_setzero_ps();
-    const uint32_t nb =
-        (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(u0, z, _CMP_GT_OQ)) |
-        (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(u1, z, _CMP_GT_OQ)) << 8 |
-        (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(u2, z, _CMP_GT_OQ)) << 16 |
-        (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(u3, z, _CMP_GT_OQ)) << 24;
-    rc->mism += __builtin_popcount(nb ^ bits32_at(bits, rc->q + j));
-    *mn = min_pos(min_pos(min_pos(min_pos(*mn, u0), u1), u2), u3);
-}
+/* Columns j..j+7 of the four rows of stats_body: squares into the row
+ * accumulators (each row its 8 lanes) and into the column sums (rows in
+ * ascending order); with cnt, each row's sign bits go to bit 8 * v of
+ * nb[] and the positive values to the running minimum. */
+#define AM_STATS4(J, V)                                                       \
+    do {                                                                      \
+        __m256 x0 = am_ld8(g, gdt, b0 + (J)), x1 = am_ld8(g, gdt, b1 + (J));  \
+        __m256 x2 = am_ld8(g, gdt, b2 + (J)), x3 = am_ld8(g, gdt, b3 + (J));  \
+        __m256 c = _mm256_loadu_ps(colpart + (J));                            \
+        if (cnt) {                                                            \
+            nb[0] |= pos8(x0) << (8 * (V));                                   \
+            nb[1] |= pos8(x1) << (8 * (V));                                   \
+            nb[2] |= pos8(x2) << (8 * (V));                                   \
+            nb[3] |= pos8(x3) << (8 * (V));                                   \
+            mn = min_pos(min_pos(min_pos(min_pos(mn, x0), x1), x2), x3);      \
+        }                                                                     \
+        x0 = _mm256_mul_ps(x0, x0);                                           \
+        x1 = _mm256_mul_ps(x1, x1);                                           \
+        x2 = _mm256_mul_ps(x2, x2);                                           \
+        x3 = _mm256_mul_ps(x3, x3);                                           \
+        a0 = _mm256_add_ps(a0, x0);                                           \
+        a1 = _mm256_add_ps(a1, x1);                                           \
+        a2 = _mm256_add_ps(a2, x2);                                           \
+        a3 = _mm256_add_ps(a3, x3);                                           \
+        c = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(_mm256_add_ps(c, x0), x1), x2), x3); \
+        _mm256_storeu_ps(colpart + (J), c);                                   \
+    } while (0)
 
-/* The scalar tail of one row: lanes, agreement and minimum as the
- * reference's loop. */
-AM_INLINE void u2_row_tail(const void *g, const int gdt, const int cnt,
-                           int64_t base, int64_t nv, int64_t n, float fr,
-                           const float *cfj, float *a, const am_polmap *pm,
-                           rowcnt *rc, int32_t *match, float *mp) {
+/* One row's scalar tail, as the reference's loop: squares, and with cnt
+ * the agreement and the minimum. mism: mismatches of its vector part. */
+AM_INLINE void stats_row_tail(const void *g, const int gdt, const int cnt,
+                              int64_t base, int64_t nv, int64_t n, float *a,
+                              float *colpart, const uint8_t *bits, int64_t q0,
+                              int64_t mism, int32_t *match, float *mp) {
     int64_t j;
-    int32_t m = (int32_t)(nv - (cnt ? rc->mism : 0));
+    int32_t m = (int32_t)(nv - mism);
     for (j = nv; j < n; j++) {
-        float u = (fr * cfj[j]) * am_load(g, gdt, base + j);
-        a[j & 7] += u * u;
+        float x = am_load(g, gdt, base + j), x2 = x * x;
+        a[j & 7] += x2;
+        colpart[j] += x2;
         if (cnt) {
-            int64_t q = rc->q + j;
-            m += (u > 0.0f) == ((pm->bits[q >> 3] >> (q & 7)) & 1);
-            if (u > 0.0f && u < *mp) *mp = u;
+            int64_t q = q0 + j;
+            m += (x > 0.0f) == ((bits[q >> 3] >> (q & 7)) & 1);
+            if (x > 0.0f && x < *mp) *mp = x;
         }
     }
     if (cnt) *match = m;
 }
 
-/* Columns j..j+31 of one row of u2_tile_body's four: its accumulator takes
- * the four vectors in column order; then their agreement (count32). */
-#define AM_U2_ROW32(ACC, RV, BASE, Q)                                         \
-    do {                                                                      \
-        __m256 u_[4];                                                         \
-        int v_;                                                               \
-        for (v_ = 0; v_ < 4; v_++) {                                          \
-            u_[v_] = _mm256_mul_ps(_mm256_mul_ps(RV, _mm256_loadu_ps(cfj + j + 8 * v_)), \
-                                   am_ld8(g, gdt, (BASE) + j + 8 * v_));      \
-            ACC = _mm256_add_ps(ACC, _mm256_mul_ps(u_[v_], u_[v_]));          \
-        }                                                                     \
-        count32(&rc[Q], bits, j, u_[0], u_[1], u_[2], u_[3], &mn);            \
-    } while (0)
-
-/* Four rows at a time: four independent load streams and accumulator
- * chains (one core reads memory faster with several streams in flight);
- * each row keeps its own 8 lanes and rows are added to the total in
- * ascending order, as the reference does. cnt (a constant): also count the
- * agreement (internal.h, u2_tile). */
-AM_INLINE double u2_tile_body(const void *g, const int gdt, const int cnt,
-                              int64_t C, int64_t i0, int64_t i1, int64_t j0,
-                              int64_t j1, const float *rf, const float *cf,
-                              const am_polmap *pm, int32_t *rowmatch,
-                              float *minpos) {
+/* Four rows at a time: four load streams and four row chains (one core
+ * reads memory measurably faster with several streams in flight); each
+ * column still adds its rows in ascending order. cnt (a constant): also
+ * count the agreement of (g > 0) with the stored bits, 32 columns of a row
+ * per read of the bits and per popcount (internal.h, stats_tile). */
+AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C,
+                          int64_t i0, int64_t i1, int64_t j0, int64_t j1,
+                          float *rowpart, float *colpart, const am_polmap *pm,
+                          int32_t *rowmatch, float *minpos) {
     int64_t n = j1 - j0, nv = n & ~(int64_t)7, i, j;
-    const float *cfj = cf + j0;
     const uint8_t *bits = cnt ? pm->bits : NULL;
-    double total = 0.0;
     __m256i mn = _mm256_set1_epi32(-1);
     float mp = INFINITY, mv;
+    for (j = 0; j < n; j++) colpart[j] = 0.0f;
+    for (i = i0; i + 4 <= i1; i += 4) {
+        const int64_t b0 = i * C + j0, b1 = b0 + C, b2 = b1 + C, b3 = b2 + C;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        float a[4][AM_LANES];
+        int64_t q0[4] = {0, 0, 0, 0}, mism[4] = {0, 0, 0, 0};
+        uint32_t nb[4];
+        int q;
+        if (cnt)
+            for (q = 0; q < 4; q++) q0[q] = am_polmap_bit(pm, i + q, j0);
+        for (j = 0; cnt && j + 32 <= nv; j += 32) {
+            nb[0] = nb[1] = nb[2] = nb[3] = 0;
+            AM_STATS4(j, 0);
+            AM_STATS4(j + 8, 1);
+            AM_STATS4(j + 16, 2);
+            AM_STATS4(j + 24, 3);
+            for (q = 0; q < 4; q++)
+                mism[q] += __builtin_popcount(nb[q] ^ am_bits32_at(bits, q0[q] + j));
+        }
+        for (; j < nv; j += 8) {
+            nb[0] = nb[1] = nb[2] = nb[3] = 0;
+            AM_STATS4(j, 0);
+            if (cnt)
+                for (q = 0; q < 4; q++)
+                    mism[q] += __builtin_popcount(nb[q] ^ am_bits8_at(bits, q0[q] + j));
+        }
+        _mm256_storeu_ps(a[0], a0);
+        _mm256_storeu_ps(a[1], a1);
+        _mm256_storeu_ps(a[2], a2);
+        _mm256_storeu_ps(a[3], a3);
+        for (q = 0; q < 4; q++) {
+            stats_row_tail(g, gdt, cnt, (i + q) * C + j0, nv, n, a[q], colpart, bits,
+                           q0[q], mism[q], cnt ? rowmatch + (i + q - i0) : NULL, &mp);
+            rowpart[i + q - i0] = am_lanesum_finish(a[q]);
+        }
+    }
+    for (; i < i1; i++) {
+        const int64_t base = i * C + j0;
+        const int64_t q0 = cnt ? am_polmap_bit(pm, i, j0) : 0;
+        __m256 acc = _mm256_setzero_ps();
+        float a[AM_LANES];
+        int64_t mism = 0;
+        for (j = 0; j < nv; j += 8) {
+            __m256 x = am_ld8(g, gdt, base + j);
+            __m256 x2 = _mm256_mul_ps(x, x);
+            if (cnt) {
+                mism += __builtin_popcount(pos8(x) ^ am_bits8_at(bits, q0 + j));
+                mn = min_pos(mn, x);
+            }
+            acc = _mm256_add_ps(acc, x2);
+            _mm256_storeu_ps(colpart + j, _mm256_add_ps(_mm256_loadu_ps(colpart + j), x2));
+        }
+        _mm256_storeu_ps(a, acc);
+        stats_row_tail(g, gdt, cnt, base, nv, n, a, colpart, bits, q0, mism,
+                       cnt ? rowmatch + (i - i0) : NULL, &mp);
+        rowpart[i - i0] = am_lanesum_finish(a);
+    }
+    if (cnt) {
+        mv = minpos_of(mn);
+        if (mv < mp) mp = mv;
+        *minpos = mp;
+    }
+}
+#undef AM_STATS4
+
+#define AM_STATS_CASE(GD)                                                     \
+    do {                                                                      \
+        if (pm) stats_body(g, GD, 1, C, i0, i1, j0, j1, rowpart, colpart, pm, rowmatch, minpos); \
+        else stats_body(g, GD, 0, C, i0, i1, j0, j1, rowpart, colpart, NULL, NULL, NULL); \
+    } while (0)
+
+static void avx2_stats_tile(const void *g, int gdt, int64_t C, int64_t i0,
+                            int64_t i1, int64_t j0, int64_t j1, float *rowpart,
+                            float *colpart, const am_polmap *pm, int32_t *rowmatch,
+                            float *minpos) {
+    switch (gdt) {
+    case AM_DTYPE_FLOAT32: AM_STATS_CASE(0); break;
+    case AM_DTYPE_BFLOAT16: AM_STATS_CASE(1); break;
+    default: AM_STATS_CASE(2); break;
+    }
+    _mm256_zeroupper(); /* see AM_CLEAN_RETURN (simd.h) */
+}
+#undef AM_STATS_CASE
+
+/* ------------------------------------------------------------ u2 ---- */
+
+/* Four rows at a time: four independent load streams and accumulator
+ * chains; each row keeps its own 8 lanes and rows are added to the total
+ * in ascending order, as the reference does. */
+AM_INLINE double u2_tile_body(const void *g, const int gdt, int64_t C, int64_t i0,
+                              int64_t i1, int64_t j0, int64_t j1, const float *rf,
+                              const float *cf) {
+    int64_t n = j1 - j0, nv = n & ~(int64_t)7, i, j;
+    const float *cfj = cf + j0;
+    double total = 0.0;
     for (i = i0; i + 4 <= i1; i += 4) {
         const int64_t b0 = i * C + j0, b1 = b0 + C, b2 = b1 + C, b3 = b2 + C;
         const __m256 r0 = _mm256_set1_ps(rf[i]), r1 = _mm256_set1_ps(rf[i + 1]);
         const __m256 r2 = _mm256_set1_ps(rf[i + 2]), r3 = _mm256_set1_ps(rf[i + 3]);
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         float a[4][AM_LANES];
-        rowcnt rc[4];
         int q;
-        if (cnt)
-            for (q = 0; q < 4; q++) {
-                rc[q].q = am_polmap_bit(pm, i + q, j0);
-                rc[q].mism = 0;
-            }
-        /* 32 columns of the four rows at a time: each row's accumulator
-         * still takes its vectors in ascending column order */
-        for (j = 0; cnt && j + 32 <= nv; j += 32) {
-            AM_U2_ROW32(a0, r0, b0, 0);
-            AM_U2_ROW32(a1, r1, b1, 1);
-            AM_U2_ROW32(a2, r2, b2, 2);
-            AM_U2_ROW32(a3, r3, b3, 3);
-        }
-        for (; j < nv; j += 8) {
+        for (j = 0; j < nv; j += 8) {
             const __m256 c = _mm256_loadu_ps(cfj + j);
             __m256 u0 = _mm256_mul_ps(_mm256_mul_ps(r0, c), am_ld8(g, gdt, b0 + j));
             __m256 u1 = _mm256_mul_ps(_mm256_mul_ps(r1, c), am_ld8(g, gdt, b1 + j));
@@ -421,20 +401,16 @@ AM_INLINE double u2_tile_body(const void *g, const int gdt, const int cnt,
             a1 = _mm256_add_ps(a1, _mm256_mul_ps(u1, u1));
             a2 = _mm256_add_ps(a2, _mm256_mul_ps(u2, u2));
             a3 = _mm256_add_ps(a3, _mm256_mul_ps(u3, u3));
-            if (cnt) {
-                count8(&rc[0], bits, j, u0, &mn);
-                count8(&rc[1], bits, j, u1, &mn);
-                count8(&rc[2], bits, j, u2, &mn);
-                count8(&rc[3], bits, j, u3, &mn);
-            }
         }
         _mm256_storeu_ps(a[0], a0);
         _mm256_storeu_ps(a[1], a1);
         _mm256_storeu_ps(a[2], a2);
         _mm256_storeu_ps(a[3], a3);
         for (q = 0; q < 4; q++) {
-            u2_row_tail(g, gdt, cnt, (i + q) * C + j0, nv, n, rf[i + q], cfj, a[q], pm,
-                        &rc[q], cnt ? rowmatch + (i + q - i0) : NULL, &mp);
+            for (j = nv; j < n; j++) {
+                float u = (rf[i + q] * cfj[j]) * am_load(g, gdt, (i + q) * C + j0 + j);
+                a[q][j & 7] += u * u;
+            }
             total += (double)am_lanesum_finish(a[q]);
         }
     }
@@ -443,41 +419,28 @@ AM_INLINE double u2_tile_body(const void *g, const int gdt, const int cnt,
         const __m256 rfv = _mm256_set1_ps(rf[i]);
         __m256 acc = _mm256_setzero_ps();
         float a[AM_LANES];
-        rowcnt rc = {0, 0};
-        if (cnt) rc.q = am_polmap_bit(pm, i, j0);
         for (j = 0; j < nv; j += 8) {
             __m256 u = _mm256_mul_ps(_mm256_mul_ps(rfv, _mm256_loadu_ps(cfj + j)),
                                      am_ld8(g, gdt, base + j));
             acc = _mm256_add_ps(acc, _mm256_mul_ps(u, u));
-            if (cnt) count8(&rc, bits, j, u, &mn);
         }
         _mm256_storeu_ps(a, acc);
-        u2_row_tail(g, gdt, cnt, base, nv, n, rf[i], cfj, a, pm, &rc,
-                    cnt ? rowmatch + (i - i0) : NULL, &mp);
+        for (j = nv; j < n; j++) {
+            float u = (rf[i] * cfj[j]) * am_load(g, gdt, base + j);
+            a[j & 7] += u * u;
+        }
         total += (double)am_lanesum_finish(a);
-    }
-    if (cnt) {
-        mv = minpos_of(mn);
-        if (mv < mp) mp = mv;
-        *minpos = mp;
     }
     return total;
 }
 
-#define AM_U2_CASE(GD)                                                        \
-    AM_CLEAN_RETURN(double, pm ? u2_tile_body(g, GD, 1, C, i0, i1, j0, j1, rf, cf, pm, \
-                                      rowmatch, minpos)                       \
-                       : u2_tile_body(g, GD, 0, C, i0, i1, j0, j1, rf, cf,    \
-                                      NULL, NULL, NULL))
-
 static double avx2_u2_tile(const void *g, int gdt, int64_t C, int64_t i0,
                            int64_t i1, int64_t j0, int64_t j1, const float *rf,
-                           const float *cf, const am_polmap *pm,
-                           int32_t *rowmatch, float *minpos) {
+                           const float *cf) {
     switch (gdt) {
-    case AM_DTYPE_FLOAT32: AM_U2_CASE(0);
-    case AM_DTYPE_BFLOAT16: AM_U2_CASE(1);
-    default: AM_U2_CASE(2);
+    case AM_DTYPE_FLOAT32: AM_CLEAN_RETURN(double, u2_tile_body(g, 0, C, i0, i1, j0, j1, rf, cf));
+    case AM_DTYPE_BFLOAT16: AM_CLEAN_RETURN(double, u2_tile_body(g, 1, C, i0, i1, j0, j1, rf, cf));
+    default: AM_CLEAN_RETURN(double, u2_tile_body(g, 2, C, i0, i1, j0, j1, rf, cf));
     }
 }
 
@@ -992,8 +955,21 @@ static int64_t avx512x_finish_flat(void *p, int pdt, const void *g, int gdt, flo
                             step);
 }
 
+/* The AVX-512 stats of 16-bit gradients (set with g_apply16). */
+static am_stats_fn g_stats16;
+
+static void avx512x_stats_tile(const void *g, int gdt, int64_t C, int64_t i0, int64_t i1,
+                               int64_t j0, int64_t j1, float *rowpart, float *colpart,
+                               const am_polmap *pm, int32_t *rowmatch, float *minpos) {
+    /* both callees return with vzeroupper (AM_CLEAN_RETURN, simd.h) */
+    if (gdt != AM_DTYPE_FLOAT32)
+        g_stats16(g, gdt, C, i0, i1, j0, j1, rowpart, colpart, pm, rowmatch, minpos);
+    else
+        avx2_stats_tile(g, gdt, C, i0, i1, j0, j1, rowpart, colpart, pm, rowmatch, minpos);
+}
+
 static const am_kernels avx512x_table = {
-    "avx2+avx512",   avx2_stats_tile,    avx2_u2_tile,     avx2_u2_flat,
+    "avx2+avx512",   avx512x_stats_tile, avx2_u2_tile,     avx2_u2_flat,
     avx512x_agree_rows, avx512x_apply_rows, avx512x_finish_flat,
     am_avx2_stats_mats, am_avx2_u2_mats, am_avx2_moments_mats,
 };
@@ -1012,7 +988,9 @@ const am_kernels *am_kernels_avx2(void) {
     g_flat16 = am_avx512_flat16();
     g_apply_mats = am_avx512_apply_mats();
     g_agree_mats = am_avx512_agree_mats();
-    if (!g_apply16 || !g_flat16 || !g_apply_mats || !g_agree_mats || !am_philox32_avx512())
+    g_stats16 = am_avx512_stats16();
+    if (!g_apply16 || !g_flat16 || !g_apply_mats || !g_agree_mats || !g_stats16 ||
+        !am_philox32_avx512())
         return &avx2_table;
     g_philox = am_philox32_avx512(); /* only with the whole AVX-512 set */
     return &avx512x_table;

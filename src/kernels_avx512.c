@@ -192,6 +192,146 @@ AM_INLINE unsigned apply16(void *p, const int pdt, const void *g, const int gdt,
     return (unsigned)_mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_GT_OQ);
 }
 
+/* ------------------------------------------------------------ stats ---- */
+
+/* Word w of a zmm taken from word 16 + (w >> 1) of the source (see
+ * widen_idx): the upper 16 bfloat16 values of 32. */
+AM_INLINE __m512i widen_idx_hi(void) {
+    return _mm512_set_epi16(31, 31, 30, 30, 29, 29, 28, 28, 27, 27, 26, 26, 25, 25, 24, 24,
+                            23, 23, 22, 22, 21, 21, 20, 20, 19, 19, 18, 18, 17, 17, 16, 16);
+}
+
+/* 32 raw 16-bit values as two vectors of float32, exactly. */
+AM_INLINE void widen32(__m512i raw, const int gdt, __m512 *lo, __m512 *hi) {
+    if (gdt == AM_DTYPE_BFLOAT16) {
+        *lo = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, widen_idx(), raw));
+        *hi = _mm512_castsi512_ps(
+            _mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, widen_idx_hi(), raw));
+    } else {
+        *lo = _mm512_cvtph_ps(_mm512_castsi512_si256(raw));
+        *hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(raw, 1));
+    }
+}
+
+/* acc + x[0..7] + x[8..15], in that order: 16 columns into a row's 8 lanes
+ * as the reference adds them. */
+AM_INLINE __m256 add16(__m256 acc, __m512 x) {
+    acc = _mm256_add_ps(acc, _mm512_castps512_ps256(x));
+    return _mm256_add_ps(acc, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+}
+
+/* Rows i..i+nr-1 (nr = 4 or 1, a constant) of stats16_body: 32 columns of
+ * a row per vector of raw words. With cnt, the agreement is counted on the
+ * raw words: a bfloat16/half g is > 0 exactly when 1 <= bits <= bits of
+ * +inf, i.e. when the unsigned bits - 1 is below +inf's bits (lim); the
+ * same bits - 1 keep the running minimum of the positive values (their
+ * order is their bits' order; +0 wraps to 0xffff, negatives are above
+ * 0x7fff). */
+AM_INLINE void stats16_rows(const uint16_t *gw, const int gdt, const int cnt, const int nr,
+                            int64_t C, int64_t i, int64_t j0, int64_t n, float *rowpart,
+                            float *colpart, const am_polmap *pm, int32_t *rowmatch,
+                            __m512i *mn, float *mp) {
+    const int64_t n32 = n & ~(int64_t)31;
+    const __m512i one = _mm512_set1_epi16(1);
+    const __m512i lim = _mm512_set1_epi16((short)(gdt == AM_DTYPE_BFLOAT16 ? 0x7f80 : 0x7c00));
+    const uint8_t *bits = cnt ? pm->bits : NULL;
+    __m256 acc[4];
+    int64_t q0[4], mism[4], j;
+    int q;
+    for (q = 0; q < nr; q++) {
+        acc[q] = _mm256_setzero_ps();
+        mism[q] = 0;
+        q0[q] = cnt ? am_polmap_bit(pm, i + q, j0) : 0;
+    }
+    for (j = 0; j < n32; j += 32) {
+        __m512 clo = _mm512_loadu_ps(colpart + j), chi = _mm512_loadu_ps(colpart + j + 16);
+        for (q = 0; q < nr; q++) {
+            const __m512i raw = _mm512_loadu_si512((const void *)(gw + (i + q) * C + j0 + j));
+            __m512 lo, hi;
+            if (cnt) {
+                const __m512i d = _mm512_sub_epi16(raw, one);
+                const uint32_t pos = (uint32_t)_mm512_cmplt_epu16_mask(d, lim);
+                *mn = _mm512_min_epu16(*mn, d);
+                mism[q] += __builtin_popcount(pos ^ am_bits32_at(bits, q0[q] + j));
+            }
+            widen32(raw, gdt, &lo, &hi);
+            lo = _mm512_mul_ps(lo, lo);
+            hi = _mm512_mul_ps(hi, hi);
+            acc[q] = add16(add16(acc[q], lo), hi);
+            clo = _mm512_add_ps(clo, lo);
+            chi = _mm512_add_ps(chi, hi);
+        }
+        _mm512_storeu_ps(colpart + j, clo);
+        _mm512_storeu_ps(colpart + j + 16, chi);
+    }
+    for (q = 0; q < nr; q++) { /* the scalar tail, as the reference's loop */
+        const int64_t base = (i + q) * C + j0;
+        float a[AM_LANES];
+        int32_t m = (int32_t)(n32 - mism[q]);
+        _mm256_storeu_ps(a, acc[q]);
+        for (j = n32; j < n; j++) {
+            float x = am_load(gw, gdt, base + j), x2 = x * x;
+            a[j & 7] += x2;
+            colpart[j] += x2;
+            if (cnt) {
+                const int64_t b = q0[q] + j;
+                m += (x > 0.0f) == ((bits[b >> 3] >> (b & 7)) & 1);
+                if (x > 0.0f && x < *mp) *mp = x;
+            }
+        }
+        rowpart[q] = am_lanesum_finish(a);
+        if (cnt) rowmatch[q] = m;
+    }
+}
+
+/* The stats_tile slot (internal.h) for bfloat16/float16 gradients. */
+AM_INLINE void stats16_body(const void *g, const int gdt, const int cnt, int64_t C,
+                            int64_t i0, int64_t i1, int64_t j0, int64_t j1,
+                            float *rowpart, float *colpart, const am_polmap *pm,
+                            int32_t *rowmatch, float *minpos) {
+    const uint16_t *gw = (const uint16_t *)g;
+    const int64_t n = j1 - j0;
+    __m512i mn = _mm512_set1_epi32(-1);
+    float mp = INFINITY;
+    int64_t i, j;
+    for (j = 0; j < n; j++) colpart[j] = 0.0f;
+    for (i = i0; i + 4 <= i1; i += 4)
+        stats16_rows(gw, gdt, cnt, 4, C, i, j0, n, rowpart + (i - i0), colpart, pm,
+                     cnt ? rowmatch + (i - i0) : NULL, &mn, &mp);
+    for (; i < i1; i++)
+        stats16_rows(gw, gdt, cnt, 1, C, i, j0, n, rowpart + (i - i0), colpart, pm,
+                     cnt ? rowmatch + (i - i0) : NULL, &mn, &mp);
+    if (cnt) {
+        uint16_t v[32];
+        uint32_t best = 0xffffu, l;
+        _mm512_storeu_si512((void *)v, mn);
+        for (l = 0; l < 32; l++)
+            if (v[l] < best) best = v[l];
+        best += 1u; /* 1..0x10000; below lim: a positive finite value */
+        if (best < (gdt == AM_DTYPE_BFLOAT16 ? 0x7f80u : 0x7c00u)) {
+            const uint16_t h = (uint16_t)best;
+            const float x = am_load(&h, gdt, 0);
+            if (x < mp) mp = x;
+        }
+        *minpos = mp;
+    }
+}
+
+static void avx512_stats16(const void *g, int gdt, int64_t C, int64_t i0, int64_t i1,
+                           int64_t j0, int64_t j1, float *rowpart, float *colpart,
+                           const am_polmap *pm, int32_t *rowmatch, float *minpos) {
+    if (gdt == AM_DTYPE_BFLOAT16) {
+        if (pm) stats16_body(g, 1, 1, C, i0, i1, j0, j1, rowpart, colpart, pm, rowmatch, minpos);
+        else stats16_body(g, 1, 0, C, i0, i1, j0, j1, rowpart, colpart, NULL, NULL, NULL);
+    } else {
+        if (pm) stats16_body(g, 2, 1, C, i0, i1, j0, j1, rowpart, colpart, pm, rowmatch, minpos);
+        else stats16_body(g, 2, 0, C, i0, i1, j0, j1, rowpart, colpart, NULL, NULL, NULL);
+    }
+    _mm256_zeroupper(); /* see AM_CLEAN_RETURN (simd.h) */
+}
+
+am_stats_fn am_avx512_stats16(void) { return avx512_stats16; }
+
 /* Runs MODE(scaled, wd) with the two flags as constants: scaled when the
  * clip scale is not 1, wd when the decay is not 0 (see apply_mode). */
 #define AM_WITH_MODES(scale, k, MODE)                                         \
@@ -588,6 +728,7 @@ am_flat_fn am_avx512_flat16(void) { return avx512_finish_flat; }
 #else
 
 am_apply_fn am_avx512_apply16(void) { return NULL; }
+am_stats_fn am_avx512_stats16(void) { return NULL; }
 am_apply_mats_fn am_avx512_apply_mats(void) { return NULL; }
 am_agree_mats_fn am_avx512_agree_mats(void) { return NULL; }
 am_flat_fn am_avx512_flat16(void) { return NULL; }

@@ -15,24 +15,6 @@ float am_lanesum_finish(const float a[AM_LANES]) {
     return (s04 + s26) + (s15 + s37);
 }
 
-/* g_mat is (R, C); rowpart is [i1-i0], colpart is [j1-j0]. */
-static void ref_stats_tile(const void *g_mat, int gdt, int64_t C, int64_t i0,
-                           int64_t i1, int64_t j0, int64_t j1, float *rowpart,
-                           float *colpart) {
-    int64_t i, j;
-    for (j = j0; j < j1; j++) colpart[j - j0] = 0.0f;
-    for (i = i0; i < i1; i++) {
-        float acc[AM_LANES] = {0};
-        for (j = j0; j < j1; j++) {
-            float x = am_load(g_mat, gdt, i * C + j);
-            float x2 = x * x;
-            acc[(j - j0) % AM_LANES] += x2;
-            colpart[j - j0] += x2;
-        }
-        rowpart[i - i0] = am_lanesum_finish(acc);
-    }
-}
-
 static int get_bit(const uint8_t *bits, int64_t q) {
     return (bits[q >> 3] >> (q & 7)) & 1;
 }
@@ -43,31 +25,49 @@ static void put_bit(uint8_t *bits, int64_t q, int v) {
     else bits[q >> 3] = (uint8_t)(bits[q >> 3] & ~mask);
 }
 
-/* u = (rf[i] * cf[j]) * g, as the reference's _approx_sq_grad(...).mul_(g).
- * With pm: the agreement of (u > 0) with the stored bits, per row, and the
- * smallest positive u (internal.h). */
-static double ref_u2_tile(const void *g_mat, int gdt, int64_t C, int64_t i0,
-                          int64_t i1, int64_t j0, int64_t j1, const float *rf,
-                          const float *cf, const am_polmap *pm,
-                          int32_t *rowmatch, float *minpos) {
-    double total = 0.0;
+/* g_mat is (R, C); rowpart is [i1-i0], colpart is [j1-j0]. With pm: the
+ * agreement of (g > 0) with the stored bits, per row, and the smallest
+ * g > 0 (internal.h). */
+static void ref_stats_tile(const void *g_mat, int gdt, int64_t C, int64_t i0,
+                           int64_t i1, int64_t j0, int64_t j1, float *rowpart,
+                           float *colpart, const am_polmap *pm, int32_t *rowmatch,
+                           float *minpos) {
     float mp = INFINITY;
     int64_t i, j;
+    for (j = j0; j < j1; j++) colpart[j - j0] = 0.0f;
     for (i = i0; i < i1; i++) {
         float acc[AM_LANES] = {0};
         int32_t match = 0;
         for (j = j0; j < j1; j++) {
-            float u = (rf[i] * cf[j]) * am_load(g_mat, gdt, i * C + j);
-            acc[(j - j0) % AM_LANES] += u * u;
+            float x = am_load(g_mat, gdt, i * C + j);
+            float x2 = x * x;
+            acc[(j - j0) % AM_LANES] += x2;
+            colpart[j - j0] += x2;
             if (pm) {
-                match += (u > 0.0f) == get_bit(pm->bits, am_polmap_bit(pm, i, j));
-                if (u > 0.0f && u < mp) mp = u;
+                match += (x > 0.0f) == get_bit(pm->bits, am_polmap_bit(pm, i, j));
+                if (x > 0.0f && x < mp) mp = x;
             }
         }
-        total += (double)am_lanesum_finish(acc);
+        rowpart[i - i0] = am_lanesum_finish(acc);
         if (pm) rowmatch[i - i0] = match;
     }
     if (pm) *minpos = mp;
+}
+
+/* u = (rf[i] * cf[j]) * g, as the reference's _approx_sq_grad(...).mul_(g). */
+static double ref_u2_tile(const void *g_mat, int gdt, int64_t C, int64_t i0,
+                          int64_t i1, int64_t j0, int64_t j1, const float *rf,
+                          const float *cf) {
+    double total = 0.0;
+    int64_t i, j;
+    for (i = i0; i < i1; i++) {
+        float acc[AM_LANES] = {0};
+        for (j = j0; j < j1; j++) {
+            float u = (rf[i] * cf[j]) * am_load(g_mat, gdt, i * C + j);
+            acc[(j - j0) % AM_LANES] += u * u;
+        }
+        total += (double)am_lanesum_finish(acc);
+    }
     return total;
 }
 
@@ -157,7 +157,7 @@ static void ref_stats_mats(const void *g, int gdt, int64_t R, int64_t C,
     int64_t b;
     for (b = b0; b < b1; b++)
         ref_stats_tile((const char *)g + (size_t)(b * R * C) * es, gdt, C, 0, R,
-                       0, C, rowsum + b * R, colsum + b * C);
+                       0, C, rowsum + b * R, colsum + b * C, NULL, NULL, NULL);
 }
 
 static void ref_u2_mats(const void *g, int gdt, int64_t R, int64_t C,
@@ -167,8 +167,7 @@ static void ref_u2_mats(const void *g, int gdt, int64_t R, int64_t C,
     int64_t b;
     for (b = b0; b < b1; b++)
         out[b - b0] = ref_u2_tile((const char *)g + (size_t)(b * R * C) * es,
-                                  gdt, C, 0, R, 0, C, rf + b * R, cf + b * C,
-                                  NULL, NULL, NULL);
+                                  gdt, C, 0, R, 0, C, rf + b * R, cf + b * C);
 }
 
 /* SPEC 3.1 for one matrix b. */

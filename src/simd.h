@@ -91,6 +91,16 @@ typedef int64_t (*am_flat_fn)(void *p, int pdt, const void *g, int gdt, float *s
  * valid to call when am_cpu_has_avx512() is true. */
 am_flat_fn am_avx512_flat16(void);
 
+/* The stats_tile slot's signature (internal.h). */
+typedef void (*am_stats_fn)(const void *g_mat, int gdt, int64_t C, int64_t i0, int64_t i1,
+                            int64_t j0, int64_t j1, float *rowpart, float *colpart,
+                            const am_polmap *pm, int32_t *rowmatch, float *minpos);
+
+/* The AVX-512F/BW stats_tile of bfloat16/float16 gradients (kernels_avx512.c;
+ * the agreement counted on the raw 16-bit words), for gdt != float32 only;
+ * NULL when not built. Only valid to call when am_cpu_has_avx512() is true. */
+am_stats_fn am_avx512_stats16(void);
+
 /* The AVX2 set without any AVX-512 part (for tests: the set in use on CPUs
  * without AVX-512). NULL when not built. */
 const am_kernels *am_kernels_avx2_plain(void);

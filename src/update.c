@@ -106,6 +106,19 @@ static int64_t count_nonfinite(const am_tensor *t, int64_t n) {
 
 /* ------------------------------------------------------------ stats ---- */
 
+/* The polarity bits of matrix b, for the agreement count. */
+static am_polmap polmap_of(const upd *u, int64_t b) {
+    am_polmap pm;
+    pm.bits = u->state->polarity;
+    pm.r0 = b * u->g.R;
+    pm.rows_per_lr = u->g.m / u->g.C;
+    pm.lr_bits = 8 * u->g.pol_row_bytes;
+    pm.C = u->g.C;
+    return pm;
+}
+
+/* Pass 1 of a tile: the sums of g*g and the agreement count (the sign of u
+ * is that of g, see counts_valid), so that pass 3 reads g once less. */
 static void stats_task(void *ctx, int64_t t) {
     upd *u = (upd *)ctx;
     const am_geom *g = &u->g;
@@ -116,8 +129,11 @@ static void stats_task(void *ctx, int64_t t) {
                                : WS(u, off_row_sumsq, float);
     float *coldst = g->nrb > 1 ? WS(u, off_colpart, float) + rb * g->B * g->C
                                : WS(u, off_col_sumsq, float);
+    am_polmap pm = polmap_of(u, b);
     u->kt->stats_tile(mat_ptr(u->grad, g, b), u->grad->dtype, g->C, i0, i1, j0,
-                      j1, rowdst + b * g->R + i0, coldst + b * g->C + j0);
+                      j1, rowdst + b * g->R + i0, coldst + b * g->C + j0, &pm,
+                      WS(u, off_rowmatch, int32_t) + cb * g->B * g->R + b * g->R + i0,
+                      WS(u, off_tile_minpos, float) + t);
 }
 
 /* Many small matrices (R*C <= AM_MATS_MAX_ELEMS, each one tile): a task
@@ -202,6 +218,9 @@ static am_status run_stats(upd *u) {
     u->h->nonfinite = 0;
     u->h->u2_sum = 0.0;
     u->h->numel = g->numel;
+    /* Tiles count the agreement; the batched small-matrix slots do not
+     * (finish counts there). */
+    u->h->counted = g->ndim >= 2 && g->numel > 0 && !batched(g);
     /* No elements: no sums (a [5, 0] matrix has rows but no tiles, so its
      * row sums would be read unwritten). */
     if (g->numel == 0) {
@@ -241,17 +260,9 @@ static void u2_task(void *ctx, int64_t t) {
     int64_t cb = t % g->ncb, rb = (t / g->ncb) % g->nrb, b = t / (g->ncb * g->nrb);
     int64_t i0 = rb * g->RB, i1 = i0 + g->RB < g->R ? i0 + g->RB : g->R;
     int64_t j0 = cb * g->CB, j1 = j0 + g->CB < g->C ? j0 + g->CB : g->C;
-    am_polmap pm;
-    pm.bits = u->state->polarity;
-    pm.r0 = b * g->R;
-    pm.rows_per_lr = g->m / g->C;
-    pm.lr_bits = 8 * g->pol_row_bytes;
-    pm.C = g->C;
     WS(u, off_tile_u2, double)[t] = u->kt->u2_tile(
         mat_ptr(u->grad, g, b), u->grad->dtype, g->C, i0, i1, j0, j1,
-        WS(u, off_rf, float) + b * g->R, WS(u, off_cf, float) + b * g->C, &pm,
-        WS(u, off_rowmatch, int32_t) + cb * g->B * g->R + b * g->R + i0,
-        WS(u, off_tile_minpos, float) + t);
+        WS(u, off_rf, float) + b * g->R, WS(u, off_cf, float) + b * g->C);
 }
 
 static am_status run_moments(upd *u) {
@@ -262,15 +273,11 @@ static am_status run_moments(upd *u) {
                  "am_update_moments: workspace does not hold am_update_stats "
                  "results for this parameter");
     if (u->h->nonfinite) return AM_SKIPPED_NONFINITE_GRAD;
-    u->h->counted = 0;
     if (g->ndim >= 2 && g->numel > 0) {
         const float *rs = WS(u, off_row_sumsq, float), *cs = WS(u, off_col_sumsq, float);
         float *nr = WS(u, off_new_row, float), *nc = WS(u, off_new_col, float);
         float *rf = WS(u, off_rf, float), *cf = WS(u, off_cf, float);
         float *rmean = WS(u, off_rmean, float);
-        /* Tiles also count the agreement (pass 3 then reads g once less);
-         * the batched small-matrix slots do not, finish counts there. */
-        u->h->counted = !batched(g);
         if (batched(g)) {
             am_parallel_for(mat_tasks(g), (double)mats_per_task(g) * (double)(g->R * g->C) * 12.0,
                             moments_u2_mats_task, u);
@@ -290,10 +297,10 @@ static am_status run_moments(upd *u) {
 typedef struct fin {
     upd *u;
     am_state *state;
-    int counted; /* the moments pass's counts are this update's agreement */
+    int counted; /* the stats pass's counts are this update's agreement */
 } fin;
 
-/* Matches of lr-row kr counted by the moments pass (rows of every column
+/* Matches of lr-row kr counted by the stats pass (rows of every column
  * block; integer sums, so the order does not matter). */
 static int64_t counted_matches(const upd *u, int64_t kr) {
     const am_geom *g = &u->g;
@@ -304,20 +311,33 @@ static int64_t counted_matches(const upd *u, int64_t kr) {
     return s;
 }
 
-/* The moments pass counted (u > 0) against the old bits; the SPEC's sign is
- * (u / scale > 0). They differ only for 0 < u with u / scale underflowing to
- * zero, and division by scale is monotonic, so they agree everywhere iff
- * the smallest positive u survives the division (an infinite scale fails:
- * inf / inf is NaN). */
+/* The smallest of v[0..n), NaN when one is NaN. */
+static float min_or_nan(const float *v, int64_t n) {
+    float m = INFINITY;
+    int64_t i;
+    for (i = 0; i < n; i++)
+        if (!(v[i] >= m)) m = v[i];
+    return m;
+}
+
+/* The stats pass counted (g > 0) against the old bits; the SPEC's sign is
+ * (u / scale > 0), u = (rf * cf) * g. For g <= 0, u is <= 0 or NaN (rf, cf
+ * > 0), never positive; a NaN g skips the update. A positive g gives a
+ * positive u / scale unless a product or the division underflows (or a
+ * factor is 0 or NaN, from an overflowed moment). Rounded multiplication
+ * and division by a positive number are monotonic, so every positive g
+ * does when the bound built from the smallest positive g and the smallest
+ * factors does: ((rfmin * cfmin) * gmin) / scale > 0, in the kernels' order
+ * of operations. Otherwise (rare: tiny gradients against a huge scale)
+ * finish counts in a separate pass (agree_rows). */
 static int counts_valid(const upd *u) {
     const am_geom *g = &u->g;
-    const float *mp = WS(u, off_tile_minpos, float);
-    float m = INFINITY;
-    int64_t t;
+    float gmin, fac;
     if (!u->h->counted) return 0;
-    for (t = 0; t < g->ntiles; t++)
-        if (mp[t] < m) m = mp[t];
-    return m / u->scale > 0.0f;
+    gmin = min_or_nan(WS(u, off_tile_minpos, float), g->ntiles);
+    fac = min_or_nan(WS(u, off_rf, float), g->B * g->R) *
+          min_or_nan(WS(u, off_cf, float), g->B * g->C);
+    return (fac * gmin) / u->scale > 0.0f;
 }
 
 static void finish_lr_row_task(void *ctx, int64_t kr) {

@@ -123,13 +123,13 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
     }
 
     if (C - j0 > 0) {
-        a->stats_tile(g, gdt, C, 0, R, j0, C, rp1, cp1);
-        b->stats_tile(g, gdt, C, 0, R, j0, C, rp2, cp2);
+        a->stats_tile(g, gdt, C, 0, R, j0, C, rp1, cp1, NULL, NULL, NULL);
+        b->stats_tile(g, gdt, C, 0, R, j0, C, rp2, cp2, NULL, NULL, NULL);
         assert_memory_equal(rp1, rp2, 4 * R);
         assert_memory_equal(cp1, cp2, 4 * (size_t)(C - j0));
         {
-            double u1 = a->u2_tile(g, gdt, C, 1, R, j0, C, rf, cf, NULL, NULL, NULL);
-            double u2 = b->u2_tile(g, gdt, C, 1, R, j0, C, rf, cf, NULL, NULL, NULL);
+            double u1 = a->u2_tile(g, gdt, C, 1, R, j0, C, rf, cf);
+            double u2 = b->u2_tile(g, gdt, C, 1, R, j0, C, rf, cf);
             assert_memory_equal(&u1, &u2, sizeof u1);
         }
         { /* with the agreement count: lr-rows of 2 matrix rows, so the
@@ -137,18 +137,35 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
             am_polmap pm;
             int32_t m1r[7], m2r[7];
             float mp1, mp2;
-            double u1, u2;
             pm.bits = polr;
             pm.r0 = 0;
             pm.rows_per_lr = 2;
             pm.lr_bits = 8 * ((2 * C + 7) / 8);
             pm.C = C;
-            u1 = a->u2_tile(g, gdt, C, 1, R, j0, C, rf, cf, &pm, m1r, &mp1);
-            u2 = b->u2_tile(g, gdt, C, 1, R, j0, C, rf, cf, &pm, m2r, &mp2);
-            assert_memory_equal(&u1, &u2, sizeof u1);
+            a->stats_tile(g, gdt, C, 1, R, j0, C, rp1, cp1, &pm, m1r, &mp1);
+            b->stats_tile(g, gdt, C, 1, R, j0, C, rp2, cp2, &pm, m2r, &mp2);
+            assert_memory_equal(rp1, rp2, 4 * (size_t)(R - 1));
+            assert_memory_equal(cp1, cp2, 4 * (size_t)(C - j0));
             assert_memory_equal(m1r, m2r, sizeof(int32_t) * (size_t)(R - 1));
             assert_memory_equal(&mp1, &mp2, sizeof mp1);
             for (i = 0; i < R - 1; i++) assert_true(m1r[i] >= 0 && m1r[i] <= C - j0);
+            if (C - j0 > 9) { /* +inf counts as positive, NaN and -inf do not */
+                void *gx = xmalloc((size_t)n * am_dtype_size((am_dtype)gdt));
+                memcpy(gx, g, (size_t)n * am_dtype_size((am_dtype)gdt));
+                set_value(gx, gdt, 2 * C + j0 + 1, INFINITY);
+                set_value(gx, gdt, 3 * C + j0 + 2, NAN);
+                set_value(gx, gdt, 4 * C + j0 + 3, -INFINITY);
+                set_value(gx, gdt, 5 * C - 4, INFINITY); /* a tail */
+                set_value(gx, gdt, 5 * C + j0 + 9, INFINITY);
+                /* the NaN next to +inf's bits */
+                if (gdt == AM_DTYPE_FLOAT32) ((uint32_t *)gx)[6 * C + j0 + 5] = 0x7f800001u;
+                else ((uint16_t *)gx)[6 * C + j0 + 5] = gdt == AM_DTYPE_BFLOAT16 ? 0x7f81u : 0x7c01u;
+                a->stats_tile(gx, gdt, C, 1, R, j0, C, rp1, cp1, &pm, m1r, &mp1);
+                b->stats_tile(gx, gdt, C, 1, R, j0, C, rp2, cp2, &pm, m2r, &mp2);
+                assert_memory_equal(m1r, m2r, sizeof(int32_t) * (size_t)(R - 1));
+                assert_memory_equal(&mp1, &mp2, sizeof mp1);
+                free(gx);
+            }
         }
     }
     {
@@ -417,14 +434,14 @@ static void test_agree_underflow(void **unused) {
         }
 }
 
-/* The moments pass counts the agreement with the unscaled sign (u > 0);
+/* The stats pass counts the agreement with the sign of g (that of u);
  * the SPEC's sign is that of u / scale, which is 0 for a positive u small
  * enough. Shape (2, 19): row 0 holds 1e15 in columns 9 (a vector lane) and
  * 18 (the scalar tail), row 1 holds 1e-32 there and 1 elsewhere, every old
  * bit is 1. Row 1's u at those columns is about 1e-32 * rf (2.4e14) * cf
  * (4.5e-14) = 1.1e-31 and the clip scale about 5e15, so u / scale underflows
  * to 0: both bits become 0, lr-row 1 agrees on 17 of 19 elements and row 0
- * on 19 of 19. Counting (u > 0) would give 19 of 19 for both. Scalar and
+ * on 19 of 19. Counting (g > 0) would give 19 of 19 for both. Scalar and
  * best kernels, fused-count path and fallback must say the same. */
 static void test_counted_agreement_underflow(void **unused) {
     am_shape sh = {2, {2, 19}};
