@@ -96,8 +96,8 @@ static void evict(void) {
 /* -------------------------------------------------------- one case ---- */
 
 /* Bytes per element of one update under the traffic model
- * (docs/PERFORMANCE.md): gradient read 3x (stats, u2, agree; the apply
- * re-read hits cache), parameter read + written once, polarity bits read +
+ * (docs/PERFORMANCE.md): gradient read 3x (stats with the agreement
+ * count, u2, apply), parameter read + written once, polarity bits read +
  * written; unfactored adds sq read 2x + written, lr read + written. */
 static double model_bytes(int ndim, size_t es) {
     if (ndim >= 2) return 3.0 * (double)es + 2.0 * (double)es + 0.25;
