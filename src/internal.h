@@ -145,13 +145,13 @@ typedef struct am_kernels {
                           int64_t r0, int64_t r1, const float *rf,
                           const float *cf, float scale, uint8_t *pol_row);
 
-    /* Applies p -= lr*(u/scale + wd*p) over matrix rows [r0, r1) of one
-     * lr-row, stochastic rounding keyed by flat element index. When pol_row
-     * is not NULL it also writes the new polarity bits (u/scale > 0) there,
-     * bit 0 being element (r0, 0). */
+    /* Applies p -= lr*(u*inv + wd*p) over matrix rows [r0, r1) of one
+     * lr-row, inv = 1 / clip scale (am_apply_one), stochastic rounding keyed
+     * by flat element index. When pol_row is not NULL it also writes the new
+     * polarity bits (u*inv > 0) there, bit 0 being element (r0, 0). */
     void (*apply_rows)(void *p, int pdt, const void *g, int gdt, int64_t R,
                        int64_t C, int64_t r0, int64_t r1, const float *rf,
-                       const float *cf, float scale, float lr,
+                       const float *cf, float inv, float lr,
                        const am_consts *k, uint64_t seed, uint32_t param_id,
                        int64_t step, uint8_t *pol_row);
 

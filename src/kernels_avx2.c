@@ -690,12 +690,13 @@ AM_INLINE __m256 apply8(__m256 p, __m256 u, __m256 lrv, __m256 wdv, int has_wd) 
 }
 
 /* One vector of apply_body: elements f..f+7 of the row whose factors are
- * rfv * cfv; returns the sign bits of u / scale (the new polarity). */
+ * rfv * cfv, iv = 1 / clip scale; returns the sign bits of u (the new
+ * polarity). */
 AM_INLINE uint32_t apply_vec(void *p, const int pdt, const void *g, const int gdt,
-                             int64_t f, __m256 fac, __m256 sv, int unscaled,
+                             int64_t f, __m256 fac, __m256 iv, int unscaled,
                              __m256 lrv, __m256 wdv, int has_wd, rngwin *w) {
     __m256 u = _mm256_mul_ps(fac, am_ld8(g, gdt, f)), v;
-    if (!unscaled) u = _mm256_div_ps(u, sv); /* x / 1 == x exactly */
+    if (!unscaled) u = _mm256_mul_ps(u, iv); /* x * 1 == x exactly */
     v = apply8(am_ld8(p, pdt, f), u, lrv, wdv, has_wd);
     st8(p, pdt, f, v, w);
     return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(u, _mm256_setzero_ps(), _CMP_GT_OQ));
@@ -703,12 +704,12 @@ AM_INLINE uint32_t apply_vec(void *p, const int pdt, const void *g, const int gd
 
 AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
                           int64_t R, int64_t C, int64_t r0, int64_t r1,
-                          const float *rf, const float *cf, float scale,
+                          const float *rf, const float *cf, float inv,
                           float lr, const am_consts *k, uint64_t seed,
                           uint32_t param_id, int64_t step, uint8_t *pol_row) {
-    const __m256 sv = _mm256_set1_ps(scale), lrv = _mm256_set1_ps(lr);
+    const __m256 iv = _mm256_set1_ps(inv), lrv = _mm256_set1_ps(lr);
     const __m256 wdv = _mm256_set1_ps(k->wd);
-    const int has_wd = k->wd != 0.0f, unscaled = scale == 1.0f;
+    const int has_wd = k->wd != 0.0f, unscaled = inv == 1.0f;
     const int64_t nv = C & ~(int64_t)7, n64 = C & ~(int64_t)63;
     bitw bw = {pol_row, 0, 0, 0};
     rngwin w;
@@ -720,7 +721,7 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
         const int64_t base = r * C;
 #define AM_APPLY_VEC(J)                                                       \
     apply_vec(p, pdt, g, gdt, base + (J),                                     \
-              _mm256_mul_ps(rfv, _mm256_loadu_ps(cfb + (J))), sv, unscaled,   \
+              _mm256_mul_ps(rfv, _mm256_loadu_ps(cfb + (J))), iv, unscaled,   \
               lrv, wdv, has_wd, &w)
         for (j = 0; j < n64; j += 64) {
             uint64_t bits = 0;
@@ -742,7 +743,7 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
         }
 #undef AM_APPLY_VEC
         for (; j < C; j++) {
-            int pos = am_apply_one(p, pdt, g, gdt, base + j, rf[r] * cfb[j], scale, lr,
+            int pos = am_apply_one(p, pdt, g, gdt, base + j, rf[r] * cfb[j], inv, lr,
                                    k->wd, seed, param_id, step);
             if (pol_row) bw_put(&bw, (uint32_t)pos, 1);
         }
@@ -752,12 +753,12 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
 
 AM_INLINE void apply_small(void *p, const int pdt, const void *g, const int gdt,
                            int64_t R, int64_t C, int64_t r0, int64_t r1,
-                           const float *rf, const float *cf, float scale,
+                           const float *rf, const float *cf, float inv,
                            float lr, const am_consts *k, uint64_t seed,
                            uint32_t param_id, int64_t step, uint8_t *pol_row) {
-    const __m256 sv = _mm256_set1_ps(scale), lrv = _mm256_set1_ps(lr);
+    const __m256 iv = _mm256_set1_ps(inv), lrv = _mm256_set1_ps(lr);
     const __m256 wdv = _mm256_set1_ps(k->wd);
-    const int has_wd = k->wd != 0.0f, unscaled = scale == 1.0f;
+    const int has_wd = k->wd != 0.0f, unscaled = inv == 1.0f;
     const int64_t f1 = r1 * C;
     bitw bw = {pol_row, 0, 0, 0};
     facwalk fw;
@@ -769,11 +770,11 @@ AM_INLINE void apply_small(void *p, const int pdt, const void *g, const int gdt,
     fw_init(&fw, rf, cf, R, C, r0 + fast, r1);
     for (; f + 8 <= f1; f += 8) {
         __m256 fac = f < ffend ? ff_next8(&ff) : fw_next8(&fw);
-        uint32_t bits = apply_vec(p, pdt, g, gdt, f, fac, sv, unscaled, lrv, wdv, has_wd, &w);
+        uint32_t bits = apply_vec(p, pdt, g, gdt, f, fac, iv, unscaled, lrv, wdv, has_wd, &w);
         if (pol_row) bw_put(&bw, bits, 8);
     }
     for (; f < f1; f++) {
-        int pos = am_apply_one(p, pdt, g, gdt, f, fw_next(&fw), scale, lr, k->wd, seed,
+        int pos = am_apply_one(p, pdt, g, gdt, f, fw_next(&fw), inv, lr, k->wd, seed,
                                param_id, step);
         if (pol_row) bw_put(&bw, (uint32_t)pos, 1);
     }
@@ -782,15 +783,15 @@ AM_INLINE void apply_small(void *p, const int pdt, const void *g, const int gdt,
 
 #define AM_APPLY_CASE(PD, GD)                                                 \
     if (C < AM_SMALL_C)                                                       \
-        apply_small(p, PD, g, GD, R, C, r0, r1, rf, cf, scale, lr, k, seed,  \
+        apply_small(p, PD, g, GD, R, C, r0, r1, rf, cf, inv, lr, k, seed,  \
                     param_id, step, pol_row);                                 \
     else                                                                      \
-        apply_body(p, PD, g, GD, R, C, r0, r1, rf, cf, scale, lr, k, seed,   \
+        apply_body(p, PD, g, GD, R, C, r0, r1, rf, cf, inv, lr, k, seed,   \
                    param_id, step, pol_row)
 
 static void avx2_apply_rows(void *p, int pdt, const void *g, int gdt,
                             int64_t R, int64_t C, int64_t r0, int64_t r1,
-                            const float *rf, const float *cf, float scale,
+                            const float *rf, const float *cf, float inv,
                             float lr, const am_consts *k, uint64_t seed,
                             uint32_t param_id, int64_t step, uint8_t *pol_row) {
     switch (pdt * 3 + gdt) {
@@ -900,27 +901,27 @@ static am_apply_mats_fn g_apply_mats;
 
 static void avx512x_apply_rows(void *p, int pdt, const void *g, int gdt,
                                int64_t R, int64_t C, int64_t r0, int64_t r1,
-                               const float *rf, const float *cf, float scale,
+                               const float *rf, const float *cf, float inv,
                                float lr, const am_consts *k, uint64_t seed,
                                uint32_t param_id, int64_t step, uint8_t *pol_row) {
     /* every callee returns with vzeroupper (AM_CLEAN_RETURN, simd.h) */
     if (C >= AM_SMALL_C) {
         if (pdt != AM_DTYPE_FLOAT32)
-            g_apply16(p, pdt, g, gdt, R, C, r0, r1, rf, cf, scale, lr, k, seed, param_id,
+            g_apply16(p, pdt, g, gdt, R, C, r0, r1, rf, cf, inv, lr, k, seed, param_id,
                       step, pol_row);
         else
-            avx2_apply_rows(p, pdt, g, gdt, R, C, r0, r1, rf, cf, scale, lr, k, seed,
+            avx2_apply_rows(p, pdt, g, gdt, R, C, r0, r1, rf, cf, inv, lr, k, seed,
                             param_id, step, pol_row);
         return;
     }
     { /* small matrices: runs of 16 in AVX-512, then the rest */
-        const int64_t done = g_apply_mats(p, pdt, g, gdt, R, C, r0, r1, rf, cf, scale,
+        const int64_t done = g_apply_mats(p, pdt, g, gdt, R, C, r0, r1, rf, cf, inv,
                                           lr, k, seed, param_id, step, pol_row);
         if (pol_row) pol_row += done * C / 8; /* done * C: a multiple of 16 */
         r0 += done;
     }
     if (r0 < r1)
-        avx2_apply_rows(p, pdt, g, gdt, R, C, r0, r1, rf, cf, scale, lr, k, seed,
+        avx2_apply_rows(p, pdt, g, gdt, R, C, r0, r1, rf, cf, inv, lr, k, seed,
                         param_id, step, pol_row);
 }
 

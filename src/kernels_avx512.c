@@ -180,13 +180,13 @@ AM_INLINE void st16(void *base, const int dt, int64_t i, __m512 v, rng512 *w) {
 
 /* Elements f..f+15 with factors fac; returns the new polarity bits.
  * scaled and wd are constants in every instance (see apply_mode): the
- * division by the clip scale is skipped when the scale is 1 (x / 1 == x
- * exactly), the decay term when wd is 0. */
+ * multiplication by iv (1 / clip scale, see apply_rows in internal.h) is
+ * skipped when it is 1 (x * 1 == x exactly), the decay term when wd is 0. */
 AM_INLINE unsigned apply16(void *p, const int pdt, const void *g, const int gdt,
-                           int64_t f, __m512 fac, __m512 sv, __m512 lrv, __m512 wdv,
+                           int64_t f, __m512 fac, __m512 iv, __m512 lrv, __m512 wdv,
                            const int scaled, const int wd, rng512 *w) {
     __m512 u = _mm512_mul_ps(fac, ld16(g, gdt, f)), pv = ld16(p, pdt, f), t;
-    if (scaled) u = _mm512_div_ps(u, sv);
+    if (scaled) u = _mm512_mul_ps(u, iv);
     t = wd ? _mm512_add_ps(u, _mm512_mul_ps(wdv, pv)) : u;
     st16(p, pdt, f, _mm512_sub_ps(pv, _mm512_mul_ps(lrv, t)), w);
     return (unsigned)_mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_GT_OQ);
@@ -346,16 +346,16 @@ am_stats_fn am_avx512_stats16(void) { return avx512_stats16; }
     } while (0)
 
 /* ref_apply_rows for a 16-bit parameter, rows of C >= 16 elements, with the
- * clip division (scaled) and the decay (wd) fixed: the loop holds no test
+ * clip multiplication (scaled) and the decay (wd) fixed: the loop holds no test
  * of them and keeps its constants in registers. */
 AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
                           int64_t R, int64_t C, int64_t r0, int64_t r1,
-                          const float *rf, const float *cf, float scale, float lr,
+                          const float *rf, const float *cf, float inv, float lr,
                           const am_consts *k, uint64_t seed, uint32_t param_id,
                           int64_t step, uint8_t *pol_row, const int scaled,
                           const int wd, rng512 *w) {
     const int64_t n16 = C & ~(int64_t)15, n64 = C & ~(int64_t)63;
-    const __m512 sv = _mm512_set1_ps(scale), lrv = _mm512_set1_ps(lr),
+    const __m512 iv = _mm512_set1_ps(inv), lrv = _mm512_set1_ps(lr),
                  wdv = _mm512_set1_ps(k->wd);
     const float wdf = k->wd;
     bitw bw = {pol_row, 0, 0, 0};
@@ -366,7 +366,7 @@ AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
         const int64_t base = r * C;
 #define AM_APPLY16(J)                                                         \
     apply16(p, pdt, g, gdt, base + (J),                                       \
-            _mm512_mul_ps(rfv, _mm512_loadu_ps(cfb + (J))), sv, lrv, wdv,     \
+            _mm512_mul_ps(rfv, _mm512_loadu_ps(cfb + (J))), iv, lrv, wdv,     \
             scaled, wd, w)
         for (j = 0; j < n64; j += 64) {
             uint64_t bits;
@@ -391,7 +391,7 @@ AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
         }
 #undef AM_APPLY16
         for (; j < C; j++) {
-            int pos = am_apply_one(p, pdt, g, gdt, base + j, rf[r] * cfb[j], scale, lr,
+            int pos = am_apply_one(p, pdt, g, gdt, base + j, rf[r] * cfb[j], inv, lr,
                                    wdf, seed, param_id, step);
             if (pol_row) bw_put(&bw, (uint32_t)pos, 1);
         }
@@ -401,26 +401,26 @@ AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
 
 AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
                           int64_t R, int64_t C, int64_t r0, int64_t r1,
-                          const float *rf, const float *cf, float scale,
+                          const float *rf, const float *cf, float inv,
                           float lr, const am_consts *k, uint64_t seed,
                           uint32_t param_id, int64_t step, uint8_t *pol_row) {
     rng512 w;
     rng_init(&w, seed, param_id, step);
 #define AM_MODE(S, W)                                                         \
-    apply_mode(p, pdt, g, gdt, R, C, r0, r1, rf, cf, scale, lr, k, seed,     \
+    apply_mode(p, pdt, g, gdt, R, C, r0, r1, rf, cf, inv, lr, k, seed,     \
                param_id, step, pol_row, S, W, &w)
-    AM_WITH_MODES(scale, k, AM_MODE);
+    AM_WITH_MODES(inv, k, AM_MODE);
 #undef AM_MODE
 }
 
 #define AM_512_CASE(PD, GD)                                                   \
-    apply_body(p, PD, g, GD, R, C, r0, r1, rf, cf, scale, lr, k, seed,       \
+    apply_body(p, PD, g, GD, R, C, r0, r1, rf, cf, inv, lr, k, seed,       \
                param_id, step, pol_row)
 
 /* pdt must be bfloat16 or float16 and C >= 16. */
 static void avx512_apply_rows(void *p, int pdt, const void *g, int gdt,
                               int64_t R, int64_t C, int64_t r0, int64_t r1,
-                              const float *rf, const float *cf, float scale,
+                              const float *rf, const float *cf, float inv,
                               float lr, const am_consts *k, uint64_t seed,
                               uint32_t param_id, int64_t step, uint8_t *pol_row) {
     switch ((pdt - 1) * 3 + gdt) {
@@ -535,10 +535,10 @@ AM_INLINE __m512 ff16_next(ff16 *w) {
  * starts on a byte). Returns the rows done. */
 AM_INLINE int64_t mats_mode(void *p, const int pdt, const void *g, const int gdt,
                             int64_t R, int64_t C, int64_t r0, int64_t r1,
-                            const float *rf, const float *cf, float scale, float lr,
+                            const float *rf, const float *cf, float inv, float lr,
                             const am_consts *k, uint8_t *pol_row, const int scaled,
                             const int wd, rng512 *w) {
-    const __m512 sv = _mm512_set1_ps(scale), lrv = _mm512_set1_ps(lr),
+    const __m512 iv = _mm512_set1_ps(inv), lrv = _mm512_set1_ps(lr),
                  wdv = _mm512_set1_ps(k->wd);
     bitw bw = {pol_row, 0, 0, 0};
     ff16 ff;
@@ -549,7 +549,7 @@ AM_INLINE int64_t mats_mode(void *p, const int pdt, const void *g, const int gdt
         unsigned bits;
         if (pdt != AM_DTYPE_FLOAT32) rng_need(w, f, 16);
         w->span0 = f;
-        bits = apply16(p, pdt, g, gdt, f, ff16_next(&ff), sv, lrv, wdv, scaled, wd, w);
+        bits = apply16(p, pdt, g, gdt, f, ff16_next(&ff), iv, lrv, wdv, scaled, wd, w);
         if (pol_row) bw_put(&bw, bits, 16);
         if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) f16_fixup((uint16_t *)p, w);
     }
@@ -558,26 +558,26 @@ AM_INLINE int64_t mats_mode(void *p, const int pdt, const void *g, const int gdt
 
 AM_INLINE int64_t mats_body(void *p, const int pdt, const void *g, const int gdt,
                             int64_t R, int64_t C, int64_t r0, int64_t r1,
-                            const float *rf, const float *cf, float scale, float lr,
+                            const float *rf, const float *cf, float inv, float lr,
                             const am_consts *k, uint64_t seed, uint32_t param_id,
                             int64_t step, uint8_t *pol_row) {
     rng512 w;
     rng_init(&w, seed, param_id, step);
     int64_t rows = 0;
 #define AM_MODE(S, W)                                                         \
-    rows = mats_mode(p, pdt, g, gdt, R, C, r0, r1, rf, cf, scale, lr, k, pol_row, S, W, &w)
-    AM_WITH_MODES(scale, k, AM_MODE);
+    rows = mats_mode(p, pdt, g, gdt, R, C, r0, r1, rf, cf, inv, lr, k, pol_row, S, W, &w)
+    AM_WITH_MODES(inv, k, AM_MODE);
 #undef AM_MODE
     return rows;
 }
 
 #define AM_MATS512_CASE(PD, GD)                                               \
-    AM_CLEAN_RETURN(int64_t, mats_body(p, PD, g, GD, R, C, r0, r1, rf, cf, scale, lr, k, \
+    AM_CLEAN_RETURN(int64_t, mats_body(p, PD, g, GD, R, C, r0, r1, rf, cf, inv, lr, k, \
                                        seed, param_id, step, pol_row))
 
 static int64_t avx512_apply_mats(void *p, int pdt, const void *g, int gdt, int64_t R,
                                  int64_t C, int64_t r0, int64_t r1, const float *rf,
-                                 const float *cf, float scale, float lr,
+                                 const float *cf, float inv, float lr,
                                  const am_consts *k, uint64_t seed, uint32_t param_id,
                                  int64_t step, uint8_t *pol_row) {
     switch (pdt * 3 + gdt) {

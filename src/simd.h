@@ -43,7 +43,7 @@ am_philox_fn am_philox32_avx512(void);
 /* The apply_rows slot's signature (internal.h). */
 typedef void (*am_apply_fn)(void *p, int pdt, const void *g, int gdt, int64_t R,
                             int64_t C, int64_t r0, int64_t r1, const float *rf,
-                            const float *cf, float scale, float lr,
+                            const float *cf, float inv, float lr,
                             const am_consts *k, uint64_t seed, uint32_t param_id,
                             int64_t step, uint8_t *pol_row);
 
@@ -56,7 +56,7 @@ am_apply_fn am_avx512_apply16(void);
  * apply_rows slot): returns the rows r0.. it did, polarity bits included. */
 typedef int64_t (*am_apply_mats_fn)(void *p, int pdt, const void *g, int gdt,
                                     int64_t R, int64_t C, int64_t r0, int64_t r1,
-                                    const float *rf, const float *cf, float scale,
+                                    const float *rf, const float *cf, float inv,
                                     float lr, const am_consts *k, uint64_t seed,
                                     uint32_t param_id, int64_t step, uint8_t *pol_row);
 

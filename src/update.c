@@ -23,7 +23,7 @@ typedef struct upd {
     am_ws_header *h;
     am_consts k;
     const am_kernels *kt;
-    float scale;
+    float scale, inv; /* clip divisor (SPEC 3.2) and 1 / scale (apply_rows) */
     am_rng_key key;
 } upd;
 
@@ -328,16 +328,20 @@ static float min_or_nan(const float *v, int64_t n) {
  * and division by a positive number are monotonic, so every positive g
  * does when the bound built from the smallest positive g and the smallest
  * factors does: ((rfmin * cfmin) * gmin) / scale > 0, in the kernels' order
- * of operations. Otherwise (rare: tiny gradients against a huge scale)
- * finish counts in a separate pass (agree_rows). */
+ * of operations. The apply multiplies by inv = 1 / scale instead of
+ * dividing (am_apply_one) and writes the bits (u * inv > 0): the same bound
+ * times inv must be positive too. Otherwise (rare: tiny gradients against a
+ * huge scale) finish counts in a separate pass (agree_rows, the SPEC's
+ * division) and the apply writes no bits. */
 static int counts_valid(const upd *u) {
     const am_geom *g = &u->g;
-    float gmin, fac;
+    float gmin, fac, m;
     if (!u->h->counted) return 0;
     gmin = min_or_nan(WS(u, off_tile_minpos, float), g->ntiles);
     fac = min_or_nan(WS(u, off_rf, float), g->B * g->R) *
           min_or_nan(WS(u, off_cf, float), g->B * g->C);
-    return (fac * gmin) / u->scale > 0.0f;
+    m = fac * gmin;
+    return m / u->scale > 0.0f;
 }
 
 static void finish_lr_row_task(void *ctx, int64_t kr) {
@@ -358,7 +362,7 @@ static void finish_lr_row_task(void *ctx, int64_t kr) {
     if (f->state->step > 0) f->state->lr[kr] = am_lr_bump(f->state->lr[kr], a, &u->k);
     u->kt->apply_rows(u->param->data, u->param->dtype, u->grad->data,
                       u->grad->dtype, g->R, g->C, r0, r0 + rows, rf, cf,
-                      u->scale, f->state->lr[kr], &u->k, u->key.seed,
+                      u->inv, f->state->lr[kr], &u->k, u->key.seed,
                       u->key.param_id, f->state->step, f->counted ? pol : NULL);
 }
 
@@ -410,7 +414,7 @@ static void split_apply_task(void *ctx, int64_t t) {
     split_range(sp, t, &kr, &r0, &r1);
     u->kt->apply_rows(u->param->data, u->param->dtype, u->grad->data,
                       u->grad->dtype, g->R, g->C, r0, r1, WS(u, off_rf, float),
-                      WS(u, off_cf, float), u->scale, sp->f->state->lr[kr], &u->k,
+                      WS(u, off_cf, float), u->inv, sp->f->state->lr[kr], &u->k,
                       u->key.seed, u->key.param_id, sp->f->state->step,
                       sp->f->counted ? split_pol(sp, kr, r0) : NULL);
 }
@@ -483,6 +487,7 @@ static am_status run_finish(upd *u, am_state *state, am_report *rep) {
     rms = norm / (float)sqrt((double)g->numel);
     u->scale = rms / u->k.clip;
     if (!(u->scale >= 1.0f)) u->scale = 1.0f;
+    u->inv = 1.0f / u->scale;
     f.u = u;
     f.state = state;
     f.counted = g->ndim >= 2 && counts_valid(u);

@@ -318,7 +318,7 @@ AM_HD void am_ck_pos_next(const am_ck_args *a, am_ck_pos *p) {
 }
 
 /* Factored u at pos p, gradient element f (SPEC 3.1 then 3.2), as
- * ref_agree_rows and ref_apply_rows: ((rf[r] * cf[b, j]) * g) / scale. */
+ * ref_agree_rows: ((rf[r] * cf[b, j]) * g) / scale. */
 AM_HD float am_ck_u(const am_ck_args *a, const am_ck_pos *p, int64_t f, float scale) {
     return ((a->rf[p->r] * p->cfb[p->j]) * am_load(a->g, a->gdt, f)) / scale;
 }
@@ -350,7 +350,7 @@ AM_HD void am_ck_apply_range(const am_ck_args *a, int64_t t, int64_t lo, int64_t
     int64_t f0 = 4 * t > lo ? 4 * t : lo, f1 = 4 * t + 4 < hi ? 4 * t + 4 : hi, f;
     int64_t kr = am_ck_div(f0, a->m), qk = f0 - kr * a->m;
     am_u32x4 rnd = {{0, 0, 0, 0}};
-    float scale = a->h->scale;
+    const float inv = 1.0f / a->h->scale;
     int64_t step = *a->step;
     am_ck_pos pos = am_ck_pos_at(a, f0);
     am_u32x4 wide = {{0, 0, 0, 0}};
@@ -359,7 +359,9 @@ AM_HD void am_ck_apply_range(const am_ck_args *a, int64_t t, int64_t lo, int64_t
      * uses its half */
     if (a->pdt != AM_DTYPE_FLOAT32) rnd = am_rng_quad(a->seed, a->param_id, step, t >> 1);
     for (f = f0; f < f1; f++) {
-        float u = am_ck_u(a, &pos, f, scale);
+        /* u * (1 / scale), as am_apply_one: the agreement (am_ck_agree)
+         * keeps the SPEC's division */
+        float u = ((a->rf[pos.r] * pos.cfb[pos.j]) * am_load(a->g, a->gdt, f)) * inv;
         float v = am_apply(am_load(a->p, a->pdt, f), u, a->lr[kr], a->k.wd);
         uint32_t nz = a->pdt != AM_DTYPE_FLOAT32
                           ? am_ck_noise(a, step, &rnd, &wide, &have_wide, f, v) : 0u;
