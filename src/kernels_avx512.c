@@ -158,19 +158,21 @@ AM_INLINE void st16(void *base, const int dt, int64_t i, __m512 v, rng512 *w) {
         _mm256_storeu_si256((__m256i *)out,
                             _mm512_castsi512_si256(_mm512_permutexvar_epi16(high_idx(), r)));
     } else {
-        /* Normal half range: add 13 random bits, truncate; the value is then
-         * on the half grid and the round-to-nearest conversion is exact. The
-         * bits are added to the signed pattern: |b| + 0x1fff stays below the
-         * sign bit, so the sign is kept. bad: |b| outside [2^-14, max float],
-         * one unsigned compare after a shift of the range to 0. */
+        /* Half normal range, |b| in [2^-14, 65504]: add 13 random bits and
+         * convert rounding toward zero, which drops exactly those 13 bits
+         * there. The bits are added to the signed pattern: |b| + 0x1fff
+         * stays below 65536's pattern, so the sign and the exponent range
+         * are kept. bad: |b| outside that range (half subnormals, zeros,
+         * values that may overflow to inf, inf, NaN), one unsigned compare
+         * after a shift of the range to 0. */
         const __m512i ab = _mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff));
         const __mmask16 bad = _mm512_cmpgt_epu32_mask(
             _mm512_sub_epi32(ab, _mm512_set1_epi32(0x38800000)),
-            _mm512_set1_epi32(0x7f7fffff - 0x38800000));
-        __m512i t = _mm512_add_epi32(b, _mm512_and_si512(rnd, _mm512_set1_epi32(0x1fff)));
-        t = _mm512_and_si512(t, _mm512_set1_epi32(~0x1fff));
+            _mm512_set1_epi32(0x477fe000 - 0x38800000));
+        const __m512i t = _mm512_add_epi32(b, _mm512_and_si512(rnd, _mm512_set1_epi32(0x1fff)));
         _mm256_storeu_si256((__m256i *)out,
-                            _mm512_cvtps_ph(_mm512_castsi512_ps(t), _MM_FROUND_TO_NEAREST_INT));
+                            _mm512_cvtps_ph(_mm512_castsi512_ps(t),
+                                            _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC));
         if (bad) { /* rare: rounded after the span (f16_fixup) */
             _mm512_storeu_ps(w->fv + (i - w->span0), v);
             w->fixmask |= (uint64_t)bad << (i - w->span0);
