@@ -255,27 +255,6 @@ AM_INLINE uint32_t pos8(__m256 x) {
         _mm256_storeu_ps(colpart + (J), c);                                   \
     } while (0)
 
-/* One row's scalar tail, as the reference's loop: squares, and with cnt
- * the agreement and the minimum. mism: mismatches of its vector part. */
-AM_INLINE void stats_row_tail(const void *g, const int gdt, const int cnt,
-                              int64_t base, int64_t nv, int64_t n, float *a,
-                              float *colpart, const uint8_t *bits, int64_t q0,
-                              int64_t mism, int32_t *match, float *mp) {
-    int64_t j;
-    int32_t m = (int32_t)(nv - mism);
-    for (j = nv; j < n; j++) {
-        float x = am_load(g, gdt, base + j), x2 = x * x;
-        a[j & 7] += x2;
-        colpart[j] += x2;
-        if (cnt) {
-            int64_t q = q0 + j;
-            m += (x > 0.0f) == ((bits[q >> 3] >> (q & 7)) & 1);
-            if (x > 0.0f && x < *mp) *mp = x;
-        }
-    }
-    if (cnt) *match = m;
-}
-
 /* Four rows at a time: four load streams and four row chains (one core
  * reads memory measurably faster with several streams in flight); each
  * column still adds its rows in ascending order. cnt (a constant): also
@@ -320,7 +299,7 @@ AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C
         _mm256_storeu_ps(a[2], a2);
         _mm256_storeu_ps(a[3], a3);
         for (q = 0; q < 4; q++) {
-            stats_row_tail(g, gdt, cnt, (i + q) * C + j0, nv, n, a[q], colpart, bits,
+            am_stats_row_tail(g, gdt, cnt, (i + q) * C + j0, nv, n, a[q], colpart, bits,
                            q0[q], mism[q], cnt ? rowmatch + (i + q - i0) : NULL, &mp);
             rowpart[i + q - i0] = am_lanesum_finish(a[q]);
         }
@@ -342,7 +321,7 @@ AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C
             _mm256_storeu_ps(colpart + j, _mm256_add_ps(_mm256_loadu_ps(colpart + j), x2));
         }
         _mm256_storeu_ps(a, acc);
-        stats_row_tail(g, gdt, cnt, base, nv, n, a, colpart, bits, q0, mism,
+        am_stats_row_tail(g, gdt, cnt, base, nv, n, a, colpart, bits, q0, mism,
                        cnt ? rowmatch + (i - i0) : NULL, &mp);
         rowpart[i - i0] = am_lanesum_finish(a);
     }

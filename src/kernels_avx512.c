@@ -266,23 +266,12 @@ AM_INLINE void stats16_rows(const uint16_t *gw, const int gdt, const int cnt, co
         _mm512_storeu_ps(colpart + j, clo);
         _mm512_storeu_ps(colpart + j + 16, chi);
     }
-    for (q = 0; q < nr; q++) { /* the scalar tail, as the reference's loop */
-        const int64_t base = (i + q) * C + j0;
+    for (q = 0; q < nr; q++) {
         float a[AM_LANES];
-        int32_t m = (int32_t)(n32 - mism[q]);
         _mm256_storeu_ps(a, acc[q]);
-        for (j = n32; j < n; j++) {
-            float x = am_load(gw, gdt, base + j), x2 = x * x;
-            a[j & 7] += x2;
-            colpart[j] += x2;
-            if (cnt) {
-                const int64_t b = q0[q] + j;
-                m += (x > 0.0f) == ((bits[b >> 3] >> (b & 7)) & 1);
-                if (x > 0.0f && x < *mp) *mp = x;
-            }
-        }
+        am_stats_row_tail(gw, gdt, cnt, (i + q) * C + j0, n32, n, a, colpart, bits, q0[q],
+                          mism[q], cnt ? rowmatch + q : NULL, mp);
         rowpart[q] = am_lanesum_finish(a);
-        if (cnt) rowmatch[q] = m;
     }
 }
 

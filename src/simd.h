@@ -7,6 +7,30 @@
 
 #include "internal.h"
 
+/* The scalar tail of one row of a SIMD stats_tile (columns nv..n-1 of the
+ * tile, base the row's element j0), as the reference's loop: squares into
+ * the row's lanes a and the column sums; with cnt, the agreement of
+ * (g > 0) with the stored bits from q0 on (match = nv - mism, the vector
+ * part's mismatches, plus the tail's matches) and the smallest g > 0 in *mp. */
+static inline void am_stats_row_tail(const void *g, int gdt, int cnt, int64_t base,
+                                     int64_t nv, int64_t n, float *a, float *colpart,
+                                     const uint8_t *bits, int64_t q0, int64_t mism,
+                                     int32_t *match, float *mp) {
+    int64_t j;
+    int32_t m = (int32_t)(nv - mism);
+    for (j = nv; j < n; j++) {
+        float x = am_load(g, gdt, base + j), x2 = x * x;
+        a[j & 7] += x2;
+        colpart[j] += x2;
+        if (cnt) {
+            int64_t q = q0 + j;
+            m += (x > 0.0f) == ((bits[q >> 3] >> (q & 7)) & 1);
+            if (x > 0.0f && x < *mp) *mp = x;
+        }
+    }
+    if (cnt) *match = m;
+}
+
 /* The AVX2+F16C kernel set (kernels_avx2.c): the reference table with the
  * slots it implements overridden, bit-identical to the reference; on CPUs
  * with AVX-512F and AVX-512BW (unless AUTOMAGIC_NO_AVX512=1) its random numbers,
