@@ -64,6 +64,11 @@ typedef struct am_geom {
     size_t off_new_row, off_new_col, off_rf, off_cf, off_rmean;
     size_t off_tile_u2, off_tile_count, off_agree;
     size_t off_rowmatch, off_tile_minpos; /* agreement counted in pass 1 */
+    /* The sum of u*u from pass 1 (am_wsum below): when wsum is set, the
+     * tiles' row-weighted column sums [nrb][B*C] (float) and the new row
+     * moments pass 1 weighted with [B*R]. */
+    int wsum;
+    size_t off_wpart, off_wnr;
 } am_geom;
 
 /* Fills g from shape; AM_ERR_NULL_POINTER / AM_ERR_INVALID_SHAPE. */
@@ -76,6 +81,7 @@ typedef struct am_ws_header {
     int64_t stage;      /* AM_STAGE_*: guards against phases out of order */
     int64_t numel;      /* shape check between phases */
     int64_t counted;    /* 1: stats counted the agreement (rowmatch) */
+    int64_t wsummed;    /* 1: stats filled the am_wsum sums (wpart, wnr) */
 } am_ws_header;
 
 enum { AM_STAGE_NONE = 0, AM_STAGE_STATS = 0x5157A7, AM_STAGE_MOMENTS = 0x5157A8 };
@@ -100,6 +106,91 @@ static inline int64_t am_polmap_bit(const am_polmap *pm, int64_t i, int64_t j) {
     return kr * pm->lr_bits + (r - kr * pm->rows_per_lr) * pm->C + j;
 }
 
+/* The sum of u*u without a pass of its own. With u = (rf[i] * cf[j]) * g
+ * and rf[i]^2 = rmean / nr[i] (SPEC 3.1), the sum over a matrix is
+ *   sum_ij u^2 = rmean * sum_j cf[j]^2 * W[j],  W[j] = sum_i g[i,j]^2 / nr[i],
+ * and W needs only the new row moments nr, which pass 1 (stats) knows as
+ * soon as a row's sum of squares is complete: when a tile holds whole rows
+ * (ncb == 1), stats computes nr[i] and w[i] = 1 / nr[i] for each row and
+ * adds the row's (g*g) * w[i] to the tile's W sums, reading the row again
+ * from the cache instead of from memory in a pass of its own. The result is
+ * the SPEC's sum within float32 rounding (rf^2 is not exactly rmean / nr),
+ * the same on every path because its order is fixed here:
+ *   - a tile's sums wpart[j] (float, from 0): its rows from i0 in groups
+ *     of 4 while 4 remain, each group adding ((t0 + t1) + t2) + t3,
+ *     t = (g * g) * w[i]; then each remaining row alone, adding t;
+ *   - W[b, j] = (double) wpart of row block 0, + (double) wpart of row
+ *     block 1, ... (ascending);
+ *   - per matrix b, column blocks of AM_WSUM_JBLOCK: S = sum over the block's
+ *     j ascending (from 0.0) of ((double) cf * (double) cf) * W; T_b = sum of
+ *     its blocks' S ascending (from 0.0); u2 = sum over b ascending (from
+ *     0.0) of (double) rmean[b] * T_b.
+ * update.c (and the CUDA plan) use it only when am_wsum_usable holds, and
+ * otherwise run the pass over g as before, so the update is skipped exactly
+ * when that pass would skip it (its sums overflow). */
+#define AM_WSUM_JBLOCK 64
+
+typedef struct am_wsum {
+    const float *row_old; /* the state's row moments of the tile's matrix, by i */
+    float *nr;            /* out: the new row moments, by i */
+    float *wpart;         /* out: [j1 - j0], the tile's sums */
+    const am_consts *k;
+    float Cf;             /* (float) C */
+} am_wsum;
+
+/* Row i's new moment (as moments_mats: ema(row, rs / C + eps)), stored in
+ * ws->nr[i]; returns its weight 1 / nr. */
+static inline float am_wsum_weight(const am_wsum *ws, int64_t i, float rs) {
+    float nr = am_ema(ws->row_old[i], rs / ws->Cf + ws->k->eps, ws->k);
+    ws->nr[i] = nr;
+    return 1.0f / nr;
+}
+
+/* Columns [ja, jb) of the group of nq rows (4 or 1) from row i (tile
+ * columns from j0), in the order above. */
+static inline void am_wsum_cols(const void *g, int gdt, int64_t C, int64_t i, int nq,
+                                int64_t j0, int64_t ja, int64_t jb, const float *w,
+                                float *wpart) {
+    int64_t j;
+    int q;
+    for (j = ja; j < jb; j++) {
+        float x = am_load(g, gdt, i * C + j), s = (x * x) * w[0];
+        for (q = 1; q < nq; q++) {
+            x = am_load(g, gdt, (i + q) * C + j);
+            s += (x * x) * w[q];
+        }
+        wpart[j - j0] += s;
+    }
+}
+
+/* S of columns [y0, y1) of the (B*C) vectors: W combined over the nrb row
+ * blocks' parts (stride BC) and weighted by cf^2. */
+AM_HD double am_wsum_block(const float *wpart, int64_t nrb, int64_t BC, const float *cf,
+                           int64_t y0, int64_t y1) {
+    double s = 0.0;
+    int64_t y, p;
+    for (y = y0; y < y1; y++) {
+        double w = (double)wpart[y], c = (double)cf[y];
+        for (p = 1; p < nrb; p++) w += (double)wpart[p * BC + y];
+        s += (c * c) * w;
+    }
+    return s;
+}
+
+/* A factor at or above this (or NaN) sends the sum to the pass over g. */
+#define AM_WSUM_FAC_MAX 1152921504606846976.0f /* 2^60 */
+/* A sum at or above this (or not finite) does too. */
+#define AM_WSUM_U2_MAX 1267650600228229401496703205376.0 /* 2^100 */
+
+/* Whether the u2 from the W sums can stand for the pass's: u2 finite and
+ * below 2^100, and every factor below 2^60 (big_factor: one is not). Then
+ * every u*u is about its share of u2 (float rounding apart) and
+ * rf * cf < 2^120, so no operation of the pass overflows and it would not
+ * have skipped the update either. */
+AM_HD int am_wsum_usable(double u2, int big_factor) {
+    return !big_factor && u2 >= 0.0 && u2 < AM_WSUM_U2_MAX;
+}
+
 /* ------------------------------------------------------ kernel table ---- */
 
 /* The per-tile work of an update. Every slot always holds a valid function:
@@ -118,11 +209,12 @@ typedef struct am_kernels {
      * rowmatch[i-i0] = #{j in [j0,j1) : (g > 0) == old bit of (i, j)}, and
      * *minpos = the smallest g > 0 of the tile (+inf when none), from which
      * finish tells whether (g > 0) is the SPEC's (u / scale > 0) for every
-     * element (update.c, counts_valid). */
+     * element (update.c, counts_valid). When ws is not NULL the tile also
+     * fills ws->nr and ws->wpart (am_wsum above) from its rows' sums. */
     void (*stats_tile)(const void *g_mat, int gdt, int64_t C, int64_t i0,
                        int64_t i1, int64_t j0, int64_t j1, float *rowpart,
                        float *colpart, const struct am_polmap *pm,
-                       int32_t *rowmatch, float *minpos);
+                       int32_t *rowmatch, float *minpos, const am_wsum *ws);
 
     /* Sum of u^2 over one tile, u = (rf[i]*cf[j]) * g: over rows ascending,
      * (double) lanesum over the row's columns. rf/cf are the matrix's

@@ -255,6 +255,40 @@ AM_INLINE uint32_t pos8(__m256 x) {
         _mm256_storeu_ps(colpart + (J), c);                                   \
     } while (0)
 
+/* Columns per chunk of stats_body's interleaving of a group's stats and
+ * the previous group's W sums (a multiple of 32). */
+#define AM_WSUM_CHUNK 128
+
+/* Tile columns J..J+7 of the W sums of the group of nq rows (4 or 1, a
+ * constant) whose first element (column j0) is at flat index pb, row
+ * weights wv (am_wsum, internal.h). */
+AM_INLINE void wsum8(const void *g, const int gdt, int64_t C, int64_t pb, int64_t J,
+                     const int nq, const __m256 *wv, float *wpart) {
+    __m256 x = am_ld8(g, gdt, pb + J), s = _mm256_mul_ps(_mm256_mul_ps(x, x), wv[0]);
+    if (nq == 4) {
+        x = am_ld8(g, gdt, pb + C + J);
+        s = _mm256_add_ps(s, _mm256_mul_ps(_mm256_mul_ps(x, x), wv[1]));
+        x = am_ld8(g, gdt, pb + 2 * C + J);
+        s = _mm256_add_ps(s, _mm256_mul_ps(_mm256_mul_ps(x, x), wv[2]));
+        x = am_ld8(g, gdt, pb + 3 * C + J);
+        s = _mm256_add_ps(s, _mm256_mul_ps(_mm256_mul_ps(x, x), wv[3]));
+    }
+    _mm256_storeu_ps(wpart + J, _mm256_add_ps(_mm256_loadu_ps(wpart + J), s));
+}
+
+/* The W sums of the group of nq rows from row i over tile columns
+ * j0..j0+n-1 in one sweep. */
+AM_INLINE void wsum_rows(const void *g, const int gdt, int64_t C, int64_t i, const int nq,
+                         int64_t j0, int64_t n, const float *w, float *wpart) {
+    const int64_t nv = n & ~(int64_t)7;
+    __m256 wv[4];
+    int64_t j;
+    int q;
+    for (q = 0; q < nq; q++) wv[q] = _mm256_set1_ps(w[q]);
+    for (j = 0; j < nv; j += 8) wsum8(g, gdt, C, i * C + j0, j, nq, wv, wpart);
+    am_wsum_cols(g, gdt, C, i, nq, j0, j0 + nv, j0 + n, w, wpart);
+}
+
 /* Four rows at a time: four load streams and four row chains (one core
  * reads memory measurably faster with several streams in flight); each
  * column still adds its rows in ascending order. cnt (a constant): also
@@ -263,12 +297,20 @@ AM_INLINE uint32_t pos8(__m256 x) {
 AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C,
                           int64_t i0, int64_t i1, int64_t j0, int64_t j1,
                           float *rowpart, float *colpart, const am_polmap *pm,
-                          int32_t *rowmatch, float *minpos) {
+                          int32_t *rowmatch, float *minpos, const am_wsum *ws) {
     int64_t n = j1 - j0, nv = n & ~(int64_t)7, i, j;
     const uint8_t *bits = cnt ? pm->bits : NULL;
     __m256i mn = _mm256_set1_epi32(-1);
-    float mp = INFINITY, mv;
+    float mp = INFINITY, mv, w[4];
+    __m256 wv[4];
+    /* W sums of a group of 4 rows are added while the next group streams
+     * in (pi: its first row, -1 when none is pending), so that memory is
+     * never idle during them; a group's sums still all precede the next's */
+    int64_t pi = -1, pb = 0, jc, je;
+    float *const wpart = ws ? ws->wpart : NULL;
     for (j = 0; j < n; j++) colpart[j] = 0.0f;
+    if (ws)
+        for (j = 0; j < n; j++) ws->wpart[j] = 0.0f;
     for (i = i0; i + 4 <= i1; i += 4) {
         const int64_t b0 = i * C + j0, b1 = b0 + C, b2 = b1 + C, b3 = b2 + C;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -278,22 +320,30 @@ AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C
         int q;
         if (cnt)
             for (q = 0; q < 4; q++) q0[q] = am_polmap_bit(pm, i + q, j0);
-        for (j = 0; cnt && j + 32 <= nv; j += 32) {
-            nb[0] = nb[1] = nb[2] = nb[3] = 0;
-            AM_STATS4(j, 0);
-            AM_STATS4(j + 8, 1);
-            AM_STATS4(j + 16, 2);
-            AM_STATS4(j + 24, 3);
-            for (q = 0; q < 4; q++)
-                mism[q] += __builtin_popcount(nb[q] ^ am_bits32_at(bits, q0[q] + j));
-        }
-        for (; j < nv; j += 8) {
-            nb[0] = nb[1] = nb[2] = nb[3] = 0;
-            AM_STATS4(j, 0);
-            if (cnt)
+        for (jc = 0; jc < nv; jc = je) {
+            /* a chunk of columns, then the pending group's W sums over the
+             * same columns (separate loops: the registers of one) */
+            je = jc + AM_WSUM_CHUNK < nv ? jc + AM_WSUM_CHUNK : nv;
+            for (j = jc; cnt && j + 32 <= je; j += 32) {
+                nb[0] = nb[1] = nb[2] = nb[3] = 0;
+                AM_STATS4(j, 0);
+                AM_STATS4(j + 8, 1);
+                AM_STATS4(j + 16, 2);
+                AM_STATS4(j + 24, 3);
                 for (q = 0; q < 4; q++)
-                    mism[q] += __builtin_popcount(nb[q] ^ am_bits8_at(bits, q0[q] + j));
+                    mism[q] += __builtin_popcount(nb[q] ^ am_bits32_at(bits, q0[q] + j));
+            }
+            for (; j < je; j += 8) {
+                nb[0] = nb[1] = nb[2] = nb[3] = 0;
+                AM_STATS4(j, 0);
+                if (cnt)
+                    for (q = 0; q < 4; q++)
+                        mism[q] += __builtin_popcount(nb[q] ^ am_bits8_at(bits, q0[q] + j));
+            }
+            if (pi >= 0)
+                for (j = jc; j < je; j += 8) wsum8(g, gdt, C, pb, j, 4, wv, wpart);
         }
+        if (pi >= 0) am_wsum_cols(g, gdt, C, pi, 4, j0, j0 + nv, j0 + n, w, wpart);
         _mm256_storeu_ps(a[0], a0);
         _mm256_storeu_ps(a[1], a1);
         _mm256_storeu_ps(a[2], a2);
@@ -303,7 +353,16 @@ AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C
                            q0[q], mism[q], cnt ? rowmatch + (i + q - i0) : NULL, &mp);
             rowpart[i + q - i0] = am_lanesum_finish(a[q]);
         }
+        if (ws) {
+            for (q = 0; q < 4; q++) {
+                w[q] = am_wsum_weight(ws, i + q, rowpart[i + q - i0]);
+                wv[q] = _mm256_set1_ps(w[q]);
+            }
+            pi = i;
+            pb = b0;
+        }
     }
+    if (pi >= 0) wsum_rows(g, gdt, C, pi, 4, j0, n, w, wpart);
     for (; i < i1; i++) {
         const int64_t base = i * C + j0;
         const int64_t q0 = cnt ? am_polmap_bit(pm, i, j0) : 0;
@@ -324,6 +383,10 @@ AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C
         am_stats_row_tail(g, gdt, cnt, base, nv, n, a, colpart, bits, q0, mism,
                        cnt ? rowmatch + (i - i0) : NULL, &mp);
         rowpart[i - i0] = am_lanesum_finish(a);
+        if (ws) {
+            w[0] = am_wsum_weight(ws, i, rowpart[i - i0]);
+            wsum_rows(g, gdt, C, i, 1, j0, n, w, ws->wpart);
+        }
     }
     if (cnt) {
         mv = minpos_of(mn);
@@ -335,14 +398,14 @@ AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C
 
 #define AM_STATS_CASE(GD)                                                     \
     do {                                                                      \
-        if (pm) stats_body(g, GD, 1, C, i0, i1, j0, j1, rowpart, colpart, pm, rowmatch, minpos); \
-        else stats_body(g, GD, 0, C, i0, i1, j0, j1, rowpart, colpart, NULL, NULL, NULL); \
+        if (pm) stats_body(g, GD, 1, C, i0, i1, j0, j1, rowpart, colpart, pm, rowmatch, minpos, ws); \
+        else stats_body(g, GD, 0, C, i0, i1, j0, j1, rowpart, colpart, NULL, NULL, NULL, ws); \
     } while (0)
 
 static void avx2_stats_tile(const void *g, int gdt, int64_t C, int64_t i0,
                             int64_t i1, int64_t j0, int64_t j1, float *rowpart,
                             float *colpart, const am_polmap *pm, int32_t *rowmatch,
-                            float *minpos) {
+                            float *minpos, const am_wsum *ws) {
     switch (gdt) {
     case AM_DTYPE_FLOAT32: AM_STATS_CASE(0); break;
     case AM_DTYPE_BFLOAT16: AM_STATS_CASE(1); break;
@@ -940,12 +1003,14 @@ static am_stats_fn g_stats16;
 
 static void avx512x_stats_tile(const void *g, int gdt, int64_t C, int64_t i0, int64_t i1,
                                int64_t j0, int64_t j1, float *rowpart, float *colpart,
-                               const am_polmap *pm, int32_t *rowmatch, float *minpos) {
+                               const am_polmap *pm, int32_t *rowmatch, float *minpos,
+                               const am_wsum *ws) {
     /* both callees return with vzeroupper (AM_CLEAN_RETURN, simd.h) */
     if (gdt != AM_DTYPE_FLOAT32)
-        g_stats16(g, gdt, C, i0, i1, j0, j1, rowpart, colpart, pm, rowmatch, minpos);
+        g_stats16(g, gdt, C, i0, i1, j0, j1, rowpart, colpart, pm, rowmatch, minpos, ws);
     else
-        avx2_stats_tile(g, gdt, C, i0, i1, j0, j1, rowpart, colpart, pm, rowmatch, minpos);
+        avx2_stats_tile(g, gdt, C, i0, i1, j0, j1, rowpart, colpart, pm, rowmatch, minpos,
+                        ws);
 }
 
 static const am_kernels avx512x_table = {

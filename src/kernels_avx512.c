@@ -222,17 +222,62 @@ AM_INLINE __m256 add16(__m256 acc, __m512 x) {
     return _mm256_add_ps(acc, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
 }
 
+/* A group of nq rows (4 or 1) from row i whose W sums (am_wsum, internal.h)
+ * are to be added: weights w, and wv broadcast. */
+typedef struct wgroup {
+    int64_t i;
+    float w[4];
+    __m512 wv[4];
+    float *wpart;
+} wgroup;
+
+/* Tile columns j..j+31 of the W sums of group wg (as wsum8 of
+ * kernels_avx2.c): each row's (g * g) * w added in row order. */
+AM_INLINE void wsum32(const uint16_t *gw, const int gdt, int64_t C, int64_t j0, int64_t j,
+                      const int nq, const wgroup *wg) {
+    __m512 slo = _mm512_setzero_ps(), shi = slo;
+    int q;
+    for (q = 0; q < nq; q++) {
+        __m512 lo, hi;
+        widen32(_mm512_loadu_si512((const void *)(gw + (wg->i + q) * C + j0 + j)), gdt, &lo,
+                &hi);
+        lo = _mm512_mul_ps(_mm512_mul_ps(lo, lo), wg->wv[q]);
+        hi = _mm512_mul_ps(_mm512_mul_ps(hi, hi), wg->wv[q]);
+        if (q == 0) {
+            slo = lo;
+            shi = hi;
+        } else {
+            slo = _mm512_add_ps(slo, lo);
+            shi = _mm512_add_ps(shi, hi);
+        }
+    }
+    _mm512_storeu_ps(wg->wpart + j, _mm512_add_ps(_mm512_loadu_ps(wg->wpart + j), slo));
+    _mm512_storeu_ps(wg->wpart + j + 16,
+                     _mm512_add_ps(_mm512_loadu_ps(wg->wpart + j + 16), shi));
+}
+
+/* The W sums of group wg (nq rows, a constant) over tile columns
+ * j0..j0+n-1 in one sweep. */
+AM_INLINE void wsum16_rows(const uint16_t *gw, const int gdt, int64_t C, const int nq,
+                           int64_t j0, int64_t n, const wgroup *wg) {
+    const int64_t n32 = n & ~(int64_t)31;
+    int64_t j;
+    for (j = 0; j < n32; j += 32) wsum32(gw, gdt, C, j0, j, nq, wg);
+    am_wsum_cols(gw, gdt, C, wg->i, nq, j0, j0 + n32, j0 + n, wg->w, wg->wpart);
+}
+
 /* Rows i..i+nr-1 (nr = 4 or 1, a constant) of stats16_body: 32 columns of
  * a row per vector of raw words. With cnt, the agreement is counted on the
  * raw words: a bfloat16/half g is > 0 exactly when 1 <= bits <= bits of
  * +inf, i.e. when the unsigned bits - 1 is below +inf's bits (lim); the
  * same bits - 1 keep the running minimum of the positive values (their
  * order is their bits' order; +0 wraps to 0xffff, negatives are above
- * 0x7fff). */
+ * 0x7fff). When pend is not NULL, the W sums of that group of 4 rows are
+ * added column by column along (memory never idles during them). */
 AM_INLINE void stats16_rows(const uint16_t *gw, const int gdt, const int cnt, const int nr,
                             int64_t C, int64_t i, int64_t j0, int64_t n, float *rowpart,
                             float *colpart, const am_polmap *pm, int32_t *rowmatch,
-                            __m512i *mn, float *mp) {
+                            __m512i *mn, float *mp, const wgroup *pend) {
     const int64_t n32 = n & ~(int64_t)31;
     const __m512i one = _mm512_set1_epi16(1);
     const __m512i lim = _mm512_set1_epi16((short)(gdt == AM_DTYPE_BFLOAT16 ? 0x7f80 : 0x7c00));
@@ -265,7 +310,9 @@ AM_INLINE void stats16_rows(const uint16_t *gw, const int gdt, const int cnt, co
         }
         _mm512_storeu_ps(colpart + j, clo);
         _mm512_storeu_ps(colpart + j + 16, chi);
+        if (pend) wsum32(gw, gdt, C, j0, j, 4, pend);
     }
+    if (pend) am_wsum_cols(gw, gdt, C, pend->i, 4, j0, j0 + n32, j0 + n, pend->w, pend->wpart);
     for (q = 0; q < nr; q++) {
         float a[AM_LANES];
         _mm256_storeu_ps(a, acc[q]);
@@ -279,19 +326,42 @@ AM_INLINE void stats16_rows(const uint16_t *gw, const int gdt, const int cnt, co
 AM_INLINE void stats16_body(const void *g, const int gdt, const int cnt, int64_t C,
                             int64_t i0, int64_t i1, int64_t j0, int64_t j1,
                             float *rowpart, float *colpart, const am_polmap *pm,
-                            int32_t *rowmatch, float *minpos) {
+                            int32_t *rowmatch, float *minpos, const am_wsum *ws) {
     const uint16_t *gw = (const uint16_t *)g;
     const int64_t n = j1 - j0;
     __m512i mn = _mm512_set1_epi32(-1);
     float mp = INFINITY;
     int64_t i, j;
+    int q, pending = 0; /* wg's W sums wait for the next group's stats */
+    wgroup wg;
     for (j = 0; j < n; j++) colpart[j] = 0.0f;
-    for (i = i0; i + 4 <= i1; i += 4)
+    if (ws) {
+        wg.wpart = ws->wpart;
+        for (j = 0; j < n; j++) ws->wpart[j] = 0.0f;
+    }
+    for (i = i0; i + 4 <= i1; i += 4) {
         stats16_rows(gw, gdt, cnt, 4, C, i, j0, n, rowpart + (i - i0), colpart, pm,
-                     cnt ? rowmatch + (i - i0) : NULL, &mn, &mp);
-    for (; i < i1; i++)
+                     cnt ? rowmatch + (i - i0) : NULL, &mn, &mp, pending ? &wg : NULL);
+        if (ws) {
+            for (q = 0; q < 4; q++) {
+                wg.w[q] = am_wsum_weight(ws, i + q, rowpart[i + q - i0]);
+                wg.wv[q] = _mm512_set1_ps(wg.w[q]);
+            }
+            wg.i = i;
+            pending = 1;
+        }
+    }
+    if (pending) wsum16_rows(gw, gdt, C, 4, j0, n, &wg);
+    for (; i < i1; i++) {
         stats16_rows(gw, gdt, cnt, 1, C, i, j0, n, rowpart + (i - i0), colpart, pm,
-                     cnt ? rowmatch + (i - i0) : NULL, &mn, &mp);
+                     cnt ? rowmatch + (i - i0) : NULL, &mn, &mp, NULL);
+        if (ws) {
+            wg.w[0] = am_wsum_weight(ws, i, rowpart[i - i0]);
+            wg.wv[0] = _mm512_set1_ps(wg.w[0]);
+            wg.i = i;
+            wsum16_rows(gw, gdt, C, 1, j0, n, &wg);
+        }
+    }
     if (cnt) {
         uint16_t v[32];
         uint32_t best = 0xffffu, l;
@@ -310,13 +380,16 @@ AM_INLINE void stats16_body(const void *g, const int gdt, const int cnt, int64_t
 
 static void avx512_stats16(const void *g, int gdt, int64_t C, int64_t i0, int64_t i1,
                            int64_t j0, int64_t j1, float *rowpart, float *colpart,
-                           const am_polmap *pm, int32_t *rowmatch, float *minpos) {
+                           const am_polmap *pm, int32_t *rowmatch, float *minpos,
+                           const am_wsum *ws) {
     if (gdt == AM_DTYPE_BFLOAT16) {
-        if (pm) stats16_body(g, 1, 1, C, i0, i1, j0, j1, rowpart, colpart, pm, rowmatch, minpos);
-        else stats16_body(g, 1, 0, C, i0, i1, j0, j1, rowpart, colpart, NULL, NULL, NULL);
+        if (pm)
+            stats16_body(g, 1, 1, C, i0, i1, j0, j1, rowpart, colpart, pm, rowmatch, minpos, ws);
+        else stats16_body(g, 1, 0, C, i0, i1, j0, j1, rowpart, colpart, NULL, NULL, NULL, ws);
     } else {
-        if (pm) stats16_body(g, 2, 1, C, i0, i1, j0, j1, rowpart, colpart, pm, rowmatch, minpos);
-        else stats16_body(g, 2, 0, C, i0, i1, j0, j1, rowpart, colpart, NULL, NULL, NULL);
+        if (pm)
+            stats16_body(g, 2, 1, C, i0, i1, j0, j1, rowpart, colpart, pm, rowmatch, minpos, ws);
+        else stats16_body(g, 2, 0, C, i0, i1, j0, j1, rowpart, colpart, NULL, NULL, NULL, ws);
     }
     _mm256_zeroupper(); /* see AM_CLEAN_RETURN (simd.h) */
 }

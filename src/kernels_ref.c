@@ -27,14 +27,17 @@ static void put_bit(uint8_t *bits, int64_t q, int v) {
 
 /* g_mat is (R, C); rowpart is [i1-i0], colpart is [j1-j0]. With pm: the
  * agreement of (g > 0) with the stored bits, per row, and the smallest
- * g > 0 (internal.h). */
+ * g > 0 (internal.h). With ws: the W sums, rows in groups of 4 as the SIMD
+ * kernels take them (am_wsum). */
 static void ref_stats_tile(const void *g_mat, int gdt, int64_t C, int64_t i0,
                            int64_t i1, int64_t j0, int64_t j1, float *rowpart,
                            float *colpart, const am_polmap *pm, int32_t *rowmatch,
-                           float *minpos) {
-    float mp = INFINITY;
+                           float *minpos, const am_wsum *ws) {
+    float mp = INFINITY, w[4];
     int64_t i, j;
     for (j = j0; j < j1; j++) colpart[j - j0] = 0.0f;
+    if (ws)
+        for (j = j0; j < j1; j++) ws->wpart[j - j0] = 0.0f;
     for (i = i0; i < i1; i++) {
         float acc[AM_LANES] = {0};
         int32_t match = 0;
@@ -52,6 +55,13 @@ static void ref_stats_tile(const void *g_mat, int gdt, int64_t C, int64_t i0,
         if (pm) rowmatch[i - i0] = match;
     }
     if (pm) *minpos = mp;
+    if (!ws) return;
+    for (i = i0; i < i1;) {
+        int nq = i + 4 <= i1 ? 4 : 1, q;
+        for (q = 0; q < nq; q++) w[q] = am_wsum_weight(ws, i + q, rowpart[i + q - i0]);
+        am_wsum_cols(g_mat, gdt, C, i, nq, j0, j0, j1, w, ws->wpart);
+        i += nq;
+    }
 }
 
 /* u = (rf[i] * cf[j]) * g, as the reference's _approx_sq_grad(...).mul_(g). */
@@ -157,7 +167,7 @@ static void ref_stats_mats(const void *g, int gdt, int64_t R, int64_t C,
     int64_t b;
     for (b = b0; b < b1; b++)
         ref_stats_tile((const char *)g + (size_t)(b * R * C) * es, gdt, C, 0, R,
-                       0, C, rowsum + b * R, colsum + b * C, NULL, NULL, NULL);
+                       0, C, rowsum + b * R, colsum + b * C, NULL, NULL, NULL, NULL);
 }
 
 static void ref_u2_mats(const void *g, int gdt, int64_t R, int64_t C,

@@ -118,7 +118,8 @@ am_flat_fn am_avx512_flat16(void);
 /* The stats_tile slot's signature (internal.h). */
 typedef void (*am_stats_fn)(const void *g_mat, int gdt, int64_t C, int64_t i0, int64_t i1,
                             int64_t j0, int64_t j1, float *rowpart, float *colpart,
-                            const am_polmap *pm, int32_t *rowmatch, float *minpos);
+                            const am_polmap *pm, int32_t *rowmatch, float *minpos,
+                            const am_wsum *ws);
 
 /* The AVX-512F/BW stats_tile of bfloat16/float16 gradients (kernels_avx512.c;
  * the agreement counted on the raw 16-bit words), for gdt != float32 only;

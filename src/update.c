@@ -130,10 +130,18 @@ static void stats_task(void *ctx, int64_t t) {
     float *coldst = g->nrb > 1 ? WS(u, off_colpart, float) + rb * g->B * g->C
                                : WS(u, off_col_sumsq, float);
     am_polmap pm = polmap_of(u, b);
+    am_wsum ws;
+    if (g->wsum) {
+        ws.row_old = u->state->row + b * g->R;
+        ws.nr = WS(u, off_wnr, float) + b * g->R;
+        ws.wpart = WS(u, off_wpart, float) + rb * g->B * g->C + b * g->C + j0;
+        ws.k = &u->k;
+        ws.Cf = (float)g->C;
+    }
     u->kt->stats_tile(mat_ptr(u->grad, g, b), u->grad->dtype, g->C, i0, i1, j0,
                       j1, rowdst + b * g->R + i0, coldst + b * g->C + j0, &pm,
                       WS(u, off_rowmatch, int32_t) + cb * g->B * g->R + b * g->R + i0,
-                      WS(u, off_tile_minpos, float) + t);
+                      WS(u, off_tile_minpos, float) + t, g->wsum ? &ws : NULL);
 }
 
 /* Many small matrices (R*C <= AM_MATS_MAX_ELEMS, each one tile): a task
@@ -221,6 +229,7 @@ static am_status run_stats(upd *u) {
     /* Tiles count the agreement; the batched small-matrix slots do not
      * (finish counts there). */
     u->h->counted = g->ndim >= 2 && g->numel > 0 && !batched(g);
+    u->h->wsummed = g->ndim >= 2 && g->numel > 0 && g->wsum;
     /* No elements: no sums (a [5, 0] matrix has rows but no tiles, so its
      * row sums would be read unwritten). */
     if (g->numel == 0) {
@@ -265,6 +274,44 @@ static void u2_task(void *ctx, int64_t t) {
         WS(u, off_rf, float) + b * g->R, WS(u, off_cf, float) + b * g->C);
 }
 
+/* 1 when some factor is NaN or >= AM_WSUM_FAC_MAX. */
+static int big_factor(const float *v, int64_t n) {
+    int64_t i;
+    for (i = 0; i < n; i++)
+        if (!(v[i] < AM_WSUM_FAC_MAX)) return 1;
+    return 0;
+}
+
+/* The sum of u*u from the stats pass's W sums (am_wsum, internal.h) into
+ * u2_sum; returns 0 (nothing set) when they cannot stand for the pass: not
+ * filled, filled from other row sums than the ones the moments came from
+ * (an engine reduced row_sumsq between the phases, so the new row moments
+ * differ), or am_wsum_usable fails. */
+static int u2_from_wsum(upd *u) {
+    const am_geom *g = &u->g;
+    const float *cf = WS(u, off_cf, float), *rmean = WS(u, off_rmean, float);
+    const float *wp = WS(u, off_wpart, float);
+    int64_t BC = g->B * g->C, b, j;
+    double u2 = 0.0;
+    if (!u->h->wsummed ||
+        memcmp(WS(u, off_wnr, float), WS(u, off_new_row, float),
+               (size_t)(g->B * g->R) * sizeof(float)) != 0)
+        return 0;
+    for (b = 0; b < g->B; b++) {
+        double t = 0.0;
+        for (j = 0; j < g->C; j += AM_WSUM_JBLOCK) {
+            int64_t j1 = j + AM_WSUM_JBLOCK < g->C ? j + AM_WSUM_JBLOCK : g->C;
+            t += am_wsum_block(wp, g->nrb, BC, cf, b * g->C + j, b * g->C + j1);
+        }
+        u2 += (double)rmean[b] * t;
+    }
+    if (!am_wsum_usable(u2, big_factor(WS(u, off_rf, float), g->B * g->R) ||
+                                big_factor(cf, BC)))
+        return 0;
+    u->h->u2_sum = u2;
+    return 1;
+}
+
 static am_status run_moments(upd *u) {
     const am_geom *g = &u->g;
     const am_consts *k = &u->k;
@@ -284,6 +331,10 @@ static am_status run_moments(upd *u) {
         } else {
             u->kt->moments_mats(g->R, g->C, 0, g->B, u->state->row, u->state->col,
                                 rs, cs, k, nr, nc, rf, cf, rmean);
+            if (u2_from_wsum(u)) {
+                u->h->stage = AM_STAGE_MOMENTS;
+                return AM_OK;
+            }
             am_parallel_for(g->ntiles, (double)g->RB * (double)g->CB * 4.0, u2_task, u);
         }
         u->h->u2_sum = sum_doubles(WS(u, off_tile_u2, double), g->ntiles);

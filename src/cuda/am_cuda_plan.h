@@ -18,8 +18,13 @@
  *     ascending order.
  *   - column sums of g*g: per (row block, column), ascending rows from 0.0f;
  *     row blocks combined in ascending order.
- *   - u*u: per tile (b, row block, col block) the double sum over its rows
- *     ascending of the (double) lane sums; tiles summed in ascending order.
+ *   - u*u: when the tiles hold whole rows, from the W sums (am_wsum in
+ *     internal.h: per (row block, column) a float chain over the rows in
+ *     groups of 4, per (matrix, block of AM_WSUM_JBLOCK columns) a double
+ *     chain, then one chain over those); otherwise, or when am_wsum_usable
+ *     fails, per tile (b, row block, col block) the double sum over its
+ *     rows ascending of the (double) lane sums, tiles summed in ascending
+ *     order.
  *   - the mean of the new row moments: one ascending float chain per matrix b.
  *   - polarity matches: integers (order-free; atomics on integers only).
  * No float is ever accumulated with an atomic, so results are run-to-run and
@@ -45,7 +50,8 @@ typedef struct am_cuda_ws_header {
     float scale;                  /* clip divisor of SPEC 3.2 (>= 1) */
     int32_t status;               /* am_status of this update */
     int32_t flag;                 /* nonzero: count the non-finite elements */
-    int32_t pad_;
+    int32_t bigfac;               /* a factor is NaN or >= AM_WSUM_FAC_MAX */
+    int32_t u2_pass;              /* the W sums cannot give u2: the lanes do */
 } am_cuda_ws_header;
 
 #define AM_CUDA_ALIGN 256
@@ -53,7 +59,7 @@ typedef struct am_cuda_ws_header {
 /* Workspace offsets (bytes from the aligned base) for one parameter. */
 typedef struct am_cuda_layout {
     size_t row_sumsq, col_sumsq, rowpart, colpart, new_row, new_col;
-    size_t rf, cf, rmean, agree, rowu2, tile_u2, row_matches;
+    size_t rf, cf, rmean, agree, rowu2, tile_u2, row_matches, wpart, wblock;
     size_t total; /* bytes the caller must provide (alignment slack included) */
 } am_cuda_layout;
 
@@ -62,6 +68,9 @@ static inline size_t am_cuda_take(size_t *cur, int64_t n, size_t sz) {
     *cur += ((size_t)n * sz + (AM_CUDA_ALIGN - 1)) & ~(size_t)(AM_CUDA_ALIGN - 1);
     return off;
 }
+
+/* Column blocks of AM_WSUM_JBLOCK in a row of C. */
+AM_HD int64_t am_ck_njb(int64_t C) { return (C + AM_WSUM_JBLOCK - 1) / AM_WSUM_JBLOCK; }
 
 static inline am_cuda_layout am_cuda_layout_of(const am_geom *g) {
     am_cuda_layout L;
@@ -82,6 +91,8 @@ static inline am_cuda_layout am_cuda_layout_of(const am_geom *g) {
         L.rowu2 = am_cuda_take(&cur, g->ncb * BR, sizeof(double));
         L.tile_u2 = am_cuda_take(&cur, g->ntiles, sizeof(double));
         L.row_matches = am_cuda_take(&cur, g->lr_rows, sizeof(unsigned long long));
+        L.wpart = am_cuda_take(&cur, g->wsum ? g->nrb * BC : 0, sizeof(float));
+        L.wblock = am_cuda_take(&cur, g->wsum ? g->B * am_ck_njb(g->C) : 0, sizeof(double));
     } else {
         L.tile_u2 = am_cuda_take(&cur, g->ntiles, sizeof(double));
     }
@@ -115,6 +126,10 @@ typedef struct am_ck_args {
     float *rf, *cf, *rmean, *agree;
     double *rowu2, *tile_u2;
     unsigned long long *row_matches;
+    float *wpart;         /* [nrb * B*C] the W sums of the tiles (wsum) */
+    double *wblock;       /* [B * njb] their weighted column-block sums */
+    int64_t njb;          /* column blocks of AM_WSUM_JBLOCK */
+    int32_t wsum;         /* u2 from the W sums unless u2_pass (am_wsum) */
     int64_t numel, lr_rows, m, B, R, C, RB, nrb, ncb, ntiles, pol_row_bytes;
     int32_t ndim, pdt, gdt;
     int32_t fuse_rows;    /* ROW_FINISH instead of AGREE, BUMP, APPLY */
@@ -132,8 +147,12 @@ enum {
     AM_CK_COLS_RMEAN,      /* column sums of g*g per row block; in the first
                               B threads, the mean of the new row moments */
     AM_CK_COLS_FINAL,      /* column sums, new column moments, factors */
-    AM_CK_LANES_U2,        /* row lane sums of u*u       (lanes kernel) */
-    AM_CK_TILE_U2,         /* per-tile double sums of u*u */
+    AM_CK_WSUM,            /* W sums per (row block, column) (am_wsum) */
+    AM_CK_WSUM_BLOCKS,     /* their cf^2-weighted sums per column block */
+    AM_CK_WSUM_U2,         /* u2 from them, or u2_pass when unusable */
+    AM_CK_LANES_U2,        /* row lane sums of u*u (lanes kernel); with
+                              the W sums, only when u2_pass */
+    AM_CK_TILE_U2,         /* per-tile double sums of u*u (same) */
     AM_CK_LANES_FLAT,      /* unfactored: tile lane sums (lanes kernel) */
     AM_CK_SUM_U2,          /* total u*u; factored: also DECIDE's work;
                               unfactored: flag if not finite */
@@ -163,6 +182,9 @@ static inline int64_t am_ck_threads(const am_ck_args *a, int id) {
     case AM_CK_COUNT_FAC: return fac ? a->numel : 0;
     case AM_CK_COLS_RMEAN: return fac ? a->B + a->nrb * BC : 0;
     case AM_CK_COLS_FINAL: return fac ? mx : 0;
+    case AM_CK_WSUM: return fac && a->wsum ? a->nrb * BC : 0;
+    case AM_CK_WSUM_BLOCKS: return fac && a->wsum ? a->B * a->njb : 0;
+    case AM_CK_WSUM_U2: return fac && a->wsum ? 1 : 0;
     case AM_CK_LANES_U2: return fac ? BR * a->ncb * AM_LANES : 0;
     case AM_CK_TILE_U2: return fac ? a->ntiles : 0;
     case AM_CK_LANES_FLAT: return fac ? 0 : a->ntiles * AM_LANES;
@@ -230,6 +252,8 @@ AM_HD float am_ck_lane(const am_ck_args *a, int id, int64_t t) {
                 float v = am_load(a->g, a->gdt, base + j);
                 acc += v * v;
             }
+        } else if (a->wsum && !a->h->u2_pass) {
+            return 0.0f; /* u2 came from the W sums (nothing stored) */
         } else {
             const float rfr = a->rf[r];
             const float *cfb = a->cf + am_ck_div(r, a->R) * a->C;
@@ -252,7 +276,7 @@ AM_HD void am_ck_lane_store(const am_ck_args *a, int id, int64_t x, float s) {
         if (id == AM_CK_LANES_G2) {
             if (a->ncb > 1) a->rowpart[cb * BR + r] = s;
             else a->row_sumsq[r] = s;
-        } else {
+        } else if (!a->wsum || a->h->u2_pass) {
             a->rowu2[cb * BR + r] = (double)s;
         }
     }
@@ -445,6 +469,8 @@ AM_HD void am_ck_elem(const am_ck_args *a, int id, int64_t t) {
             h->scale = 0.0f;
             h->status = AM_OK;
             h->flag = 0;
+            h->bigfac = 0;
+            h->u2_pass = 0;
         }
         if (a->ndim >= 2 && t < a->lr_rows) a->row_matches[t] = 0;
         break;
@@ -496,10 +522,61 @@ AM_HD void am_ck_elem(const am_ck_args *a, int id, int64_t t) {
             nc = am_ema(a->col[t], s / (float)a->R + a->k.eps, &a->k);
             a->new_col[t] = nc;
             a->cf[t] = am_rsqrt(nc);
+            /* every thread that sets it stores the same 1: order-free */
+            if (!(a->cf[t] < AM_WSUM_FAC_MAX)) h->bigfac = 1;
         }
-        if (t < BR) a->rf[t] = am_rsqrt(a->new_row[t] / a->rmean[am_ck_div(t, a->R)]);
+        if (t < BR) {
+            a->rf[t] = am_rsqrt(a->new_row[t] / a->rmean[am_ck_div(t, a->R)]);
+            if (!(a->rf[t] < AM_WSUM_FAC_MAX)) h->bigfac = 1;
+        }
         break;
+    case AM_CK_WSUM: {
+        /* one (row block, column) of a tile's W sums, as stats_tile */
+        int64_t rb = am_ck_div(t, BC), y = t - rb * BC, b = am_ck_div(y, a->C);
+        int64_t j = y - b * a->C;
+        int64_t i0 = rb * a->RB, i1 = i0 + a->RB < a->R ? i0 + a->RB : a->R;
+        const int64_t base = b * a->R * a->C + j;
+        const float *nr = a->new_row + b * a->R;
+        float s = 0.0f;
+        for (i = i0; i + 4 <= i1; i += 4) {
+            float x0 = am_load(a->g, a->gdt, base + i * a->C);
+            float x1 = am_load(a->g, a->gdt, base + (i + 1) * a->C);
+            float x2 = am_load(a->g, a->gdt, base + (i + 2) * a->C);
+            float x3 = am_load(a->g, a->gdt, base + (i + 3) * a->C);
+            float q = (x0 * x0) * (1.0f / nr[i]);
+            q += (x1 * x1) * (1.0f / nr[i + 1]);
+            q += (x2 * x2) * (1.0f / nr[i + 2]);
+            q += (x3 * x3) * (1.0f / nr[i + 3]);
+            s += q;
+        }
+        for (; i < i1; i++) {
+            float x = am_load(a->g, a->gdt, base + i * a->C);
+            s += (x * x) * (1.0f / nr[i]);
+        }
+        a->wpart[rb * BC + y] = s;
+        break;
+    }
+    case AM_CK_WSUM_BLOCKS: {
+        int64_t b = am_ck_div(t, a->njb), jb = t - b * a->njb;
+        int64_t y0 = b * a->C + jb * AM_WSUM_JBLOCK;
+        int64_t y1 = y0 + AM_WSUM_JBLOCK < (b + 1) * a->C ? y0 + AM_WSUM_JBLOCK : (b + 1) * a->C;
+        a->wblock[t] = am_wsum_block(a->wpart, a->nrb, BC, a->cf, y0, y1);
+        break;
+    }
+    case AM_CK_WSUM_U2: {
+        double u2 = 0.0;
+        int64_t b, jb;
+        for (b = 0; b < a->B; b++) {
+            double s = 0.0;
+            for (jb = 0; jb < a->njb; jb++) s += a->wblock[b * a->njb + jb];
+            u2 += (double)a->rmean[b] * s;
+        }
+        if (am_wsum_usable(u2, h->bigfac)) h->u2_sum = u2;
+        else h->u2_pass = 1;
+        break;
+    }
     case AM_CK_TILE_U2: {
+        if (a->wsum && !h->u2_pass) break;
         int64_t cb = t % a->ncb, rb = (t / a->ncb) % a->nrb, b = t / (a->ncb * a->nrb);
         int64_t i0 = rb * a->RB, i1 = i0 + a->RB < a->R ? i0 + a->RB : a->R;
         const double *src = a->rowu2 + cb * BR + b * a->R;
@@ -511,6 +588,10 @@ AM_HD void am_ck_elem(const am_ck_args *a, int id, int64_t t) {
     }
     case AM_CK_SUM_U2: {
         double s = 0.0;
+        if (a->wsum && !h->u2_pass) { /* u2_sum set by AM_CK_WSUM_U2 */
+            am_ck_decide(a);
+            break;
+        }
         AM_CK_UNROLL
         for (i = 0; i < a->ntiles; i++) s += a->tile_u2[i];
         h->u2_sum = s;
@@ -592,6 +673,8 @@ static inline void am_ck_args_init(am_ck_args *a, const am_geom *g,
         a->agree = AM_WSP(float, agree);
         a->rowu2 = AM_WSP(double, rowu2);
         a->row_matches = AM_WSP(unsigned long long, row_matches);
+        a->wpart = AM_WSP(float, wpart);
+        a->wblock = AM_WSP(double, wblock);
     }
     a->tile_u2 = AM_WSP(double, tile_u2);
 #undef AM_WSP
@@ -607,6 +690,8 @@ static inline void am_ck_args_init(am_ck_args *a, const am_geom *g,
     a->ntiles = g->ntiles;
     a->pol_row_bytes = g->pol_row_bytes;
     a->ndim = g->ndim;
+    a->wsum = g->ndim >= 2 && g->wsum;
+    a->njb = g->ndim >= 2 ? am_ck_njb(g->C) : 0;
     a->fuse_rows = g->ndim >= 2 && g->m >= AM_CK_FUSE_MIN && g->m <= AM_CK_FUSE_MAX;
     a->param_id = key.param_id;
     a->seed = key.seed;

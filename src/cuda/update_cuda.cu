@@ -64,6 +64,9 @@ void launch_plan(const am_ck_args &a, cudaStream_t s) {
     launch_count(a, AM_CK_COUNT_FAC, s);
     launch_elem<AM_CK_COLS_RMEAN>(a, s);
     launch_elem<AM_CK_COLS_FINAL>(a, s);
+    launch_elem<AM_CK_WSUM>(a, s);
+    launch_elem<AM_CK_WSUM_BLOCKS>(a, s);
+    launch_elem<AM_CK_WSUM_U2>(a, s);
     launch_lanes<AM_CK_LANES_U2>(a, s);
     launch_elem<AM_CK_TILE_U2>(a, s);
     launch_lanes<AM_CK_LANES_FLAT>(a, s);
@@ -107,6 +110,9 @@ void preload_kernels() {
         touch_elem<AM_CK_ROWS>();
         touch_elem<AM_CK_COLS_RMEAN>();
         touch_elem<AM_CK_COLS_FINAL>();
+        touch_elem<AM_CK_WSUM>();
+        touch_elem<AM_CK_WSUM_BLOCKS>();
+        touch_elem<AM_CK_WSUM_U2>();
         touch_lanes<AM_CK_LANES_U2>();
         touch_elem<AM_CK_TILE_U2>();
         touch_lanes<AM_CK_LANES_FLAT>();

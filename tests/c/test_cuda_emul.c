@@ -302,6 +302,15 @@ static void test_skips(void **st) {
         pair_step(&q, &hp, key, AM_OK);
         pair_free(&q);
     }
+    /* One row's old moment 1e30, the others 0, a tiny gradient: rf * cf
+     * overflows while the sum of u*u is modest, so the sum from the W sums
+     * is not used (am_wsum_usable, the bigfac flag); both skip
+     * (test_nonfinite.c, test_factor_overflow). */
+    pair_init(&q, 2, m, AM_DTYPE_FLOAT32, AM_DTYPE_FLOAT32);
+    fill_grad(&q, 1e-37f);
+    q.s_cpu.row[0] = q.s_emu.row[0] = 1e30f;
+    pair_step(&q, &hp, key, AM_SKIPPED_NONFINITE_UPDATE);
+    pair_free(&q);
     /* eps = 0 and an all-zero first gradient: u = 0 * rsqrt(0) is NaN. */
     hp.eps = 0.0;
     for (k = 0; k < 2; k++) {

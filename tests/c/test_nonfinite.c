@@ -274,6 +274,40 @@ static void test_nonfinite_update(void **unused) {
     }
 }
 
+/* A row factor past float range's square root: one row's old moment is
+ * 1e30 and the others' 0, the gradient tiny (1e-37), so rf of the small rows
+ * is about 1e28 and rf * cf overflows float32 (cf about 3e16), while the
+ * true sum of u*u is modest. The pass over g sees u = inf and skips the
+ * update; the sum from the stats pass (am_wsum) would not, and the apply's
+ * u = (rf * cf) * g would write infinities: am_wsum_usable sends such
+ * factors to the pass (update.c, u2_from_wsum). Nothing changes. */
+static void test_factor_overflow(void **unused) {
+    const int64_t d2[2] = {8, 64};
+    am_shape sh = t_shape(2, d2);
+    int64_t n = t_numel(&sh), i;
+    float p[512], g[512];
+    am_tensor pt = t_tensor(p, AM_DTYPE_FLOAT32, &sh), gt = t_tensor(g, AM_DTYPE_FLOAT32, &sh);
+    am_hparams hp = am_hparams_default();
+    am_rng_key key = {1, 0};
+    am_report rep;
+    t_snap snap;
+    t_fix f;
+    (void)unused;
+    t_fix_init(&f, &sh, 1e-3);
+    for (i = 0; i < n; i++) {
+        p[i] = 0.25f * (float)(i + 1);
+        g[i] = (i & 1) ? 1e-37f : -2e-37f;
+    }
+    f.st.row[0] = 1e30f;
+    t_snap_take(&snap, &f, p, sizeof p, g, sizeof g);
+    assert_int_equal(am_update(&pt, &gt, &f.st, &hp, key, f.ws, f.ws_bytes, &rep),
+                     AM_SKIPPED_NONFINITE_UPDATE);
+    assert_int_equal(rep.nonfinite_count, 0);
+    t_snap_check(&snap, &f, p, g);
+    t_snap_free(&snap);
+    t_fix_free(&f);
+}
+
 /* All-zero gradient (default eps): status OK, step advances, polarity all
  * zero (zero is not positive), moments move by the eps term only, and with
  * weight_decay = 0 every parameter bit is unchanged (u = 0 exactly) for every
@@ -378,6 +412,7 @@ int main(void) {
         cmocka_unit_test(test_nonfinite_reduced),
         cmocka_unit_test(test_nonfinite_grad_optimizer),
         cmocka_unit_test(test_nonfinite_update),
+        cmocka_unit_test(test_factor_overflow),
         cmocka_unit_test(test_zero_grad),
         cmocka_unit_test(test_numel_zero),
     };

@@ -70,7 +70,7 @@ static void test_phases_equal_update(void **unused) {
 /* The view after each phase, against plain double sums. */
 static void test_view_contents(void **unused) {
     typedef struct { int32_t ndim; int64_t d[3]; } sc;
-    static const sc shapes[] = {{1, {100}}, {2, {7, 19}}, {3, {3, 70, 5}}};
+    static const sc shapes[] = {{1, {100}}, {2, {7, 19}}, {3, {3, 70, 5}}, {2, {130, 300}}};
     uint64_t rs = t_seed() ^ 0x5eedu;
     size_t c;
     (void)unused;
@@ -138,6 +138,47 @@ static void test_view_contents(void **unused) {
         free(p);
         free(g);
     }
+}
+
+/* An engine that changes row_sumsq between stats and moments (it reduced
+ * row sums across shards): the sum of u*u follows the changed sums, so
+ * moments must not use the W sums stats built from the old ones (update.c,
+ * u2_from_wsum); they would be off by 0.7% here. Fresh state. */
+static void test_rows_changed_between_phases(void **unused) {
+    const int64_t d[2] = {130, 300};
+    am_shape sh = t_shape(2, d);
+    int64_t n = t_numel(&sh), R = d[0], C = d[1], i, j;
+    float *p = (float *)t_calloc(n * 4), *g = (float *)t_calloc(n * 4);
+    am_tensor pt = t_tensor(p, AM_DTYPE_FLOAT32, &sh), gt = t_tensor(g, AM_DTYPE_FLOAT32, &sh);
+    am_hparams hp = am_hparams_default();
+    am_workspace_view v;
+    uint64_t rs = t_seed() ^ 0x7e57u;
+    double u2 = 0.0, rmean = 0.0, *r = calloc((size_t)R, 8);
+    t_fix f;
+    (void)unused;
+    assert_non_null(r);
+    t_fix_init(&f, &sh, 1e-3);
+    for (i = 0; i < n; i++) t_store_random(g, AM_DTYPE_FLOAT32, i, &rs, -6, 0);
+    assert_int_equal(am_workspace_view_get(&sh, f.ws, f.ws_bytes, &v), AM_OK);
+    assert_int_equal(am_update_stats(&pt, &gt, &f.st, &hp, f.ws, f.ws_bytes), AM_OK);
+    v.row_sumsq[3] *= 16.0f;
+    assert_int_equal(am_update_moments(&pt, &gt, &f.st, &hp, f.ws, f.ws_bytes), AM_OK);
+    for (i = 0; i < R; i++) {
+        r[i] = (1 - hp.beta2) * ((double)v.row_sumsq[i] / C + hp.eps);
+        rmean += r[i] / R;
+    }
+    for (i = 0; i < R; i++)
+        for (j = 0; j < C; j++) {
+            double x = g[i * C + j], cc = (1 - hp.beta2) * ((double)v.col_sumsq[j] / R + hp.eps);
+            double u = x / sqrt(r[i] / rmean) / sqrt(cc);
+            u2 += u * u;
+        }
+    if (!(fabs(*v.u2_sum - u2) <= 1e-6 * u2))
+        fail_msg("u2_sum %.9g, from the changed row sums %.9g", *v.u2_sum, u2);
+    t_fix_free(&f);
+    free(r);
+    free(p);
+    free(g);
 }
 
 /* k = 2 shards along dims[0]; the engine all-reduces u2_sum and divides by k
@@ -210,11 +251,14 @@ static void shard_case(const am_shape *sh) {
 
 static void test_sharded_protocol(void **unused) {
     const int64_t d1[1] = {64}, d3[3] = {4, 9, 7}, d4[4] = {6, 2, 3, 5};
+    const int64_t d3w[3] = {2, 70, 33}; /* tiles with the W sums (am_wsum) */
     am_shape s1 = t_shape(1, d1), s3 = t_shape(3, d3), s4 = t_shape(4, d4);
+    am_shape s3w = t_shape(3, d3w);
     (void)unused;
     shard_case(&s1);
     shard_case(&s3);
     shard_case(&s4);
+    shard_case(&s3w);
 }
 
 int main(void) {
@@ -222,6 +266,7 @@ int main(void) {
         cmocka_unit_test(test_phases_equal_update),
         cmocka_unit_test(test_view_contents),
         cmocka_unit_test(test_sharded_protocol),
+        cmocka_unit_test(test_rows_changed_between_phases),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -123,10 +123,61 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
     }
 
     if (C - j0 > 0) {
-        a->stats_tile(g, gdt, C, 0, R, j0, C, rp1, cp1, NULL, NULL, NULL);
-        b->stats_tile(g, gdt, C, 0, R, j0, C, rp2, cp2, NULL, NULL, NULL);
+        a->stats_tile(g, gdt, C, 0, R, j0, C, rp1, cp1, NULL, NULL, NULL, NULL);
+        b->stats_tile(g, gdt, C, 0, R, j0, C, rp2, cp2, NULL, NULL, NULL, NULL);
         assert_memory_equal(rp1, rp2, 4 * R);
         assert_memory_equal(cp1, cp2, 4 * (size_t)(C - j0));
+        { /* the W sums (am_wsum) over 13 rows, from row i0 = 0..3 (3 or 2
+           * groups of 4 rows, the next group's stats interleaved with the
+           * last's sums, then single rows), the weights from random old
+           * moments */
+            enum { RW = 13 };
+            float row_old[RW], nr1[RW], nr2[RW], *rq1 = xmalloc(4 * RW), *rq2 = xmalloc(4 * RW);
+            float *w1 = xmalloc(4 * (size_t)C), *w2 = xmalloc(4 * (size_t)C);
+            void *gw = xmalloc((size_t)(RW * C) * gs);
+            am_wsum ws1, ws2;
+            int64_t i0;
+            fill(gw, gdt, RW * C, s, 0);
+            for (i = 0; i < RW; i++) row_old[i] = rand_value(s) * rand_value(s);
+            am_polmap pmw;
+            int32_t mw1[RW], mw2[RW];
+            float mpw1, mpw2;
+            const int64_t nbw = (RW + 1) / 2 * ((2 * C + 7) / 8) + 1;
+            uint8_t *bw = xmalloc((size_t)nbw);
+            for (i = 0; i < nbw; i++) bw[i] = (uint8_t)rng_next(s);
+            pmw.bits = bw;
+            pmw.r0 = 0;
+            pmw.rows_per_lr = 2;
+            pmw.lr_bits = 8 * ((2 * C + 7) / 8);
+            pmw.C = C;
+            /* i0 = 0, 2 without the agreement count, 1, 3 with it (the
+             * SIMD kernels' other column loop) */
+            for (i0 = 0; i0 <= 3; i0++) {
+                const am_polmap *pmx = (i0 & 1) ? &pmw : NULL;
+                ws1.row_old = ws2.row_old = row_old;
+                ws1.k = ws2.k = &k;
+                ws1.Cf = ws2.Cf = (float)C;
+                ws1.nr = nr1;
+                ws2.nr = nr2;
+                ws1.wpart = w1;
+                ws2.wpart = w2;
+                memset(nr1, 0, sizeof nr1);
+                memset(nr2, 0, sizeof nr2);
+                a->stats_tile(gw, gdt, C, i0, RW, j0, C, rq1, cp1, pmx, mw1, &mpw1, &ws1);
+                b->stats_tile(gw, gdt, C, i0, RW, j0, C, rq2, cp2, pmx, mw2, &mpw2, &ws2);
+                if (pmx) assert_memory_equal(mw1, mw2, sizeof(int32_t) * (size_t)(RW - i0));
+                assert_memory_equal(rq1, rq2, 4 * (size_t)(RW - i0));
+                assert_memory_equal(cp1, cp2, 4 * (size_t)(C - j0));
+                assert_memory_equal(nr1, nr2, sizeof nr1);
+                assert_memory_equal(w1, w2, 4 * (size_t)(C - j0));
+            }
+            free(bw);
+            free(rq1);
+            free(rq2);
+            free(w1);
+            free(w2);
+            free(gw);
+        }
         {
             double u1 = a->u2_tile(g, gdt, C, 1, R, j0, C, rf, cf);
             double u2 = b->u2_tile(g, gdt, C, 1, R, j0, C, rf, cf);
@@ -142,8 +193,8 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
             pm.rows_per_lr = 2;
             pm.lr_bits = 8 * ((2 * C + 7) / 8);
             pm.C = C;
-            a->stats_tile(g, gdt, C, 1, R, j0, C, rp1, cp1, &pm, m1r, &mp1);
-            b->stats_tile(g, gdt, C, 1, R, j0, C, rp2, cp2, &pm, m2r, &mp2);
+            a->stats_tile(g, gdt, C, 1, R, j0, C, rp1, cp1, &pm, m1r, &mp1, NULL);
+            b->stats_tile(g, gdt, C, 1, R, j0, C, rp2, cp2, &pm, m2r, &mp2, NULL);
             assert_memory_equal(rp1, rp2, 4 * (size_t)(R - 1));
             assert_memory_equal(cp1, cp2, 4 * (size_t)(C - j0));
             assert_memory_equal(m1r, m2r, sizeof(int32_t) * (size_t)(R - 1));
@@ -160,8 +211,8 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
                 /* the NaN next to +inf's bits */
                 if (gdt == AM_DTYPE_FLOAT32) ((uint32_t *)gx)[6 * C + j0 + 5] = 0x7f800001u;
                 else ((uint16_t *)gx)[6 * C + j0 + 5] = gdt == AM_DTYPE_BFLOAT16 ? 0x7f81u : 0x7c01u;
-                a->stats_tile(gx, gdt, C, 1, R, j0, C, rp1, cp1, &pm, m1r, &mp1);
-                b->stats_tile(gx, gdt, C, 1, R, j0, C, rp2, cp2, &pm, m2r, &mp2);
+                a->stats_tile(gx, gdt, C, 1, R, j0, C, rp1, cp1, &pm, m1r, &mp1, NULL);
+                b->stats_tile(gx, gdt, C, 1, R, j0, C, rp2, cp2, &pm, m2r, &mp2, NULL);
                 assert_memory_equal(m1r, m2r, sizeof(int32_t) * (size_t)(R - 1));
                 assert_memory_equal(&mp1, &mp2, sizeof mp1);
                 free(gx);
