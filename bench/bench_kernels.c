@@ -96,11 +96,21 @@ static void evict(void) {
 /* -------------------------------------------------------- one case ---- */
 
 /* Bytes per element of one update under the traffic model
- * (docs/PERFORMANCE.md): gradient read 3x (stats with the agreement
- * count, u2, apply), parameter read + written once, polarity bits read +
- * written; unfactored adds sq read 2x + written, lr read + written. */
-static double model_bytes(int ndim, size_t es) {
-    if (ndim >= 2) return 3.0 * (double)es + 2.0 * (double)es + 0.25;
+ * (docs/PERFORMANCE.md), parameter and gradient of element size es:
+ * factored, the gradient is read 2x when the library's tiles hold whole
+ * rows (stats with the agreement count and the sum of u*u, then the apply;
+ * C <= 16384 and not the batched path of small matrices), else 3x (a pass
+ * of its own for the sum of u*u); parameter read + written once, polarity
+ * bits read + written. Unfactored: g 2x, p read + written, sq read 2x +
+ * written, lr read + written, polarity. */
+static double model_bytes(const am_shape *sh, size_t es) {
+    if (sh->ndim >= 2) {
+        int64_t R = sh->dims[sh->ndim - 2], C = sh->dims[sh->ndim - 1], B = 1;
+        int d, whole;
+        for (d = 0; d < sh->ndim - 2; d++) B *= sh->dims[d];
+        whole = C <= 16384 && !(B > 1 && R <= 64 && R * C <= 64);
+        return (whole ? 2.0 : 3.0) * (double)es + 2.0 * (double)es + 0.25;
+    }
     return 2.0 * (double)es + 2.0 * (double)es + 12.0 + 8.0 + 0.25;
 }
 
@@ -210,7 +220,7 @@ static int run_case(const char *arg, double min_time, int min_reps, triad *tr) {
     }
     qsort(times, (size_t)reps, sizeof times[0], cmp_double);
     qsort(cpu, (size_t)reps, sizeof cpu[0], cmp_double);
-    bytes = model_bytes(sh.ndim, es);
+    bytes = model_bytes(&sh, es);
     printf("{\"kind\": \"update\", \"case\": \"%s\", \"shape\": [", arg);
     for (d = 0; d < sh.ndim; d++) printf("%s%lld", d ? ", " : "", (long long)sh.dims[d]);
     printf("], \"dtype\": \"%s\", \"threads\": %d, \"kernels\": \"%s\", \"numel\": %lld, "
