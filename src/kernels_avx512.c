@@ -273,11 +273,15 @@ AM_INLINE void wsum16_rows(const uint16_t *gw, const int gdt, int64_t C, const i
  * same bits - 1 keep the running minimum of the positive values (their
  * order is their bits' order; +0 wraps to 0xffff, negatives are above
  * 0x7fff). When pend is not NULL, the W sums of that group of 4 rows are
- * added column by column along (memory never idles during them). */
+ * added column by column along (memory never idles during them). pf: the
+ * next 4 rows follow (a group); they are prefetched as these are read:
+ * twice the streams in flight, which one core needs to read memory at
+ * full speed here (measured: the stats of a 4096x4096 float32 update at 2
+ * threads 4.5 -> 3.4 ms, bfloat16 3.2 -> 2.9 ms). */
 AM_INLINE void stats16_rows(const uint16_t *gw, const int gdt, const int cnt, const int nr,
                             int64_t C, int64_t i, int64_t j0, int64_t n, float *rowpart,
                             float *colpart, const am_polmap *pm, int32_t *rowmatch,
-                            __m512i *mn, float *mp, const wgroup *pend) {
+                            __m512i *mn, float *mp, const wgroup *pend, const int pf) {
     const int64_t n32 = n & ~(int64_t)31;
     const __m512i one = _mm512_set1_epi16(1);
     const __m512i lim = _mm512_set1_epi16((short)(gdt == AM_DTYPE_BFLOAT16 ? 0x7f80 : 0x7c00));
@@ -292,6 +296,9 @@ AM_INLINE void stats16_rows(const uint16_t *gw, const int gdt, const int cnt, co
     }
     for (j = 0; j < n32; j += 32) {
         __m512 clo = _mm512_loadu_ps(colpart + j), chi = _mm512_loadu_ps(colpart + j + 16);
+        if (pf) /* the next group's rows (stats16_body) */
+            for (q = 0; q < 4; q++)
+                _mm_prefetch((const char *)(gw + (i + 4 + q) * C + j0 + j), _MM_HINT_T0);
         for (q = 0; q < nr; q++) {
             const __m512i raw = _mm512_loadu_si512((const void *)(gw + (i + q) * C + j0 + j));
             __m512 lo, hi;
@@ -341,7 +348,8 @@ AM_INLINE void stats16_body(const void *g, const int gdt, const int cnt, int64_t
     }
     for (i = i0; i + 4 <= i1; i += 4) {
         stats16_rows(gw, gdt, cnt, 4, C, i, j0, n, rowpart + (i - i0), colpart, pm,
-                     cnt ? rowmatch + (i - i0) : NULL, &mn, &mp, pending ? &wg : NULL);
+                     cnt ? rowmatch + (i - i0) : NULL, &mn, &mp, pending ? &wg : NULL,
+                     i + 8 <= i1);
         if (ws) {
             for (q = 0; q < 4; q++) {
                 wg.w[q] = am_wsum_weight(ws, i + q, rowpart[i + q - i0]);
@@ -354,7 +362,7 @@ AM_INLINE void stats16_body(const void *g, const int gdt, const int cnt, int64_t
     if (pending) wsum16_rows(gw, gdt, C, 4, j0, n, &wg);
     for (; i < i1; i++) {
         stats16_rows(gw, gdt, cnt, 1, C, i, j0, n, rowpart + (i - i0), colpart, pm,
-                     cnt ? rowmatch + (i - i0) : NULL, &mn, &mp, NULL);
+                     cnt ? rowmatch + (i - i0) : NULL, &mn, &mp, NULL, 0);
         if (ws) {
             wg.w[0] = am_wsum_weight(ws, i, rowpart[i - i0]);
             wg.wv[0] = _mm512_set1_ps(wg.w[0]);
