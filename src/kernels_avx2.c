@@ -332,7 +332,7 @@ AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C
                 AM_STATS4(j + 8, 1);
                 AM_STATS4(j + 16, 2);
                 AM_STATS4(j + 24, 3);
-                if (pf) { /* the next group's rows (see stats16_rows, kernels_avx512.c) */
+                if (pf) { /* the next group's rows (see stats_rows, kernels_avx512.c) */
                     const char *nx = (const char *)g + (size_t)(b3 + C + j) * es;
                     for (q = 0; q < 4; q++) {
                         _mm_prefetch(nx + q * rs, _MM_HINT_T0);
@@ -1018,19 +1018,15 @@ static int64_t avx512x_finish_flat(void *p, int pdt, const void *g, int gdt, flo
                             step);
 }
 
-/* The AVX-512 stats of 16-bit gradients (set with g_apply16). */
-static am_stats_fn g_stats16;
+/* The AVX-512 stats (set with g_apply16). */
+static am_stats_fn g_stats512;
 
 static void avx512x_stats_tile(const void *g, int gdt, int64_t C, int64_t i0, int64_t i1,
                                int64_t j0, int64_t j1, float *rowpart, float *colpart,
                                const am_polmap *pm, int32_t *rowmatch, float *minpos,
                                const am_wsum *ws) {
-    /* both callees return with vzeroupper (AM_CLEAN_RETURN, simd.h) */
-    if (gdt != AM_DTYPE_FLOAT32)
-        g_stats16(g, gdt, C, i0, i1, j0, j1, rowpart, colpart, pm, rowmatch, minpos, ws);
-    else
-        avx2_stats_tile(g, gdt, C, i0, i1, j0, j1, rowpart, colpart, pm, rowmatch, minpos,
-                        ws);
+    /* returns with vzeroupper (AM_CLEAN_RETURN, simd.h) */
+    g_stats512(g, gdt, C, i0, i1, j0, j1, rowpart, colpart, pm, rowmatch, minpos, ws);
 }
 
 static const am_kernels avx512x_table = {
@@ -1053,8 +1049,8 @@ const am_kernels *am_kernels_avx2(void) {
     g_flat16 = am_avx512_flat16();
     g_apply_mats = am_avx512_apply_mats();
     g_agree_mats = am_avx512_agree_mats();
-    g_stats16 = am_avx512_stats16();
-    if (!g_apply16 || !g_flat16 || !g_apply_mats || !g_agree_mats || !g_stats16 ||
+    g_stats512 = am_avx512_stats();
+    if (!g_apply16 || !g_flat16 || !g_apply_mats || !g_agree_mats || !g_stats512 ||
         !am_philox32_avx512())
         return &avx2_table;
     g_philox = am_philox32_avx512(); /* only with the whole AVX-512 set */

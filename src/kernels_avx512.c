@@ -231,16 +231,29 @@ typedef struct wgroup {
     float *wpart;
 } wgroup;
 
+/* Elements idx..idx+31 of a gradient of dtype gdt as two vectors of
+ * float32, exactly; raw (16-bit types) gets the loaded words. */
+AM_INLINE void ld32(const void *g, const int gdt, int64_t idx, __m512 *lo, __m512 *hi,
+                    __m512i *raw) {
+    if (gdt == AM_DTYPE_FLOAT32) {
+        *lo = _mm512_loadu_ps((const float *)g + idx);
+        *hi = _mm512_loadu_ps((const float *)g + idx + 16);
+    } else {
+        *raw = _mm512_loadu_si512((const void *)((const uint16_t *)g + idx));
+        widen32(*raw, gdt, lo, hi);
+    }
+}
+
 /* Tile columns j..j+31 of the W sums of group wg (as wsum8 of
  * kernels_avx2.c): each row's (g * g) * w added in row order. */
-AM_INLINE void wsum32(const uint16_t *gw, const int gdt, int64_t C, int64_t j0, int64_t j,
+AM_INLINE void wsum32(const void *g, const int gdt, int64_t C, int64_t j0, int64_t j,
                       const int nq, const wgroup *wg) {
     __m512 slo = _mm512_setzero_ps(), shi = slo;
+    __m512i raw;
     int q;
     for (q = 0; q < nq; q++) {
         __m512 lo, hi;
-        widen32(_mm512_loadu_si512((const void *)(gw + (wg->i + q) * C + j0 + j)), gdt, &lo,
-                &hi);
+        ld32(g, gdt, (wg->i + q) * C + j0 + j, &lo, &hi, &raw);
         lo = _mm512_mul_ps(_mm512_mul_ps(lo, lo), wg->wv[q]);
         hi = _mm512_mul_ps(_mm512_mul_ps(hi, hi), wg->wv[q]);
         if (q == 0) {
@@ -258,33 +271,36 @@ AM_INLINE void wsum32(const uint16_t *gw, const int gdt, int64_t C, int64_t j0, 
 
 /* The W sums of group wg (nq rows, a constant) over tile columns
  * j0..j0+n-1 in one sweep. */
-AM_INLINE void wsum16_rows(const uint16_t *gw, const int gdt, int64_t C, const int nq,
-                           int64_t j0, int64_t n, const wgroup *wg) {
+AM_INLINE void wsum_rows(const void *g, const int gdt, int64_t C, const int nq, int64_t j0,
+                         int64_t n, const wgroup *wg) {
     const int64_t n32 = n & ~(int64_t)31;
     int64_t j;
-    for (j = 0; j < n32; j += 32) wsum32(gw, gdt, C, j0, j, nq, wg);
-    am_wsum_cols(gw, gdt, C, wg->i, nq, j0, j0 + n32, j0 + n, wg->w, wg->wpart);
+    for (j = 0; j < n32; j += 32) wsum32(g, gdt, C, j0, j, nq, wg);
+    am_wsum_cols(g, gdt, C, wg->i, nq, j0, j0 + n32, j0 + n, wg->w, wg->wpart);
 }
 
-/* Rows i..i+nr-1 (nr = 4 or 1, a constant) of stats16_body: 32 columns of
- * a row per vector of raw words. With cnt, the agreement is counted on the
- * raw words: a bfloat16/half g is > 0 exactly when 1 <= bits <= bits of
- * +inf, i.e. when the unsigned bits - 1 is below +inf's bits (lim); the
- * same bits - 1 keep the running minimum of the positive values (their
- * order is their bits' order; +0 wraps to 0xffff, negatives are above
- * 0x7fff). When pend is not NULL, the W sums of that group of 4 rows are
- * added column by column along (memory never idles during them). pf: the
- * next 4 rows follow (a group); they are prefetched as these are read:
- * twice the streams in flight, which one core needs to read memory at
- * full speed here (measured: the stats of a 4096x4096 float32 update at 2
- * threads 4.5 -> 3.4 ms, bfloat16 3.2 -> 2.9 ms). */
-AM_INLINE void stats16_rows(const uint16_t *gw, const int gdt, const int cnt, const int nr,
-                            int64_t C, int64_t i, int64_t j0, int64_t n, float *rowpart,
-                            float *colpart, const am_polmap *pm, int32_t *rowmatch,
-                            __m512i *mn, float *mp, const wgroup *pend, const int pf) {
+/* Rows i..i+nr-1 (nr = 4 or 1, a constant) of stats_body: 32 columns of a
+ * row per step. With cnt, the agreement is counted on the raw bits: a
+ * gradient element is > 0 exactly when 1 <= bits <= bits of +inf, i.e.
+ * when the unsigned bits - 1 is below +inf's bits (lim); the same bits - 1
+ * keep the running minimum of the positive values in *mn (16-bit lanes for
+ * 16-bit types, 32-bit for float32; their order is their bits' order; +0
+ * wraps to all ones, negatives are above +inf's bits). When pend is not
+ * NULL, the W sums of that group of 4 rows are added column by column
+ * along (memory never idles during them). pf: the next 4 rows follow (a
+ * group); they are prefetched as these are read: twice the streams in
+ * flight, which one core needs to read memory at full speed here
+ * (measured: the stats of a 4096x4096 float32 update at 2 threads 4.5 ->
+ * 3.4 ms, bfloat16 3.2 -> 2.9 ms). */
+AM_INLINE void stats_rows(const void *g, const int gdt, const int cnt, const int nr,
+                          int64_t C, int64_t i, int64_t j0, int64_t n, float *rowpart,
+                          float *colpart, const am_polmap *pm, int32_t *rowmatch,
+                          __m512i *mn, float *mp, const wgroup *pend, const int pf) {
     const int64_t n32 = n & ~(int64_t)31;
-    const __m512i one = _mm512_set1_epi16(1);
-    const __m512i lim = _mm512_set1_epi16((short)(gdt == AM_DTYPE_BFLOAT16 ? 0x7f80 : 0x7c00));
+    const size_t es = gdt == AM_DTYPE_FLOAT32 ? 4 : 2;
+    const __m512i one16 = _mm512_set1_epi16(1), one32 = _mm512_set1_epi32(1);
+    const __m512i lim16 = _mm512_set1_epi16((short)(gdt == AM_DTYPE_BFLOAT16 ? 0x7f80 : 0x7c00));
+    const __m512i lim32 = _mm512_set1_epi32(0x7f800000);
     const uint8_t *bits = cnt ? pm->bits : NULL;
     __m256 acc[4];
     int64_t q0[4], mism[4], j;
@@ -296,19 +312,31 @@ AM_INLINE void stats16_rows(const uint16_t *gw, const int gdt, const int cnt, co
     }
     for (j = 0; j < n32; j += 32) {
         __m512 clo = _mm512_loadu_ps(colpart + j), chi = _mm512_loadu_ps(colpart + j + 16);
-        if (pf) /* the next group's rows (stats16_body) */
-            for (q = 0; q < 4; q++)
-                _mm_prefetch((const char *)(gw + (i + 4 + q) * C + j0 + j), _MM_HINT_T0);
+        if (pf) /* the next group's rows (stats_body) */
+            for (q = 0; q < 4; q++) {
+                const char *nx = (const char *)g + (size_t)((i + 4 + q) * C + j0 + j) * es;
+                _mm_prefetch(nx, _MM_HINT_T0);
+                if (es == 4) _mm_prefetch(nx + 64, _MM_HINT_T0);
+            }
         for (q = 0; q < nr; q++) {
-            const __m512i raw = _mm512_loadu_si512((const void *)(gw + (i + q) * C + j0 + j));
             __m512 lo, hi;
+            __m512i raw;
+            ld32(g, gdt, (i + q) * C + j0 + j, &lo, &hi, &raw);
             if (cnt) {
-                const __m512i d = _mm512_sub_epi16(raw, one);
-                const uint32_t pos = (uint32_t)_mm512_cmplt_epu16_mask(d, lim);
-                *mn = _mm512_min_epu16(*mn, d);
+                uint32_t pos;
+                if (gdt == AM_DTYPE_FLOAT32) {
+                    const __m512i dl = _mm512_sub_epi32(_mm512_castps_si512(lo), one32);
+                    const __m512i dh = _mm512_sub_epi32(_mm512_castps_si512(hi), one32);
+                    pos = (uint32_t)_mm512_cmplt_epu32_mask(dl, lim32) |
+                          (uint32_t)_mm512_cmplt_epu32_mask(dh, lim32) << 16;
+                    *mn = _mm512_min_epu32(*mn, _mm512_min_epu32(dl, dh));
+                } else {
+                    const __m512i d = _mm512_sub_epi16(raw, one16);
+                    pos = (uint32_t)_mm512_cmplt_epu16_mask(d, lim16);
+                    *mn = _mm512_min_epu16(*mn, d);
+                }
                 mism[q] += __builtin_popcount(pos ^ am_bits32_at(bits, q0[q] + j));
             }
-            widen32(raw, gdt, &lo, &hi);
             lo = _mm512_mul_ps(lo, lo);
             hi = _mm512_mul_ps(hi, hi);
             acc[q] = add16(add16(acc[q], lo), hi);
@@ -317,24 +345,51 @@ AM_INLINE void stats16_rows(const uint16_t *gw, const int gdt, const int cnt, co
         }
         _mm512_storeu_ps(colpart + j, clo);
         _mm512_storeu_ps(colpart + j + 16, chi);
-        if (pend) wsum32(gw, gdt, C, j0, j, 4, pend);
+        if (pend) wsum32(g, gdt, C, j0, j, 4, pend);
     }
-    if (pend) am_wsum_cols(gw, gdt, C, pend->i, 4, j0, j0 + n32, j0 + n, pend->w, pend->wpart);
+    if (pend) am_wsum_cols(g, gdt, C, pend->i, 4, j0, j0 + n32, j0 + n, pend->w, pend->wpart);
     for (q = 0; q < nr; q++) {
         float a[AM_LANES];
         _mm256_storeu_ps(a, acc[q]);
-        am_stats_row_tail(gw, gdt, cnt, (i + q) * C + j0, n32, n, a, colpart, bits, q0[q],
+        am_stats_row_tail(g, gdt, cnt, (i + q) * C + j0, n32, n, a, colpart, bits, q0[q],
                           mism[q], cnt ? rowmatch + q : NULL, mp);
         rowpart[q] = am_lanesum_finish(a);
     }
 }
 
-/* The stats_tile slot (internal.h) for bfloat16/float16 gradients. */
-AM_INLINE void stats16_body(const void *g, const int gdt, const int cnt, int64_t C,
-                            int64_t i0, int64_t i1, int64_t j0, int64_t j1,
-                            float *rowpart, float *colpart, const am_polmap *pm,
-                            int32_t *rowmatch, float *minpos, const am_wsum *ws) {
-    const uint16_t *gw = (const uint16_t *)g;
+/* The smallest positive value recorded by stats_rows in mn (+inf when
+ * none): the smallest lane, + 1, is a positive finite value's bits when it
+ * is below +inf's bits. */
+static float minpos_of(__m512i mn, int gdt) {
+    if (gdt == AM_DTYPE_FLOAT32) {
+        uint32_t v[16], best = 0xffffffffu, l;
+        float x = INFINITY;
+        _mm512_storeu_si512((void *)v, mn);
+        for (l = 0; l < 16; l++)
+            if (v[l] < best) best = v[l];
+        best += 1u; /* 0 (a wrapped +0) to 0xffffffff */
+        if (best != 0u && best < 0x7f800000u) memcpy(&x, &best, 4);
+        return x;
+    } else {
+        uint16_t v[32];
+        uint32_t best = 0xffffu, l;
+        _mm512_storeu_si512((void *)v, mn);
+        for (l = 0; l < 32; l++)
+            if (v[l] < best) best = v[l];
+        best += 1u; /* 1..0x10000 */
+        if (best < (gdt == AM_DTYPE_BFLOAT16 ? 0x7f80u : 0x7c00u)) {
+            const uint16_t h = (uint16_t)best;
+            return am_load(&h, gdt, 0);
+        }
+        return INFINITY;
+    }
+}
+
+/* The stats_tile slot (internal.h), any gradient dtype. */
+AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C, int64_t i0,
+                          int64_t i1, int64_t j0, int64_t j1, float *rowpart, float *colpart,
+                          const am_polmap *pm, int32_t *rowmatch, float *minpos,
+                          const am_wsum *ws) {
     const int64_t n = j1 - j0;
     __m512i mn = _mm512_set1_epi32(-1);
     float mp = INFINITY;
@@ -347,9 +402,9 @@ AM_INLINE void stats16_body(const void *g, const int gdt, const int cnt, int64_t
         for (j = 0; j < n; j++) ws->wpart[j] = 0.0f;
     }
     for (i = i0; i + 4 <= i1; i += 4) {
-        stats16_rows(gw, gdt, cnt, 4, C, i, j0, n, rowpart + (i - i0), colpart, pm,
-                     cnt ? rowmatch + (i - i0) : NULL, &mn, &mp, pending ? &wg : NULL,
-                     i + 8 <= i1);
+        stats_rows(g, gdt, cnt, 4, C, i, j0, n, rowpart + (i - i0), colpart, pm,
+                   cnt ? rowmatch + (i - i0) : NULL, &mn, &mp, pending ? &wg : NULL,
+                   i + 8 <= i1);
         if (ws) {
             for (q = 0; q < 4; q++) {
                 wg.w[q] = am_wsum_weight(ws, i + q, rowpart[i + q - i0]);
@@ -359,50 +414,44 @@ AM_INLINE void stats16_body(const void *g, const int gdt, const int cnt, int64_t
             pending = 1;
         }
     }
-    if (pending) wsum16_rows(gw, gdt, C, 4, j0, n, &wg);
+    if (pending) wsum_rows(g, gdt, C, 4, j0, n, &wg);
     for (; i < i1; i++) {
-        stats16_rows(gw, gdt, cnt, 1, C, i, j0, n, rowpart + (i - i0), colpart, pm,
-                     cnt ? rowmatch + (i - i0) : NULL, &mn, &mp, NULL, 0);
+        stats_rows(g, gdt, cnt, 1, C, i, j0, n, rowpart + (i - i0), colpart, pm,
+                   cnt ? rowmatch + (i - i0) : NULL, &mn, &mp, NULL, 0);
         if (ws) {
             wg.w[0] = am_wsum_weight(ws, i, rowpart[i - i0]);
             wg.wv[0] = _mm512_set1_ps(wg.w[0]);
             wg.i = i;
-            wsum16_rows(gw, gdt, C, 1, j0, n, &wg);
+            wsum_rows(g, gdt, C, 1, j0, n, &wg);
         }
     }
     if (cnt) {
-        uint16_t v[32];
-        uint32_t best = 0xffffu, l;
-        _mm512_storeu_si512((void *)v, mn);
-        for (l = 0; l < 32; l++)
-            if (v[l] < best) best = v[l];
-        best += 1u; /* 1..0x10000; below lim: a positive finite value */
-        if (best < (gdt == AM_DTYPE_BFLOAT16 ? 0x7f80u : 0x7c00u)) {
-            const uint16_t h = (uint16_t)best;
-            const float x = am_load(&h, gdt, 0);
-            if (x < mp) mp = x;
-        }
-        *minpos = mp;
+        const float x = minpos_of(mn, gdt);
+        *minpos = x < mp ? x : mp;
     }
 }
 
-static void avx512_stats16(const void *g, int gdt, int64_t C, int64_t i0, int64_t i1,
-                           int64_t j0, int64_t j1, float *rowpart, float *colpart,
-                           const am_polmap *pm, int32_t *rowmatch, float *minpos,
-                           const am_wsum *ws) {
-    if (gdt == AM_DTYPE_BFLOAT16) {
-        if (pm)
-            stats16_body(g, 1, 1, C, i0, i1, j0, j1, rowpart, colpart, pm, rowmatch, minpos, ws);
-        else stats16_body(g, 1, 0, C, i0, i1, j0, j1, rowpart, colpart, NULL, NULL, NULL, ws);
-    } else {
-        if (pm)
-            stats16_body(g, 2, 1, C, i0, i1, j0, j1, rowpart, colpart, pm, rowmatch, minpos, ws);
-        else stats16_body(g, 2, 0, C, i0, i1, j0, j1, rowpart, colpart, NULL, NULL, NULL, ws);
+#define AM_STATS_CASE(GD)                                                     \
+    do {                                                                      \
+        if (pm)                                                               \
+            stats_body(g, GD, 1, C, i0, i1, j0, j1, rowpart, colpart, pm, rowmatch, minpos, ws); \
+        else stats_body(g, GD, 0, C, i0, i1, j0, j1, rowpart, colpart, NULL, NULL, NULL, ws); \
+    } while (0)
+
+static void avx512_stats(const void *g, int gdt, int64_t C, int64_t i0, int64_t i1,
+                         int64_t j0, int64_t j1, float *rowpart, float *colpart,
+                         const am_polmap *pm, int32_t *rowmatch, float *minpos,
+                         const am_wsum *ws) {
+    switch (gdt) {
+    case AM_DTYPE_FLOAT32: AM_STATS_CASE(0); break;
+    case AM_DTYPE_BFLOAT16: AM_STATS_CASE(1); break;
+    default: AM_STATS_CASE(2); break;
     }
     _mm256_zeroupper(); /* see AM_CLEAN_RETURN (simd.h) */
 }
+#undef AM_STATS_CASE
 
-am_stats_fn am_avx512_stats16(void) { return avx512_stats16; }
+am_stats_fn am_avx512_stats(void) { return avx512_stats; }
 
 /* Runs MODE(scaled, wd) with the two flags as constants: scaled when the
  * clip scale is not 1, wd when the decay is not 0 (see apply_mode). */
@@ -800,7 +849,7 @@ am_flat_fn am_avx512_flat16(void) { return avx512_finish_flat; }
 #else
 
 am_apply_fn am_avx512_apply16(void) { return NULL; }
-am_stats_fn am_avx512_stats16(void) { return NULL; }
+am_stats_fn am_avx512_stats(void) { return NULL; }
 am_apply_mats_fn am_avx512_apply_mats(void) { return NULL; }
 am_agree_mats_fn am_avx512_agree_mats(void) { return NULL; }
 am_flat_fn am_avx512_flat16(void) { return NULL; }

@@ -34,8 +34,8 @@ static inline void am_stats_row_tail(const void *g, int gdt, int cnt, int64_t ba
 /* The AVX2+F16C kernel set (kernels_avx2.c): the reference table with the
  * slots it implements overridden, bit-identical to the reference; on CPUs
  * with AVX-512F and AVX-512BW (unless AUTOMAGIC_NO_AVX512=1) its random numbers,
- * the apply of 16-bit parameters and the finish of unfactored 16-bit
- * parameters use AVX-512, and its name is "avx2+avx512".
+ * the stats pass, the apply of 16-bit parameters and the finish of
+ * unfactored 16-bit parameters use AVX-512, and its name is "avx2+avx512".
  * Only valid to call through when am_cpu_has_avx2() is true. NULL when the
  * library was built without it (not x86-64, or a compiler without the
  * intrinsics). */
@@ -121,10 +121,10 @@ typedef void (*am_stats_fn)(const void *g_mat, int gdt, int64_t C, int64_t i0, i
                             const am_polmap *pm, int32_t *rowmatch, float *minpos,
                             const am_wsum *ws);
 
-/* The AVX-512F/BW stats_tile of bfloat16/float16 gradients (kernels_avx512.c;
- * the agreement counted on the raw 16-bit words), for gdt != float32 only;
- * NULL when not built. Only valid to call when am_cpu_has_avx512() is true. */
-am_stats_fn am_avx512_stats16(void);
+/* The AVX-512F/BW stats_tile (kernels_avx512.c; the agreement counted on
+ * the raw bits), any gradient dtype; NULL when not built. Only valid to
+ * call when am_cpu_has_avx512() is true. */
+am_stats_fn am_avx512_stats(void);
 
 /* The AVX2 set without any AVX-512 part (for tests: the set in use on CPUs
  * without AVX-512). NULL when not built. */
