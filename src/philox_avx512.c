@@ -39,8 +39,13 @@ static void philox32_avx512(uint64_t seed, uint32_t pid, int64_t step,
         const __m512i K0 = _mm512_set1_epi64(k0), K1 = _mm512_set1_epi64(k1);
         for (ch = 0; ch < 4; ch++) {
             __m512i p0 = _mm512_mul_epu32(c0[ch], M0), p1 = _mm512_mul_epu32(c2[ch], M1);
-            /* n0 = hi(p1) ^ c1 ^ k0, n2 = hi(p0) ^ c3 ^ k1 (0x96: a ^ b ^ c) */
-            c0[ch] = _mm512_ternarylogic_epi64(_mm512_srli_epi64(p1, 32), c1[ch], K0, 0x96);
+            /* n0 = hi(p1) ^ c1 ^ k0, n2 = hi(p0) ^ c3 ^ k1 (0x96: a ^ b ^ c).
+             * hi(p1) is moved down by a dword swap (vpshufd, port 5) and
+             * hi(p0) by a shift (port 0, with the multiplies): the upper
+             * halves are don't-cares, and the two ports share the work (one
+             * round of a chain: 3 cycles instead of 4, measured in cache) */
+            c0[ch] = _mm512_ternarylogic_epi64(_mm512_shuffle_epi32(p1, _MM_PERM_CDAB),
+                                               c1[ch], K0, 0x96);
             c2[ch] = _mm512_ternarylogic_epi64(_mm512_srli_epi64(p0, 32), c3[ch], K1, 0x96);
             c1[ch] = p1;
             c3[ch] = p0;
