@@ -280,8 +280,10 @@ AM_API am_status am_update(const am_tensor *param, const am_tensor *grad,
  * (all-reduce row_sumsq, col_sumsq, nonfinite here)
  * am_update_moments : from the (reduced) sums and the state, the new second
  *                     moments and scale factors (kept in the workspace, state
- *                     untouched), then one pass over grad for the sum of u*u
- *                     into the view's u2_sum.
+ *                     untouched), then the sum of u*u into the view's u2_sum:
+ *                     from column sums am_update_stats kept when its row
+ *                     sums are unchanged (rows of at most 16384 elements),
+ *                     else one more pass over grad.
  * (all-reduce u2_sum here)
  * am_update_finish  : clip, agreement, lr bump, parameter update; commits the
  *                     new moments, polarity, lrs and step to state. Returns
