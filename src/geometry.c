@@ -73,10 +73,10 @@ am_status am_geom_init(const am_shape *shape, am_geom *g) {
         g->off_agree = take(&cur, g->lr_rows, sizeof(float));
         g->off_rowmatch = take(&cur, g->ncb * B * g->R, sizeof(int32_t));
         g->off_tile_minpos = take(&cur, g->ntiles, sizeof(float));
-        /* Whole rows per tile, and not the batched small-matrix path
-         * (update.c, batched). */
-        g->wsum = g->ncb == 1 &&
-                  !(g->nrb == 1 && B > 1 && g->R * g->C <= AM_MATS_MAX_ELEMS);
+        g->batched = g->nrb == 1 && g->ncb == 1 && B > 1 &&
+                     g->R * g->C <= AM_MATS_MAX_ELEMS;
+        /* Whole rows per tile, and not the batched small-matrix path. */
+        g->wsum = g->ncb == 1 && !g->batched;
         g->off_wpart = take(&cur, g->wsum ? g->nrb * B * g->C : 0, sizeof(float));
         g->off_wnr = take(&cur, g->wsum ? B * g->R : 0, sizeof(float));
     } else {

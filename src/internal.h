@@ -67,6 +67,8 @@ typedef struct am_geom {
     /* The sum of u*u from pass 1 (am_wsum below): when wsum is set, the
      * tiles' row-weighted column sums [nrb][B*C] (float) and the new row
      * moments pass 1 weighted with [B*R]. */
+    int batched; /* many small matrices (R*C <= AM_MATS_MAX_ELEMS, each one
+                  * tile): the batched kernel slots (update.c) */
     int wsum;
     size_t off_wpart, off_wnr;
 } am_geom;

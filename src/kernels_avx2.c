@@ -212,14 +212,11 @@ AM_INLINE __m256i min_pos(__m256i mn, __m256 x) {
  * 0x80000000 and above negative. */
 static float minpos_of(__m256i mn) {
     uint32_t v[8], best = 0xffffffffu;
-    float f = INFINITY;
     int l;
     _mm256_storeu_si256((__m256i *)v, mn);
     for (l = 0; l < 8; l++)
         if (v[l] < best) best = v[l];
-    best += 1u;
-    if (best != 0u && best < 0x7f800000u) memcpy(&f, &best, 4);
-    return f;
+    return am_minpos_from_bits(best);
 }
 
 /* Bit l: lane l of x is > 0. */
@@ -310,7 +307,7 @@ AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C
     float *const wpart = ws ? ws->wpart : NULL;
     for (j = 0; j < n; j++) colpart[j] = 0.0f;
     if (ws)
-        for (j = 0; j < n; j++) ws->wpart[j] = 0.0f;
+        for (j = 0; j < n; j++) wpart[j] = 0.0f;
     for (i = i0; i + 4 <= i1; i += 4) {
         const int64_t b0 = i * C + j0, b1 = b0 + C, b2 = b1 + C, b3 = b2 + C;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -319,7 +316,7 @@ AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C
         uint32_t nb[4];
         int q;
         const int pf = i + 8 <= i1;
-        const size_t es = gdt == 0 ? 4 : 2, rs = (size_t)C * es;
+        const size_t es = esize(gdt), rs = (size_t)C * es;
         if (cnt)
             for (q = 0; q < 4; q++) q0[q] = am_polmap_bit(pm, i + q, j0);
         for (jc = 0; jc < nv; jc = je) {
@@ -394,7 +391,7 @@ AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C
         rowpart[i - i0] = am_lanesum_finish(a);
         if (ws) {
             w[0] = am_wsum_weight(ws, i, rowpart[i - i0]);
-            wsum_rows(g, gdt, C, i, 1, j0, n, w, ws->wpart);
+            wsum_rows(g, gdt, C, i, 1, j0, n, w, wpart);
         }
     }
     if (cnt) {

@@ -363,13 +363,10 @@ AM_INLINE void stats_rows(const void *g, const int gdt, const int cnt, const int
 static float minpos_of(__m512i mn, int gdt) {
     if (gdt == AM_DTYPE_FLOAT32) {
         uint32_t v[16], best = 0xffffffffu, l;
-        float x = INFINITY;
         _mm512_storeu_si512((void *)v, mn);
         for (l = 0; l < 16; l++)
             if (v[l] < best) best = v[l];
-        best += 1u; /* 0 (a wrapped +0) to 0xffffffff */
-        if (best != 0u && best < 0x7f800000u) memcpy(&x, &best, 4);
-        return x;
+        return am_minpos_from_bits(best);
     } else {
         uint16_t v[32];
         uint32_t best = 0xffffu, l;

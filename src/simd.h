@@ -7,6 +7,9 @@
 
 #include "internal.h"
 
+#include <math.h>
+#include <string.h>
+
 /* The scalar tail of one row of a SIMD stats_tile (columns nv..n-1 of the
  * tile, base the row's element j0), as the reference's loop: squares into
  * the row's lanes a and the column sums; with cnt, the agreement of
@@ -29,6 +32,17 @@ static inline void am_stats_row_tail(const void *g, int gdt, int cnt, int64_t ba
         }
     }
     if (cnt) *match = m;
+}
+
+/* The smallest positive float32 kept by a running unsigned minimum of
+ * (bits of x) - 1 (the SIMD stats kernels): best + 1 is that value's bits
+ * when it is a positive finite pattern; a wrapped +0 (0), a NaN or a
+ * negative value give +inf (none). */
+static inline float am_minpos_from_bits(uint32_t best) {
+    float f = INFINITY;
+    best += 1u;
+    if (best != 0u && best < 0x7f800000u) memcpy(&f, &best, 4);
+    return f;
 }
 
 /* The AVX2+F16C kernel set (kernels_avx2.c): the reference table with the

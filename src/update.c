@@ -148,9 +148,7 @@ static void stats_task(void *ctx, int64_t t) {
  * takes a run of whole matrices, a multiple of 8 of about AM_FLAT_CHUNK
  * elements, through the batched kernel slots. Each matrix's sums are those
  * of its own tile, so the grouping changes no bit. */
-static int batched(const am_geom *g) {
-    return g->nrb == 1 && g->ncb == 1 && g->B > 1 && g->R * g->C <= AM_MATS_MAX_ELEMS;
-}
+static int batched(const am_geom *g) { return g->batched; }
 
 static int64_t mats_per_task(const am_geom *g) {
     int64_t n = AM_FLAT_CHUNK / (g->R * g->C) / 8 * 8;

@@ -59,7 +59,7 @@ typedef struct am_cuda_ws_header {
 /* Workspace offsets (bytes from the aligned base) for one parameter. */
 typedef struct am_cuda_layout {
     size_t row_sumsq, col_sumsq, rowpart, colpart, new_row, new_col;
-    size_t rf, cf, rmean, agree, rowu2, tile_u2, row_matches, wpart, wblock;
+    size_t rf, cf, rmean, agree, rowu2, tile_u2, row_matches, wrow, wpart, wblock;
     size_t total; /* bytes the caller must provide (alignment slack included) */
 } am_cuda_layout;
 
@@ -91,6 +91,7 @@ static inline am_cuda_layout am_cuda_layout_of(const am_geom *g) {
         L.rowu2 = am_cuda_take(&cur, g->ncb * BR, sizeof(double));
         L.tile_u2 = am_cuda_take(&cur, g->ntiles, sizeof(double));
         L.row_matches = am_cuda_take(&cur, g->lr_rows, sizeof(unsigned long long));
+        L.wrow = am_cuda_take(&cur, g->wsum ? BR : 0, sizeof(float));
         L.wpart = am_cuda_take(&cur, g->wsum ? g->nrb * BC : 0, sizeof(float));
         L.wblock = am_cuda_take(&cur, g->wsum ? g->B * am_ck_njb(g->C) : 0, sizeof(double));
     } else {
@@ -126,6 +127,7 @@ typedef struct am_ck_args {
     float *rf, *cf, *rmean, *agree;
     double *rowu2, *tile_u2;
     unsigned long long *row_matches;
+    float *wrow;          /* [B*R] the rows' weights 1 / nr (wsum) */
     float *wpart;         /* [nrb * B*C] the W sums of the tiles (wsum) */
     double *wblock;       /* [B * njb] their weighted column-block sums */
     int64_t njb;          /* column blocks of AM_WSUM_JBLOCK */
@@ -484,6 +486,7 @@ AM_HD void am_ck_elem(const am_ck_args *a, int id, int64_t t) {
         /* A non-finite g makes its row's sum non-finite. */
         if (!am_isfinite_f32(s)) h->flag = 1;
         a->new_row[t] = am_ema(a->row[t], s / (float)a->C + a->k.eps, &a->k);
+        if (a->wsum) a->wrow[t] = 1.0f / a->new_row[t]; /* am_wsum_weight */
         break;
     }
     case AM_CK_COLS_RMEAN:
@@ -536,22 +539,22 @@ AM_HD void am_ck_elem(const am_ck_args *a, int id, int64_t t) {
         int64_t j = y - b * a->C;
         int64_t i0 = rb * a->RB, i1 = i0 + a->RB < a->R ? i0 + a->RB : a->R;
         const int64_t base = b * a->R * a->C + j;
-        const float *nr = a->new_row + b * a->R;
+        const float *w = a->wrow + b * a->R;
         float s = 0.0f;
         for (i = i0; i + 4 <= i1; i += 4) {
             float x0 = am_load(a->g, a->gdt, base + i * a->C);
             float x1 = am_load(a->g, a->gdt, base + (i + 1) * a->C);
             float x2 = am_load(a->g, a->gdt, base + (i + 2) * a->C);
             float x3 = am_load(a->g, a->gdt, base + (i + 3) * a->C);
-            float q = (x0 * x0) * (1.0f / nr[i]);
-            q += (x1 * x1) * (1.0f / nr[i + 1]);
-            q += (x2 * x2) * (1.0f / nr[i + 2]);
-            q += (x3 * x3) * (1.0f / nr[i + 3]);
+            float q = (x0 * x0) * w[i];
+            q += (x1 * x1) * w[i + 1];
+            q += (x2 * x2) * w[i + 2];
+            q += (x3 * x3) * w[i + 3];
             s += q;
         }
         for (; i < i1; i++) {
             float x = am_load(a->g, a->gdt, base + i * a->C);
-            s += (x * x) * (1.0f / nr[i]);
+            s += (x * x) * w[i];
         }
         a->wpart[rb * BC + y] = s;
         break;
@@ -673,6 +676,7 @@ static inline void am_ck_args_init(am_ck_args *a, const am_geom *g,
         a->agree = AM_WSP(float, agree);
         a->rowu2 = AM_WSP(double, rowu2);
         a->row_matches = AM_WSP(unsigned long long, row_matches);
+        a->wrow = AM_WSP(float, wrow);
         a->wpart = AM_WSP(float, wpart);
         a->wblock = AM_WSP(double, wblock);
     }
