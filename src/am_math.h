@@ -225,6 +225,14 @@ AM_HD float am_ema(float old, float x, const am_consts *k) {
 
 AM_HD float am_rsqrt(float x) { return 1.0f / sqrtf(x); }
 
+/* One unfactored element's term of the sum of u*u (SPEC 3.2), u = rsqrt(v +
+ * eps) * x: x * (x / (v + eps)), one division where u * u takes a square
+ * root and two (the 1-D stats pass is bound by the divider), and within an
+ * ulp of x*x / (v + eps) where u * u is within about three. Tiny x (x*x
+ * underflows) keeps its term, as u * u does; 0 * inf and 0 / 0 give NaN
+ * exactly where u * u does (eps = 0, v = 0). */
+AM_HD float am_flat_u2(float x, float v, float eps) { return x * (x / (v + eps)); }
+
 /* SPEC 3.5 in float32: p - lr * (u + wd * p). */
 AM_HD float am_apply(float p, float u, float lr, float wd) {
     float t = (wd != 0.0f) ? u + wd * p : u;

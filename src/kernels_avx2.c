@@ -492,11 +492,16 @@ static double avx2_u2_tile(const void *g, int gdt, int64_t C, int64_t i0,
     }
 }
 
-/* u = rsqrt(ema(sq, g*g) + eps) * g, lanes as the reference. */
+/* The new sq = ema(sq, g*g), lanes as the reference. */
+AM_INLINE __m256 flat_v(__m256 x, __m256 sqv, const am_consts *k) {
+    return _mm256_add_ps(_mm256_mul_ps(sqv, _mm256_set1_ps(k->beta2)),
+                         _mm256_mul_ps(_mm256_mul_ps(x, x), _mm256_set1_ps(k->one_m_beta2)));
+}
+
+/* u = rsqrt(ema(sq, g*g) + eps) * g (before the clip), lanes as the
+ * reference; the new sq in *vout. */
 AM_INLINE __m256 flat_u(__m256 x, __m256 sqv, const am_consts *k, __m256 *vout) {
-    __m256 v = _mm256_add_ps(_mm256_mul_ps(sqv, _mm256_set1_ps(k->beta2)),
-                             _mm256_mul_ps(_mm256_mul_ps(x, x),
-                                           _mm256_set1_ps(k->one_m_beta2)));
+    __m256 v = flat_v(x, sqv, k);
     __m256 r = _mm256_div_ps(_mm256_set1_ps(1.0f),
                              _mm256_sqrt_ps(_mm256_add_ps(v, _mm256_set1_ps(k->eps))));
     *vout = v;
@@ -508,14 +513,21 @@ AM_INLINE __m256 flat_u(__m256 x, __m256 sqv, const am_consts *k, __m256 *vout) 
 AM_INLINE double u2_flat_body(const void *g, const int gdt, const float *sq,
                               int64_t e0, int64_t e1, const am_consts *k) {
     const __m256i expo = _mm256_set1_epi32(0x7f800000);
+    const __m256 eps = _mm256_set1_ps(k->eps);
     __m256 acc = _mm256_setzero_ps(), v;
     __m256i bad = _mm256_setzero_si256();
     float a[AM_LANES];
     int64_t e = e0;
     int overflow;
     for (; e + 8 <= e1; e += 8) {
-        __m256 u = flat_u(am_ld8(g, gdt, e), _mm256_loadu_ps(sq + e), k, &v);
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(u, u));
+        const __m256 x = am_ld8(g, gdt, e);
+        if ((e & 15) == 0) { /* one line of sq per two vectors */
+            _mm_prefetch((const char *)(sq + e + AM_FLAT_PREFETCH), _MM_HINT_T0);
+            _mm_prefetch((const char *)g + (e + AM_FLAT_PREFETCH) * esize(gdt), _MM_HINT_T0);
+        }
+        v = flat_v(x, _mm256_loadu_ps(sq + e), k);
+        /* am_flat_u2 */
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(x, _mm256_div_ps(x, _mm256_add_ps(v, eps))));
         bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(
                                        _mm256_and_si256(_mm256_castps_si256(v), expo), expo));
     }
@@ -524,9 +536,8 @@ AM_INLINE double u2_flat_body(const void *g, const int gdt, const float *sq,
     for (; e < e1; e++) {
         float x = am_load(g, gdt, e);
         float vv = am_ema(sq[e], x * x, k);
-        float u = am_rsqrt(vv + k->eps) * x;
         overflow |= !am_isfinite_f32(vv);
-        a[(e - e0) & 7] += u * u;
+        a[(e - e0) & 7] += am_flat_u2(x, vv, k->eps);
     }
     return overflow ? (double)NAN : (double)am_lanesum_finish(a);
 }
@@ -541,25 +552,6 @@ static double avx2_u2_flat(const void *g, int gdt, const float *sq, int64_t e0,
 }
 
 /* ----------------------------------------------------------- finish ---- */
-
-/* The smallest float t with fl(t / scale) > 0. Division by a positive
- * constant is monotonic, so (u >= t) == (u / scale > 0) for every u, NaN
- * included (both false): the sign test needs no division. scale >= 1 here
- * (update.c); an infinite scale (a tiny clip_threshold) gives NaN. */
-static float pos_threshold(float scale) {
-    float t;
-    /* u / inf is 0 or NaN, never > 0: a NaN threshold makes u >= t false */
-    if (!(scale < INFINITY)) return NAN;
-    t = (float)((double)scale * 0x1p-150);
-    if (!(t > 0.0f)) t = nextafterf(0.0f, 1.0f);
-    while (!(t / scale > 0.0f)) t = nextafterf(t, INFINITY);
-    for (;;) {
-        float below = nextafterf(t, 0.0f);
-        if (below > 0.0f && below / scale > 0.0f) t = below;
-        else break;
-    }
-    return t;
-}
 
 /* Narrow matrices (C < 16: conv kernels, e.g. C = 3): rows are too short
  * for vectors, so the lr-row's rows [r0, r1) are walked as one flat stream
@@ -657,7 +649,7 @@ AM_INLINE int64_t agree_small(const void *g, const int gdt, int64_t R,
                               int64_t C, int64_t r0, int64_t r1,
                               const float *rf, const float *cf, float scale,
                               uint8_t *pol_row) {
-    const __m256 tv = _mm256_set1_ps(pos_threshold(scale));
+    const __m256 tv = _mm256_set1_ps(am_pos_threshold(scale));
     const int64_t f1 = r1 * C;
     bitw w = {pol_row, 0, 0, 0};
     facwalk fw;
@@ -682,7 +674,7 @@ AM_INLINE int64_t agree_body(const void *g, const int gdt, int64_t R,
                              int64_t C, int64_t r0, int64_t r1,
                              const float *rf, const float *cf, float scale,
                              uint8_t *pol_row) {
-    const __m256 tv = _mm256_set1_ps(pos_threshold(scale));
+    const __m256 tv = _mm256_set1_ps(am_pos_threshold(scale));
     const int64_t nv = C & ~(int64_t)7, n64 = C & ~(int64_t)63;
     bitw w = {pol_row, 0, 0, 0};
     int64_t r, j;
@@ -873,7 +865,9 @@ AM_INLINE int64_t finish_flat_body(void *p, const int pdt, const void *g,
                                    float scale, const am_consts *k,
                                    uint64_t seed, uint32_t param_id,
                                    int64_t step) {
-    const __m256 sv = _mm256_set1_ps(scale), zero = _mm256_setzero_ps();
+    /* the SPEC's sign of u / scale as u >= tv; the apply's u * (1 / scale)
+     * (as ref_finish_flat) */
+    const __m256 tv = _mm256_set1_ps(am_pos_threshold(scale)), iv = _mm256_set1_ps(1.0f / scale);
     const __m256 wdv = _mm256_set1_ps(k->wd);
     const __m256 up = _mm256_set1_ps(k->bump_up), down = _mm256_set1_ps(k->bump_down);
     const __m256 lo = _mm256_set1_ps(k->min_lr), hi = _mm256_set1_ps(k->max_lr);
@@ -887,8 +881,9 @@ AM_INLINE int64_t finish_flat_body(void *p, const int pdt, const void *g,
         __m256 v, lrv;
         __m256 u = flat_u(am_ld8(g, gdt, e), _mm256_loadu_ps(sq + e), k, &v);
         unsigned pb, mb;
-        if (!unscaled) u = _mm256_div_ps(u, sv); /* x / 1 == x exactly */
-        pb = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(u, zero, _CMP_GT_OQ));
+
+        pb = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(u, tv, _CMP_GE_OQ));
+        if (!unscaled) u = _mm256_mul_ps(u, iv); /* x * 1 == x exactly */
         mb = ~(pb ^ pol[e >> 3]) & 0xffu;
         _mm256_storeu_ps(sq + e, v);
         matches += __builtin_popcount(mb);
@@ -905,23 +900,10 @@ AM_INLINE int64_t finish_flat_body(void *p, const int pdt, const void *g,
         st8(p, pdt, e, apply8(am_ld8(p, pdt, e), u, lrv, wdv, has_wd),
             &w);
     }
-    for (; e < e1; e++) { /* the tail of the tensor: the reference's loop */
-        float x = am_load(g, gdt, e);
-        float v = am_ema(sq[e], x * x, k);
-        float u = (am_rsqrt(v + k->eps) * x) / scale;
-        int polv = u > 0.0f;
-        uint8_t mask = (uint8_t)(1u << (e & 7));
-        int match = polv == ((pol[e >> 3] & mask) != 0);
-        float wv;
-        uint32_t rnd = 0;
-        sq[e] = v;
-        matches += match;
-        pol[e >> 3] = (uint8_t)(polv ? (pol[e >> 3] | mask) : (pol[e >> 3] & ~mask));
-        if (step > 0) lr[e] = am_lr_scale(lr[e], match ? k->bump_up : k->bump_down, k);
-        wv = am_apply(am_load(p, pdt, e), u, lr[e], k->wd);
-        if (pdt != AM_DTYPE_FLOAT32)
-            rnd = am_sr_noise(seed, param_id, step, e, pdt, wv);
-        am_store_sr(p, pdt, e, wv, rnd);
+    if (e < e1) { /* the tail of the tensor: the reference's loop (SSE code) */
+        _mm256_zeroupper();
+        matches += am_kernels_ref.finish_flat(p, pdt, g, gdt, sq, lr, pol, e, e1, scale, k,
+                                              seed, param_id, step);
     }
     return matches;
 }
@@ -993,7 +975,7 @@ static int64_t avx512x_agree_rows(const void *g, int gdt, int64_t R, int64_t C,
     int64_t matches = 0;
     if (C < AM_SMALL_C) { /* small matrices: runs of 16 in AVX-512, then the rest */
         const int64_t done = g_agree_mats(g, gdt, R, C, r0, r1, rf, cf,
-                                          pos_threshold(scale), pol_row, &matches);
+                                          am_pos_threshold(scale), pol_row, &matches);
         pol_row += done * C / 8; /* done * C: a multiple of 16 */
         r0 += done;
         if (r0 == r1) return matches;
@@ -1001,18 +983,15 @@ static int64_t avx512x_agree_rows(const void *g, int gdt, int64_t R, int64_t C,
     return matches + avx2_agree_rows(g, gdt, R, C, r0, r1, rf, cf, scale, pol_row);
 }
 
-/* The AVX-512 finish of unfactored 16-bit parameters (set with g_apply16). */
-static am_flat_fn g_flat16;
+/* The AVX-512 finish of unfactored parameters (set with g_apply16). */
+static am_flat_fn g_flat512;
 
 static int64_t avx512x_finish_flat(void *p, int pdt, const void *g, int gdt, float *sq,
                                    float *lr, uint8_t *pol, int64_t e0, int64_t e1,
                                    float scale, const am_consts *k, uint64_t seed,
                                    uint32_t param_id, int64_t step) {
-    /* both callees return with vzeroupper (AM_CLEAN_RETURN, simd.h) */
-    if (pdt != AM_DTYPE_FLOAT32)
-        return g_flat16(p, pdt, g, gdt, sq, lr, pol, e0, e1, scale, k, seed, param_id, step);
-    return avx2_finish_flat(p, pdt, g, gdt, sq, lr, pol, e0, e1, scale, k, seed, param_id,
-                            step);
+    /* returns with vzeroupper (AM_CLEAN_RETURN, simd.h) */
+    return g_flat512(p, pdt, g, gdt, sq, lr, pol, e0, e1, scale, k, seed, param_id, step);
 }
 
 /* The AVX-512 stats (set with g_apply16). */
@@ -1043,11 +1022,11 @@ const am_kernels *am_kernels_avx2(void) {
     /* Called from dispatch.c's pthread_once before any kernel runs. */
     if (!am_cpu_has_avx512() || no_avx512()) return &avx2_table;
     g_apply16 = am_avx512_apply16();
-    g_flat16 = am_avx512_flat16();
+    g_flat512 = am_avx512_flat();
     g_apply_mats = am_avx512_apply_mats();
     g_agree_mats = am_avx512_agree_mats();
     g_stats512 = am_avx512_stats();
-    if (!g_apply16 || !g_flat16 || !g_apply_mats || !g_agree_mats || !g_stats512 ||
+    if (!g_apply16 || !g_flat512 || !g_apply_mats || !g_agree_mats || !g_stats512 ||
         !am_philox32_avx512())
         return &avx2_table;
     g_philox = am_philox32_avx512(); /* only with the whole AVX-512 set */

@@ -81,9 +81,10 @@ static double ref_u2_tile(const void *g_mat, int gdt, int64_t C, int64_t i0,
     return total;
 }
 
-/* u = rsqrt(ema(sq, g*g) + eps) * g, as the reference's unfactored branch.
- * A new sq that overflows (g*g past FLT_MAX) would give u = 0 and store inf
- * in the state forever; the sum is then NaN, so that the update is skipped as
+/* The sum of u*u, u = rsqrt(ema(sq, g*g) + eps) * g as the reference's
+ * unfactored branch, each term by am_flat_u2. A new sq that overflows (g*g
+ * past FLT_MAX) would give u = 0 and store inf in the state forever; the
+ * sum is then NaN, so that the update is skipped as
  * AM_SKIPPED_NONFINITE_UPDATE like the factored path skips it. */
 static double ref_u2_flat(const void *g, int gdt, const float *sq, int64_t e0,
                           int64_t e1, const am_consts *k) {
@@ -93,9 +94,8 @@ static double ref_u2_flat(const void *g, int gdt, const float *sq, int64_t e0,
     for (e = e0; e < e1; e++) {
         float x = am_load(g, gdt, e);
         float v = am_ema(sq[e], x * x, k);
-        float u = am_rsqrt(v + k->eps) * x;
         overflow |= !am_isfinite_f32(v);
-        acc[(e - e0) % AM_LANES] += u * u;
+        acc[(e - e0) % AM_LANES] += am_flat_u2(x, v, k->eps);
     }
     return overflow ? (double)NAN : (double)am_lanesum_finish(acc);
 }
@@ -138,12 +138,13 @@ static int64_t ref_finish_flat(void *p, int pdt, const void *g, int gdt,
                                float *sq, float *lr, uint8_t *pol, int64_t e0,
                                int64_t e1, float scale, const am_consts *k,
                                uint64_t seed, uint32_t param_id, int64_t step) {
+    const float inv = 1.0f / scale;
     int64_t e, matches = 0;
     for (e = e0; e < e1; e++) {
         float x = am_load(g, gdt, e);
         float v = am_ema(sq[e], x * x, k);
-        float u = (am_rsqrt(v + k->eps) * x) / scale;
-        int polv = u > 0.0f;
+        float u = am_rsqrt(v + k->eps) * x; /* before the clip */
+        int polv = u / scale > 0.0f;         /* SPEC 3.3's sign of u / scale */
         int match = polv == get_bit(pol, e);
         float w;
         uint32_t rnd = 0;
@@ -151,7 +152,8 @@ static int64_t ref_finish_flat(void *p, int pdt, const void *g, int gdt,
         matches += match;
         put_bit(pol, e, polv);
         if (step > 0) lr[e] = am_lr_scale(lr[e], match ? k->bump_up : k->bump_down, k);
-        w = am_apply(am_load(p, pdt, e), u, lr[e], k->wd);
+        /* the clip as a multiplication, as am_apply_one */
+        w = am_apply(am_load(p, pdt, e), u * inv, lr[e], k->wd);
         if (pdt != AM_DTYPE_FLOAT32)
             rnd = am_sr_noise(seed, param_id, step, e, pdt, w);
         am_store_sr(p, pdt, e, w, rnd);
@@ -169,7 +171,6 @@ static void ref_stats_mats(const void *g, int gdt, int64_t R, int64_t C,
         ref_stats_tile((const char *)g + (size_t)(b * R * C) * es, gdt, C, 0, R,
                        0, C, rowsum + b * R, colsum + b * C, NULL, NULL, NULL, NULL);
 }
-
 static void ref_u2_mats(const void *g, int gdt, int64_t R, int64_t C,
                         int64_t b0, int64_t b1, const float *rf,
                         const float *cf, double *out) {

@@ -239,9 +239,8 @@ AM_HD float am_ck_lane(const am_ck_args *a, int id, int64_t t) {
         for (j = j0 + lane; j < j1; j += AM_LANES) {
             float v = am_load(a->g, a->gdt, j);
             float s = am_ema(a->sq[j], v * v, &a->k);
-            float u = am_rsqrt(s + a->k.eps) * v;
             ovf |= !am_isfinite_f32(s);
-            acc += u * u;
+            acc += am_flat_u2(v, s, a->k.eps);
         }
         if (ovf) acc = am_bits_f32(0x7fc00000u); /* NaN */
     } else {
@@ -409,7 +408,7 @@ AM_HD void am_ck_bump(const am_ck_args *a, int64_t kr, unsigned long long matche
 AM_HD unsigned am_ck_finish_flat(const am_ck_args *a, int64_t t) {
     int64_t e0 = 8 * t, e1 = e0 + 8 < a->numel ? e0 + 8 : a->numel, e;
     unsigned nb = 0, old = a->pol[t], n = 0;
-    float scale = a->h->scale;
+    const float scale = a->h->scale, inv = 1.0f / scale;
     int64_t step = *a->step;
     am_u32x4 rnd = {{0, 0, 0, 0}}, wide = {{0, 0, 0, 0}};
     int have_wide = 0;
@@ -417,8 +416,8 @@ AM_HD unsigned am_ck_finish_flat(const am_ck_args *a, int64_t t) {
     for (e = e0; e < e1; e++) {
         float x = am_load(a->g, a->gdt, e);
         float v = am_ema(a->sq[e], x * x, &a->k);
-        float u = (am_rsqrt(v + a->k.eps) * x) / scale;
-        unsigned polv = u > 0.0f;
+        float u = am_rsqrt(v + a->k.eps) * x; /* before the clip */
+        unsigned polv = u / scale > 0.0f;
         unsigned match = polv == ((old >> (e - e0)) & 1u);
         float lr = a->lr[e], w;
         a->sq[e] = v;
@@ -428,7 +427,7 @@ AM_HD unsigned am_ck_finish_flat(const am_ck_args *a, int64_t t) {
             lr = am_lr_scale(lr, match ? a->k.bump_up : a->k.bump_down, &a->k);
             a->lr[e] = lr;
         }
-        w = am_apply(am_load(a->p, a->pdt, e), u, lr, a->k.wd);
+        w = am_apply(am_load(a->p, a->pdt, e), u * inv, lr, a->k.wd);
         if (a->pdt != AM_DTYPE_FLOAT32) {
             /* elements 8t..8t+7: one quad of 16-bit noise; the wide quad
              * changes every 4 elements */

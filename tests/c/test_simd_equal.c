@@ -485,6 +485,62 @@ static void test_agree_underflow(void **unused) {
         }
 }
 
+/* The same edge in the unfactored finish: u = rsqrt(sq + eps) * g is made
+ * tiny by a huge second moment (sq = 1e30: u is about 1e-15 * g), so that
+ * u / scale underflows to 0 for some positive u and not for others; the
+ * SIMD finish tests u against a threshold and multiplies by 1 / scale. */
+static void test_flat_underflow(void **unused) {
+    const am_kernels *simd = am_kernels_avx2();
+    static const float scales[] = {1.0f, 1.5f, 2.9999998f, 7.25f, 1e15f, 3.4e38f, INFINITY};
+    static const int dts[] = {AM_DTYPE_FLOAT32, AM_DTYPE_BFLOAT16, AM_DTYPE_FLOAT16};
+    enum { N = 200 };
+    am_hparams hp = am_hparams_default();
+    am_consts k;
+    float g[N], sq[2][N], lr[2][N], p[2][N];
+    uint8_t pol[2][N / 8];
+    int si, j, d, v, positive = 0, flushed = 0;
+    (void)unused;
+    if (!simd || !am_cpu_has_avx2()) {
+        print_message("SKIPPED: no AVX2 kernels on this build/CPU; nothing to compare\n");
+        skip();
+    }
+    k = am_consts_from(&hp);
+    for (j = 0; j < N; j++) {
+        /* k * 1e-31 for small k (u near 2^-149 and below), then values
+         * with u near 1e-16 .. 1e-14, both signs */
+        float x = j < 120 ? (float)(j / 2) * 1e-31f : (float)(j - 119) * 0.02f;
+        g[j] = (j & 1) ? -x : x;
+    }
+    for (d = 0; d < 3; d++)
+        for (si = 0; si < (int)(sizeof scales / sizeof scales[0]); si++) {
+            int64_t m[2];
+            for (v = 0; v < 2; v++) {
+                const am_kernels *kt = v ? simd : &am_kernels_ref;
+                for (j = 0; j < N; j++) {
+                    sq[v][j] = 1e30f;
+                    lr[v][j] = 1e-6f;
+                    p[v][j] = 0.0f; /* +0: the same bits in every dtype */
+                }
+                memset(pol[v], 0x55, sizeof pol[v]);
+                m[v] = kt->finish_flat(p[v], dts[d], g, AM_DTYPE_FLOAT32, sq[v], lr[v],
+                                       pol[v], 0, N, scales[si], &k, 11, 2, 1);
+            }
+            assert_int_equal(m[0], m[1]);
+            assert_memory_equal(pol[0], pol[1], sizeof pol[0]);
+            assert_memory_equal(sq[0], sq[1], sizeof sq[0]);
+            assert_memory_equal(lr[0], lr[1], sizeof lr[0]);
+            assert_memory_equal(p[0], p[1], sizeof p[0]);
+            /* the case is real: some positive g gives a 0 bit */
+            for (j = 0; j < N; j++)
+                if (g[j] > 0.0f) {
+                    const int bit = (pol[0][j >> 3] >> (j & 7)) & 1;
+                    positive += bit;
+                    flushed += !bit;
+                }
+        }
+    assert_true(positive > 0 && flushed > 0);
+}
+
 /* The stats pass counts the agreement with the sign of g (that of u);
  * the SPEC's sign is that of u / scale, which is 0 for a positive u small
  * enough. Shape (2, 19): row 0 holds 1e15 in columns 9 (a vector lane) and
@@ -747,6 +803,7 @@ int main(void) {
         cmocka_unit_test(test_slots),
         cmocka_unit_test(test_mats_slots),
         cmocka_unit_test(test_agree_underflow),
+        cmocka_unit_test(test_flat_underflow),
         cmocka_unit_test(test_counted_agreement_underflow),
         cmocka_unit_test(test_updates),
         cmocka_unit_test(test_concurrent_callers),
