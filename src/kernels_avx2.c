@@ -881,7 +881,6 @@ AM_INLINE int64_t finish_flat_body(void *p, const int pdt, const void *g,
         __m256 v, lrv;
         __m256 u = flat_u(am_ld8(g, gdt, e), _mm256_loadu_ps(sq + e), k, &v);
         unsigned pb, mb;
-
         pb = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(u, tv, _CMP_GE_OQ));
         if (!unscaled) u = _mm256_mul_ps(u, iv); /* x * 1 == x exactly */
         mb = ~(pb ^ pol[e >> 3]) & 0xffu;

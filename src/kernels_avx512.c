@@ -6,12 +6,12 @@
  * the unfactored finish (finish_flat) of every dtype (its square roots and
  * divisions, and the rounding of 16-bit ones), and the apply and
  * agreement sweep of small matrices (C < 16, R*C <= 64: convolution
- * weights) in every dtype, where the per-element factors dominate. Same bits as kernels_ref.c: every
- * operation is the reference's IEEE float operation on one element (no
- * fused multiply-add: -ffp-contract=off), the noise is am_sr_noise's, the
- * rounding am_sr_bf16/am_sr_f16's. Built with -mavx512f -mavx512bw on this
- * file only; kernels_avx2.c uses it when dispatch.c found AVX-512F and
- * AVX-512BW with the zmm state enabled.
+ * weights) in every dtype, where the per-element factors dominate. Same
+ * bits as kernels_ref.c: every operation is the reference's IEEE float
+ * operation on one element (no fused multiply-add: -ffp-contract=off), the
+ * noise is am_sr_noise's, the rounding am_sr_bf16/am_sr_f16's. Built with
+ * -mavx512f -mavx512bw on this file only; kernels_avx2.c uses it when
+ * dispatch.c found AVX-512F and AVX-512BW with the zmm state enabled.
  */
 #include "simd.h"
 

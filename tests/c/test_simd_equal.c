@@ -511,18 +511,20 @@ static void test_flat_underflow(void **unused) {
         float x = j < 120 ? (float)(j / 2) * 1e-31f : (float)(j - 119) * 0.02f;
         g[j] = (j & 1) ? -x : x;
     }
-    for (d = 0; d < 3; d++)
+    /* the set in use and, on a CPU with AVX-512, the plain AVX2 one */
+    for (d = 0; d < 6; d++)
         for (si = 0; si < (int)(sizeof scales / sizeof scales[0]); si++) {
+            const am_kernels *best = d < 3 ? simd : am_kernels_avx2_plain();
             int64_t m[2];
             for (v = 0; v < 2; v++) {
-                const am_kernels *kt = v ? simd : &am_kernels_ref;
+                const am_kernels *kt = v ? best : &am_kernels_ref;
                 for (j = 0; j < N; j++) {
                     sq[v][j] = 1e30f;
                     lr[v][j] = 1e-6f;
                     p[v][j] = 0.0f; /* +0: the same bits in every dtype */
                 }
                 memset(pol[v], 0x55, sizeof pol[v]);
-                m[v] = kt->finish_flat(p[v], dts[d], g, AM_DTYPE_FLOAT32, sq[v], lr[v],
+                m[v] = kt->finish_flat(p[v], dts[d % 3], g, AM_DTYPE_FLOAT32, sq[v], lr[v],
                                        pol[v], 0, N, scales[si], &k, 11, 2, 1);
             }
             assert_int_equal(m[0], m[1]);
