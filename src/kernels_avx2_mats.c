@@ -40,11 +40,44 @@ AM_INLINE void load_t(const void *g, const int gdt, int64_t n, int64_t b,
     for (e = 0; e < n; e++) t[e] = _mm256_i32gather_ps(buf + e, idx, 4);
 }
 
+/* The 3-row (or 3-column) case of gather_rows and scatter_rows, the
+ * factors and moments of 3x3 convolution weights: the 24 floats of 8
+ * matrices move as 3 vectors through permutes and blends (lane l of
+ * vector i is a[3l + i]) instead of 3 gathers or 24 scalar stores. */
+#define AM_P(x, i) _mm256_permutevar8x32_ps(x, i)
+AM_INLINE void load3t(const float *a, __m256 *v) {
+    const __m256 A = _mm256_loadu_ps(a), B = _mm256_loadu_ps(a + 8),
+                 D = _mm256_loadu_ps(a + 16);
+    const __m256i i0 = _mm256_setr_epi32(0, 3, 6, 1, 4, 7, 2, 5),
+                  i1 = _mm256_setr_epi32(1, 4, 7, 2, 5, 0, 3, 6),
+                  i2 = _mm256_setr_epi32(2, 5, 0, 3, 6, 1, 4, 7);
+    v[0] = _mm256_blend_ps(_mm256_blend_ps(AM_P(A, i0), AM_P(B, i0), 0x38), AM_P(D, i0), 0xC0);
+    v[1] = _mm256_blend_ps(_mm256_blend_ps(AM_P(A, i1), AM_P(B, i1), 0x18), AM_P(D, i1), 0xE0);
+    v[2] = _mm256_blend_ps(_mm256_blend_ps(AM_P(A, i2), AM_P(B, i2), 0x1C), AM_P(D, i2), 0xE0);
+}
+
+AM_INLINE void store3t(float *a, const __m256 *v) {
+    const __m256i i0 = _mm256_setr_epi32(0, 0, 0, 1, 1, 1, 2, 2),
+                  i1 = _mm256_setr_epi32(2, 3, 3, 3, 4, 4, 4, 5),
+                  i2 = _mm256_setr_epi32(5, 5, 6, 6, 6, 7, 7, 7);
+    _mm256_storeu_ps(a, _mm256_blend_ps(_mm256_blend_ps(AM_P(v[0], i0), AM_P(v[1], i0), 0x92),
+                                        AM_P(v[2], i0), 0x24));
+    _mm256_storeu_ps(a + 8, _mm256_blend_ps(_mm256_blend_ps(AM_P(v[0], i1), AM_P(v[1], i1), 0x24),
+                                            AM_P(v[2], i1), 0x49));
+    _mm256_storeu_ps(a + 16, _mm256_blend_ps(_mm256_blend_ps(AM_P(v[0], i2), AM_P(v[1], i2), 0x49),
+                                             AM_P(v[2], i2), 0x92));
+}
+#undef AM_P
+
 /* v[x] for lane m = a[m*stride + x], x < cnt (8 runs of stride floats). */
 AM_INLINE void gather_rows(const float *a, int64_t stride, int64_t cnt, __m256 *v) {
     const __m256i idx = _mm256_mullo_epi32(_mm256_set1_epi32((int)stride),
                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     int64_t x;
+    if (stride == 3 && cnt == 3) {
+        load3t(a, v);
+        return;
+    }
     for (x = 0; x < cnt; x++) v[x] = _mm256_i32gather_ps(a + x, idx, 4);
 }
 
@@ -53,6 +86,10 @@ AM_INLINE void scatter_rows(float *a, int64_t stride, int64_t cnt, const __m256 
     float tmp[8];
     int64_t x;
     int m;
+    if (stride == 3 && cnt == 3) {
+        store3t(a, v);
+        return;
+    }
     for (x = 0; x < cnt; x++) {
         _mm256_storeu_ps(tmp, v[x]);
         for (m = 0; m < 8; m++) a[m * stride + x] = tmp[m];
