@@ -8,7 +8,9 @@
  * consecutive matrices are processed at once, one matrix per vector lane:
  * their 8*R*C contiguous elements are widened to float32 in a buffer and
  * transposed with gathers so that vector e holds element e of each of the 8
- * matrices. Every lane then performs exactly the scalar reference's
+ * matrices (per-row and per-column arrays likewise; with 3 rows or columns
+ * through permutes, load3t/store3t). Every lane then performs exactly the
+ * scalar reference's
  * operations for its own matrix, in the same order (the 8 lane
  * accumulators of a row become 8 vectors, am_lanesum_finish is applied
  * vector-wise, column sums run over rows ascending, the double total of u^2
