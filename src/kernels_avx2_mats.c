@@ -10,9 +10,8 @@
  * transposed with gathers so that vector e holds element e of each of the 8
  * matrices (per-row and per-column arrays likewise; with 3 rows or columns
  * through permutes, load3t/store3t). Every lane then performs exactly the
- * scalar reference's
- * operations for its own matrix, in the same order (the 8 lane
- * accumulators of a row become 8 vectors, am_lanesum_finish is applied
+ * scalar reference's operations for its own matrix, in the same order (the
+ * 8 lane accumulators of a row become 8 vectors, am_lanesum_finish is applied
  * vector-wise, column sums run over rows ascending, the double total of u^2
  * adds the row sums in order), with IEEE add/mul/div/sqrt and no FMA, so
  * the bits are those of the reference. Matrices beyond a multiple of 8, and
