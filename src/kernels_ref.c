@@ -171,6 +171,7 @@ static void ref_stats_mats(const void *g, int gdt, int64_t R, int64_t C,
         ref_stats_tile((const char *)g + (size_t)(b * R * C) * es, gdt, C, 0, R,
                        0, C, rowsum + b * R, colsum + b * C, NULL, NULL, NULL, NULL);
 }
+
 static void ref_u2_mats(const void *g, int gdt, int64_t R, int64_t C,
                         int64_t b0, int64_t b1, const float *rf,
                         const float *cf, double *out) {

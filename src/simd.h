@@ -74,8 +74,9 @@ static inline float am_pos_threshold(float scale) {
 /* The AVX2+F16C kernel set (kernels_avx2.c): the reference table with the
  * slots it implements overridden, bit-identical to the reference; on CPUs
  * with AVX-512F and AVX-512BW (unless AUTOMAGIC_NO_AVX512=1) its random numbers,
- * the stats pass, the apply of 16-bit parameters and the finish of
- * unfactored 16-bit parameters use AVX-512, and its name is "avx2+avx512".
+ * the stats pass, the apply of 16-bit parameters, the finish of
+ * unfactored parameters and the small-matrix apply and agreement use
+ * AVX-512, and its name is "avx2+avx512".
  * Only valid to call through when am_cpu_has_avx2() is true. NULL when the
  * library was built without it (not x86-64, or a compiler without the
  * intrinsics). */
