@@ -3,7 +3,7 @@
  * kernels, so that both compute the same bits (SPEC 3, 5).
  *
  * Everything here is a static inline function on plain integers and floats:
- * dtype conversion, Philox4x32-10, stochastic rounding, the SPEC 3 formulas.
+ * dtype conversion, Philox4x32-7, stochastic rounding, the SPEC 3 formulas.
  * The CPU build compiles it without fast-math and with -ffp-contract=off, and
  * the canonical math never uses fused multiply-add, so every path (scalar,
  * SIMD, CUDA with --fmad=false) rounds the same way.
@@ -96,15 +96,24 @@ AM_HD uint16_t am_f32_to_bf16_rne(float x) {
     return (uint16_t)(b >> 16);
 }
 
-/* --------------------------------------------------- Philox4x32-10 ------ */
+/* ----------------------------------------------------- Philox4x32 ----- */
 /* Salmon et al., "Parallel random numbers: as easy as 1, 2, 3" (SC11);
- * constants as in Random123. */
+ * constants as in Random123, whose default of 10 rounds its authors call
+ * "a considerable safety margin over the minimum number of rounds with no
+ * known statistical flaws"; no flaw is known at 7 (Random123 ships
+ * known-answer vectors for 7 and 10; Huawei's Ascend PhiloxRandom defaults
+ * to 7). The noise uses 7 (AM_SR_ROUNDS; README "Differences"): the
+ * generator is most of the cost of a 16-bit update, and 7 rounds make it
+ * 30% cheaper (docs/PERFORMANCE.md, eighth session). test_rounding.c's
+ * chi-square tests reject 5 rounds and pass 6 and 7. */
+#define AM_SR_ROUNDS 7
 
 typedef struct am_u32x4 { uint32_t v[4]; } am_u32x4;
 
-AM_HD am_u32x4 am_philox4x32_10(am_u32x4 c, uint32_t k0, uint32_t k1) {
+/* Philox4x32-R: `rounds` rounds on counter c with key (k0, k1). */
+AM_HD am_u32x4 am_philox4x32(am_u32x4 c, uint32_t k0, uint32_t k1, int rounds) {
     int r;
-    for (r = 0; r < 10; r++) {
+    for (r = 0; r < rounds; r++) {
         uint64_t p0 = (uint64_t)0xD2511F53u * c.v[0];
         uint64_t p1 = (uint64_t)0xCD9E8D57u * c.v[2];
         uint32_t hi0 = (uint32_t)(p0 >> 32), lo0 = (uint32_t)p0;
@@ -130,7 +139,7 @@ AM_HD am_u32x4 am_rng_quad(uint64_t seed, uint32_t param_id, int64_t step,
     c.v[1] = (uint32_t)((uint64_t)q >> 32);
     c.v[2] = param_id;
     c.v[3] = (uint32_t)(uint64_t)step;
-    return am_philox4x32_10(c, (uint32_t)seed, (uint32_t)(seed >> 32));
+    return am_philox4x32(c, (uint32_t)seed, (uint32_t)(seed >> 32), AM_SR_ROUNDS);
 }
 
 /* The stochastic-rounding noise of element e of a 16-bit parameter

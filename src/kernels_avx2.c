@@ -61,7 +61,7 @@ static void philox_16(uint64_t seed, uint32_t pid, int64_t step, int64_t q0,
         c2[ch] = _mm256_set1_epi64x(pid);
         c3[ch] = _mm256_set1_epi64x((uint32_t)(uint64_t)step);
     }
-    for (r = 0; r < 10; r++) {
+    for (r = 0; r < AM_SR_ROUNDS; r++) {
         const __m256i K0 = _mm256_set1_epi64x(k0), K1 = _mm256_set1_epi64x(k1);
         for (ch = 0; ch < 4; ch++) {
             __m256i p0 = _mm256_mul_epu32(c0[ch], M0), p1 = _mm256_mul_epu32(c2[ch], M1);

@@ -1,10 +1,11 @@
 /*
- * philox_avx512.c — Philox4x32-10 for 32 consecutive quads with AVX-512F:
- * the stochastic-rounding noise of the AVX2 kernels (kernels_avx2.c) on CPUs
- * that have AVX-512 (the generator is most of the cost of a bf16/fp16
- * update). Same words as am_rng_quad; only integer operations, so no
- * rounding question arises. Built with -mavx512f on this file only;
- * dispatch.c checks the CPU and the OS (zmm state) before it is used.
+ * philox_avx512.c — Philox4x32-7 (AM_SR_ROUNDS, am_math.h) for 32
+ * consecutive quads with AVX-512F: the stochastic-rounding noise of the AVX2
+ * kernels (kernels_avx2.c) on CPUs that have AVX-512 (the generator is most
+ * of the cost of a bf16/fp16 update). Same words as am_rng_quad; only
+ * integer operations, so no rounding question arises. Built with -mavx512f
+ * on this file only; dispatch.c checks the CPU and the OS (zmm state) before
+ * it is used.
  *
  * Layout: one Philox instance per 64-bit lane, its 32-bit word in the low
  * half. _mm512_mul_epu32 multiplies exactly those low halves, so the upper
@@ -35,7 +36,7 @@ static void philox32_avx512(uint64_t seed, uint32_t pid, int64_t step,
         c2[ch] = _mm512_set1_epi64(pid);
         c3[ch] = _mm512_set1_epi64((uint32_t)(uint64_t)step);
     }
-    for (r = 0; r < 10; r++) {
+    for (r = 0; r < AM_SR_ROUNDS; r++) {
         const __m512i K0 = _mm512_set1_epi64(k0), K1 = _mm512_set1_epi64(k1);
         for (ch = 0; ch < 4; ch++) {
             __m512i p0 = _mm512_mul_epu32(c0[ch], M0), p1 = _mm512_mul_epu32(c2[ch], M1);

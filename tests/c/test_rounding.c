@@ -1,6 +1,8 @@
 /*
  * test_rounding.c — randomness and stochastic rounding (SPEC 5):
- *   - Philox4x32-10 against the Random123 known-answer vectors;
+ *   - Philox4x32-7 and -10 against the Random123 known-answer vectors;
+ *   - chi-square tests of the noise (values, neighbours, steps, parameters)
+ *     that pass at 7 rounds and reject 5;
  *   - am_sr_bf16 / am_sr_f16 exactly unbiased over every value of the random
  *     bits they use (where that set is small enough to enumerate);
  *   - statistical unbiasedness (z-test) for bfloat16, float16 normal and
@@ -19,27 +21,36 @@
 
 /* ----------------------------------------------------------- Philox ---- */
 
-/* Random123 tests/kat_vectors, the three "philox4x32 10" lines: counter
- * (4 words), key (2 words), expected output (4 words). The official file was
- * not in the stored index; the lines were taken from several independent
- * projects that quote it verbatim (citing DEShawResearch/random123 commit
- * 9545ff6 / release 1.14.0) and agree with each other. */
+/* Random123 tests/kat_vectors, the three "philox4x32 7" and three
+ * "philox4x32 10" lines: rounds, counter (4 words), key (2 words), expected
+ * output (4 words). The official file was not in the stored index; the lines
+ * were taken from independent projects that quote it verbatim (citing
+ * DEShawResearch/random123 commit 9545ff6 / release 1.14.0) and agree with
+ * each other. The noise uses 7 rounds (AM_SR_ROUNDS); the 10-round lines
+ * check the same function with Random123's default. */
 static void test_philox_kat(void **unused) {
-    static const uint32_t kat[3][10] = {
-        {0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000,
+    static const uint32_t kat[6][11] = {
+        {7, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000,
+         0x5f6fb709, 0x0d893f64, 0x4f121f81, 0x4f730a48},
+        {7, 0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff,
+         0x5207ddc2, 0x45165e59, 0x4d8ee751, 0x8c52f662},
+        {7, 0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344, 0xa4093822, 0x299f31d0,
+         0x4dfccaba, 0x190a87f0, 0xc47362ba, 0xb6b5242a},
+        {10, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000,
          0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8},
-        {0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff,
+        {10, 0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff,
          0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd},
-        {0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344, 0xa4093822, 0x299f31d0,
+        {10, 0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344, 0xa4093822, 0x299f31d0,
          0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1},
     };
     int i, w;
     (void)unused;
-    for (i = 0; i < 3; i++) {
+    assert_int_equal(AM_SR_ROUNDS, 7);
+    for (i = 0; i < 6; i++) {
         am_u32x4 c, r;
-        for (w = 0; w < 4; w++) c.v[w] = kat[i][w];
-        r = am_philox4x32_10(c, kat[i][4], kat[i][5]);
-        for (w = 0; w < 4; w++) assert_int_equal(r.v[w], kat[i][6 + w]);
+        for (w = 0; w < 4; w++) c.v[w] = kat[i][1 + w];
+        r = am_philox4x32(c, kat[i][5], kat[i][6], (int)kat[i][0]);
+        for (w = 0; w < 4; w++) assert_int_equal(r.v[w], kat[i][7 + w]);
     }
 }
 
@@ -53,8 +64,89 @@ static void test_rng_quad_layout(void **unused) {
     c.v[2] = 17;
     c.v[3] = 5;
     a = am_rng_quad(seed, 17, 5, (int64_t)0x123456789abcdef0ll);
-    b = am_philox4x32_10(c, 0x89abcdefu, 0x01234567u);
+    b = am_philox4x32(c, 0x89abcdefu, 0x01234567u, 7);
     assert_memory_equal(&a, &b, sizeof a);
+}
+
+/* ------------------------------------------ the noise's statistics ---- */
+
+/* The 16-bit noise of element e (am_sr_noise's layout, bfloat16) from a
+ * Philox4x32 with `rounds` rounds. */
+static uint32_t noise16(int rounds, uint64_t seed, uint32_t pid, int64_t step, int64_t e) {
+    am_u32x4 c, w;
+    c.v[0] = (uint32_t)(uint64_t)(e >> 3);
+    c.v[1] = (uint32_t)((uint64_t)(e >> 3) >> 32);
+    c.v[2] = pid;
+    c.v[3] = (uint32_t)(uint64_t)step;
+    w = am_philox4x32(c, (uint32_t)seed, (uint32_t)(seed >> 32), rounds);
+    return (w.v[(e >> 1) & 3] >> (16 * (e & 1))) & 0xffffu;
+}
+
+#define T_NOISE_N ((int64_t)1 << 21)
+
+/* Chi-square of 65536 bins, each expected n / 65536, as a z-score. */
+static double chi2_z(const uint32_t *bins, int64_t n) {
+    const double ex = (double)n / 65536.0;
+    double chi = 0.0;
+    int b;
+    for (b = 0; b < 65536; b++) chi += ((double)bins[b] - ex) * ((double)bins[b] - ex) / ex;
+    return (chi - 65535.0) / sqrt(2.0 * 65535.0);
+}
+
+/* The largest |z| of four chi-square tests of the noise (T_NOISE_N values
+ * each): the 16-bit values of consecutive elements; the high bytes of
+ * neighbouring elements (2e, 2e + 1) as pairs; the high bytes of one
+ * element at steps s and s + 1; at parameter ids p and p + 1. */
+static double noise_worst_z(int rounds) {
+    const uint64_t seed = 0x5eed5eed12345678ull;
+    uint32_t *bins = calloc(65536, sizeof *bins);
+    double worst = 0.0;
+    int64_t e;
+    int t;
+    assert_non_null(bins);
+    for (t = 0; t < 4; t++) {
+        double z;
+        memset(bins, 0, 65536 * sizeof *bins);
+        for (e = 0; e < T_NOISE_N; e++) {
+            uint32_t a, b;
+            switch (t) {
+            case 0: bins[noise16(rounds, seed, 3, 9, e)]++; continue;
+            case 1:
+                a = noise16(rounds, seed, 3, 9, 2 * e);
+                b = noise16(rounds, seed, 3, 9, 2 * e + 1);
+                break;
+            case 2:
+                a = noise16(rounds, seed, 3, 9, e);
+                b = noise16(rounds, seed, 3, 10, e);
+                break;
+            default:
+                a = noise16(rounds, seed, 3, 9, e);
+                b = noise16(rounds, seed, 4, 9, e);
+                break;
+            }
+            bins[(a >> 8) << 8 | b >> 8]++;
+        }
+        z = fabs(chi2_z(bins, T_NOISE_N));
+        if (z > worst) worst = z;
+    }
+    free(bins);
+    return worst;
+}
+
+/* The noise (AM_SR_ROUNDS rounds) passes the four chi-square tests of
+ * noise_worst_z at |z| < 5, and so does 6 rounds; the same tests reject
+ * Philox4x32 with 5 rounds (|z| in the thousands: they can fail, and 7
+ * rounds is two above what they detect). A quick check of the structure
+ * the rounding relies on, not a substitute for the BigCrush results behind
+ * AM_SR_ROUNDS (am_math.h). */
+static void test_noise_statistics(void **unused) {
+    const double z7 = noise_worst_z(AM_SR_ROUNDS), z6 = noise_worst_z(6), z5 = noise_worst_z(5);
+    (void)unused;
+    print_message("[ measured ] noise chi-square, worst |z|: %d rounds %.2f, 6 rounds %.2f, "
+                  "5 rounds %.1f\n", AM_SR_ROUNDS, z7, z6, z5);
+    if (z7 >= 5.0) fail_msg("Philox4x32-%d noise: chi-square |z| = %.2f", AM_SR_ROUNDS, z7);
+    if (z6 >= 5.0) fail_msg("Philox4x32-6 noise: chi-square |z| = %.2f", z6);
+    if (z5 < 5.0) fail_msg("the tests no longer reject Philox4x32-5 (|z| = %.2f)", z5);
 }
 
 /* ---------------------------------------------- exact unbiasedness ----- */
@@ -370,6 +462,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_philox_kat),
         cmocka_unit_test(test_rng_quad_layout),
+        cmocka_unit_test(test_noise_statistics),
         cmocka_unit_test(test_sr_bf16_exact),
         cmocka_unit_test(test_sr_f16_normal_exact),
         cmocka_unit_test(test_sr_statistical),
