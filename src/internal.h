@@ -169,12 +169,16 @@ static inline void am_wsum_cols(const void *g, int gdt, int64_t C, int64_t i, in
  * blocks' parts (stride BC) and weighted by cf^2. */
 AM_HD double am_wsum_block(const float *wpart, int64_t nrb, int64_t BC, const float *cf,
                            int64_t y0, int64_t y1) {
-    double s = 0.0;
-    int64_t y, p;
-    for (y = y0; y < y1; y++) {
-        double w = (double)wpart[y], c = (double)cf[y];
-        for (p = 1; p < nrb; p++) w += (double)wpart[p * BC + y];
-        s += (c * c) * w;
+    double s = 0.0, w[AM_WSUM_JBLOCK];
+    int64_t y, p, n = y1 - y0;
+    /* W[y] row block by row block (each y's order as above), so that the
+     * parts are read along their rows, not down their columns */
+    for (y = 0; y < n; y++) w[y] = (double)wpart[y0 + y];
+    for (p = 1; p < nrb; p++)
+        for (y = 0; y < n; y++) w[y] += (double)wpart[p * BC + y0 + y];
+    for (y = 0; y < n; y++) {
+        const double c = (double)cf[y0 + y];
+        s += (c * c) * w[y];
     }
     return s;
 }

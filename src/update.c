@@ -204,11 +204,10 @@ static void flat_u2_task(void *ctx, int64_t t) {
 static void combine_parts(float *dst, const float *parts, int64_t nparts,
                           int64_t n) {
     int64_t x, p;
-    for (x = 0; x < n; x++) {
-        float s = parts[x];
-        for (p = 1; p < nparts; p++) s += parts[p * n + x];
-        dst[x] = s;
-    }
+    /* part by part (each x's order as above), along the parts' rows */
+    for (x = 0; x < n; x++) dst[x] = parts[x];
+    for (p = 1; p < nparts; p++)
+        for (x = 0; x < n; x++) dst[x] += parts[p * n + x];
 }
 
 static double sum_doubles(const double *v, int64_t n) {
