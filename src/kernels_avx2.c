@@ -95,14 +95,15 @@ static am_philox_fn g_philox = philox32_avx2;
 
 /* The rounding noise of one apply (am_sr_noise): a window of the 32 Philox
  * quads q0..q0+31, the 16-bit noise of flat elements [8*q0, 8*q0 + 256), and
- * a window of the wide stream (float16 half subnormals: 32-bit words of
- * elements [4*wq0, 4*wq0 + 128)), filled only when such a value occurs. */
+ * the wide stream's words (float16 half subnormals, am_widewin in simd.h),
+ * generated only when such a value occurs. */
 typedef struct rngwin {
     uint64_t seed;
     uint32_t pid;
-    int64_t step, q0, wq0;
-    int valid, wvalid;
-    uint32_t w[128], ww[128];
+    int64_t step, q0;
+    int valid;
+    uint32_t w[128];
+    am_widewin wide;
 } rngwin;
 
 /* The 16-bit noise of elements f..f+7 (regenerating the window when
@@ -119,21 +120,16 @@ AM_INLINE __m256i rnd8(rngwin *w, int64_t f) {
 
 /* The 32-bit wide-stream noise of element e. */
 static uint32_t wide_word(rngwin *w, int64_t e) {
-    if (!w->wvalid || e < 4 * w->wq0 || e >= 4 * (w->wq0 + 32)) {
-        w->wq0 = e >> 2;
-        g_philox(w->seed, w->pid, w->step, (int64_t)((uint64_t)w->wq0 | AM_SR_WIDE_STREAM),
-                 w->ww);
-        w->wvalid = 1;
-    }
-    return w->ww[e - 4 * w->wq0];
+    return am_wide_word(&w->wide, g_philox, w->seed, w->pid, w->step, e);
 }
 
 static void rng_init(rngwin *w, uint64_t seed, uint32_t pid, int64_t step) {
     w->seed = seed;
     w->pid = pid;
     w->step = step;
-    w->q0 = w->wq0 = 0;
-    w->valid = w->wvalid = 0;
+    w->q0 = 0;
+    w->valid = 0;
+    am_widewin_init(&w->wide);
 }
 
 /* Stores v into elements i..i+7, stochastically rounded with the noise of

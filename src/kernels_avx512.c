@@ -63,11 +63,10 @@ typedef struct rng512 {
     am_philox_fn gen;
     uint64_t seed;
     uint32_t pid;
-    int64_t step, q0, wend, wq0, span0;
-    int wvalid;
+    int64_t step, q0, wend, span0;
     uint64_t fixmask;             /* bit l: element span0 + l is in fv[l] */
     uint32_t w[4 * (32 + 8)];     /* up to 8 quads kept + 32 generated */
-    uint32_t ww[128];
+    am_widewin wide;
     float fv[64];
 } rng512;
 
@@ -77,9 +76,9 @@ static void rng_init(rng512 *w, uint64_t seed, uint32_t param_id, int64_t step) 
     w->seed = seed;
     w->pid = param_id;
     w->step = step;
-    w->q0 = w->wq0 = 0;
+    w->q0 = 0;
     w->wend = INT64_MIN; /* the first rng_need fills it */
-    w->wvalid = 0;
+    am_widewin_init(&w->wide);
     w->span0 = 0;
     w->fixmask = 0;
 }
@@ -113,12 +112,7 @@ AM_INLINE __m512i rnd16(const rng512 *w, int64_t f) {
 
 /* The 32-bit wide-stream noise of element e (float16 half subnormals). */
 static uint32_t wide_word(rng512 *w, int64_t e) {
-    if (!w->wvalid || e < 4 * w->wq0 || e >= 4 * (w->wq0 + 32)) {
-        w->wq0 = e >> 2;
-        w->gen(w->seed, w->pid, w->step, (int64_t)((uint64_t)w->wq0 | AM_SR_WIDE_STREAM), w->ww);
-        w->wvalid = 1;
-    }
-    return w->ww[e - 4 * w->wq0];
+    return am_wide_word(&w->wide, w->gen, w->seed, w->pid, w->step, e);
 }
 
 /* The scalar rule (am_sr_f16) for the float16 elements set aside in the

@@ -98,6 +98,51 @@ void am_avx2_moments_mats(int64_t R, int64_t C, int64_t b0, int64_t b1,
 typedef void (*am_philox_fn)(uint64_t seed, uint32_t pid, int64_t step,
                              int64_t q0, uint32_t *out);
 
+/* The wide-stream words of one apply (float16 values in the half subnormal
+ * range, zeros included: 32 bits of noise each, am_sr_noise). Such values
+ * are usually sparse (a weight near zero here and there), where filling a
+ * window of 32 quads for each one cost more than its rounding: an element
+ * far from the previous one asked for gets its quad from the scalar
+ * generator, and one within 32 elements after it (a run of zeros, say)
+ * fills a window of 32 quads with the vector generator. Same words either
+ * way. */
+typedef struct am_widewin {
+    int64_t wq0;  /* first quad of ww, when wvalid */
+    int64_t sq;   /* the quad in s (-1: none) */
+    int64_t last; /* the element asked for last */
+    int wvalid;
+    uint32_t s[4];
+    uint32_t ww[128];
+} am_widewin;
+
+static inline void am_widewin_init(am_widewin *w) {
+    w->wq0 = 0;
+    w->sq = -1;
+    w->last = -64;
+    w->wvalid = 0;
+}
+
+/* The 32-bit wide-stream word of element e (ascending e within an apply). */
+static inline uint32_t am_wide_word(am_widewin *w, am_philox_fn gen, uint64_t seed,
+                                    uint32_t pid, int64_t step, int64_t e) {
+    const int64_t q = e >> 2;
+    const int near = e > w->last && e - w->last <= 32;
+    w->last = e;
+    if (w->wvalid && q >= w->wq0 && q < w->wq0 + 32) return w->ww[e - 4 * w->wq0];
+    if (q == w->sq) return w->s[e & 3];
+    if (near) {
+        w->wq0 = q;
+        gen(seed, pid, step, (int64_t)((uint64_t)q | AM_SR_WIDE_STREAM), w->ww);
+        w->wvalid = 1;
+        return w->ww[e & 3];
+    } else {
+        const am_u32x4 v = am_rng_quad(seed, pid, step, (int64_t)((uint64_t)q | AM_SR_WIDE_STREAM));
+        memcpy(w->s, v.v, sizeof w->s);
+        w->sq = q;
+        return w->s[e & 3];
+    }
+}
+
 /* The AVX2 generator (kernels_avx2.c), NULL when not built. */
 am_philox_fn am_philox32_avx2(void);
 

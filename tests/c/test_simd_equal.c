@@ -273,6 +273,15 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
             a->apply_rows(p1, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 1e-12f, &k, 99, 7, 8, NULL);
             b->apply_rows(p2, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 1e-12f, &k, 99, 7, 8, NULL);
             assert_memory_equal(p1, p2, (size_t)n * ps);
+            /* sparse ones (every 97th: the scalar quad of am_wide_word)
+             * among runs of 10 (its window), the rest 1.0 */
+            for (i = 0; i < n; i++)
+                ((uint16_t *)p1)[i] = ((uint16_t *)p2)[i] =
+                    i % 97 == 5 || i % 200 / 10 == 5 ? (uint16_t)(i % 4 ? 3 * i % 1024 : 0)
+                                                    : (uint16_t)0x3c00u;
+            a->apply_rows(p1, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 1e-12f, &k, 99, 7, 8, NULL);
+            b->apply_rows(p2, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 1e-12f, &k, 99, 7, 8, NULL);
+            assert_memory_equal(p1, p2, (size_t)n * ps);
             { /* the largest half moved outward (p = -65504 * sign(g)): the
                * rounding overflows to inf in some elements */
                 int64_t ninf = 0;
