@@ -165,8 +165,8 @@ static inline void am_wsum_cols(const void *g, int gdt, int64_t C, int64_t i, in
     }
 }
 
-/* S of columns [y0, y1) of the (B*C) vectors: W combined over the nrb row
- * blocks' parts (stride BC) and weighted by cf^2. */
+/* S of columns [y0, y1) of the (B*C) vectors, y1 - y0 <= AM_WSUM_JBLOCK: W
+ * combined over the nrb row blocks' parts (stride BC) and weighted by cf^2. */
 AM_HD double am_wsum_block(const float *wpart, int64_t nrb, int64_t BC, const float *cf,
                            int64_t y0, int64_t y1) {
     double s = 0.0, w[AM_WSUM_JBLOCK];
