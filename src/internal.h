@@ -288,6 +288,15 @@ typedef struct am_kernels {
                          const float *row, const float *col, const float *rs,
                          const float *cs, const am_consts *k, float *nr,
                          float *nc, float *rf, float *cf, float *rmean);
+
+    /* stats_u2_mats: stats_mats (into rs, cs), then moments_mats from those
+     * sums, then u2_mats (into out[b - b0]) over matrices [b0, b1), with
+     * their bits; am_update runs it instead of the three when no engine
+     * works between the phases (the elements are read once for all three). */
+    void (*stats_u2_mats)(const void *g, int gdt, int64_t R, int64_t C, int64_t b0,
+                          int64_t b1, const float *row, const float *col,
+                          const am_consts *k, float *rs, float *cs, float *nr,
+                          float *nc, float *rf, float *cf, float *rmean, double *out);
 } am_kernels;
 
 /* Matrices of at most this many elements (R*C) take the batched path

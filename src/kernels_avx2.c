@@ -928,6 +928,7 @@ static const am_kernels avx2_table = {
     "avx2",          avx2_stats_tile, avx2_u2_tile,     avx2_u2_flat,
     avx2_agree_rows, avx2_apply_rows, avx2_finish_flat,
     am_avx2_stats_mats, am_avx2_u2_mats, am_avx2_moments_mats,
+    am_avx2_stats_u2_mats,
 };
 
 /* The AVX-512F/BW apply of 16-bit parameters and of small matrices (set
@@ -1004,6 +1005,7 @@ static const am_kernels avx512x_table = {
     "avx2+avx512",   avx512x_stats_tile, avx2_u2_tile,     avx2_u2_flat,
     avx512x_agree_rows, avx512x_apply_rows, avx512x_finish_flat,
     am_avx2_stats_mats, am_avx2_u2_mats, am_avx2_moments_mats,
+    am_avx2_stats_u2_mats,
 };
 
 am_philox_fn am_philox32_avx2(void) { return philox32_avx2; }

@@ -217,8 +217,18 @@ static void ref_moments_mats(int64_t R, int64_t C, int64_t b0, int64_t b1,
         ref_moments_mat(R, C, b, row, col, rs, cs, k, nr, nc, rf, cf, rmean);
 }
 
+static void ref_stats_u2_mats(const void *g, int gdt, int64_t R, int64_t C, int64_t b0,
+                              int64_t b1, const float *row, const float *col,
+                              const am_consts *k, float *rs, float *cs, float *nr,
+                              float *nc, float *rf, float *cf, float *rmean,
+                              double *out) {
+    ref_stats_mats(g, gdt, R, C, b0, b1, rs, cs);
+    ref_moments_mats(R, C, b0, b1, row, col, rs, cs, k, nr, nc, rf, cf, rmean);
+    ref_u2_mats(g, gdt, R, C, b0, b1, rf, cf, out);
+}
+
 const am_kernels am_kernels_ref = {
     "scalar",         ref_stats_tile, ref_u2_tile,    ref_u2_flat,
     ref_agree_rows,   ref_apply_rows, ref_finish_flat, ref_stats_mats,
-    ref_u2_mats,      ref_moments_mats,
+    ref_u2_mats,      ref_moments_mats, ref_stats_u2_mats,
 };

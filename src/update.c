@@ -192,6 +192,21 @@ static void moments_u2_mats_task(void *ctx, int64_t t) {
                    WS(u, off_tile_u2, double) + b0);
 }
 
+/* am_update's batched path: the three slots above in one sweep per run of
+ * matrices (stats_u2_mats), same bits. */
+static void stats_u2_mats_task(void *ctx, int64_t t) {
+    upd *u = (upd *)ctx;
+    const am_geom *g = &u->g;
+    int64_t b0, b1;
+    mats_range(g, t, &b0, &b1);
+    u->kt->stats_u2_mats(u->grad->data, u->grad->dtype, g->R, g->C, b0, b1,
+                         u->state->row, u->state->col, &u->k,
+                         WS(u, off_row_sumsq, float), WS(u, off_col_sumsq, float),
+                         WS(u, off_new_row, float), WS(u, off_new_col, float),
+                         WS(u, off_rf, float), WS(u, off_cf, float),
+                         WS(u, off_rmean, float), WS(u, off_tile_u2, double) + b0);
+}
+
 static void flat_u2_task(void *ctx, int64_t t) {
     upd *u = (upd *)ctx;
     int64_t e0 = t * AM_FLAT_CHUNK, e1 = e0 + AM_FLAT_CHUNK;
@@ -256,6 +271,32 @@ static am_status run_stats(upd *u) {
     if (!finite) u->h->nonfinite = count_nonfinite(u->grad, g->numel);
     u->h->stage = AM_STAGE_STATS;
     return u->h->nonfinite ? AM_SKIPPED_NONFINITE_GRAD : AM_OK;
+}
+
+/* am_update's stats and moments phases of many small matrices in one
+ * parallel sweep (stats_u2_mats_task): the same workspace contents and
+ * status as run_stats then run_moments. Only the workspace is written. */
+static am_status run_stats_moments_mats(upd *u) {
+    const am_geom *g = &u->g;
+    const float *rs = WS(u, off_row_sumsq, float);
+    int64_t x;
+    int finite = 1;
+    u->h->nonfinite = 0;
+    u->h->u2_sum = 0.0;
+    u->h->numel = g->numel;
+    u->h->counted = 0; /* finish sweeps (as after run_stats) */
+    u->h->wsummed = 0;
+    am_parallel_for(mat_tasks(g), (double)mats_per_task(g) * (double)(g->R * g->C) * 8.0,
+                    stats_u2_mats_task, u);
+    for (x = 0; x < g->B * g->R; x++) finite &= am_isfinite_f32(rs[x]);
+    if (!finite) u->h->nonfinite = count_nonfinite(u->grad, g->numel);
+    if (u->h->nonfinite) {
+        u->h->stage = AM_STAGE_STATS;
+        return AM_SKIPPED_NONFINITE_GRAD;
+    }
+    u->h->u2_sum = sum_doubles(WS(u, off_tile_u2, double), g->ntiles);
+    u->h->stage = AM_STAGE_MOMENTS;
+    return AM_OK;
 }
 
 /* ---------------------------------------------------------- moments ---- */
@@ -389,7 +430,7 @@ static int counts_valid(const upd *u) {
     fac = min_or_nan(WS(u, off_rf, float), g->B * g->R) *
           min_or_nan(WS(u, off_cf, float), g->B * g->C);
     m = fac * gmin;
-    return m / u->scale > 0.0f;
+    return m / u->scale > 0.0f && m * u->inv > 0.0f;
 }
 
 static void finish_lr_row_task(void *ctx, int64_t kr) {
@@ -629,8 +670,12 @@ am_status am_update(const am_tensor *param, const am_tensor *grad,
         if (report) report->status = AM_OK;
         return AM_OK;
     }
-    if (s == AM_OK) s = run_stats(&u);
-    if (s == AM_OK) s = run_moments(&u);
+    if (s == AM_OK && u.g.ndim >= 2 && batched(&u.g)) {
+        s = run_stats_moments_mats(&u);
+    } else {
+        if (s == AM_OK) s = run_stats(&u);
+        if (s == AM_OK) s = run_moments(&u);
+    }
     if (s == AM_OK) {
         u.key = key;
         s = run_finish(&u, state, report);

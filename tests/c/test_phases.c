@@ -19,7 +19,10 @@ static const am_dtype k_dtypes[3] = {AM_DTYPE_FLOAT32, AM_DTYPE_BFLOAT16,
 
 static void test_phases_equal_update(void **unused) {
     typedef struct { int32_t ndim; int64_t d[4]; } sc;
-    static const sc shapes[] = {{0, {0}}, {1, {37}}, {2, {9, 70}}, {3, {2, 65, 3}}, {4, {3, 1, 4, 5}}};
+    static const sc shapes[] = {{0, {0}}, {1, {37}}, {2, {9, 70}}, {3, {2, 65, 3}}, {4, {3, 1, 4, 5}},
+                                /* many small matrices: runs of 8 and a rest,
+                                 * lr-rows of 7 and of 1 matrices */
+                                {4, {5, 7, 3, 3}}, {3, {20, 2, 5}}};
     uint64_t rs = t_seed() ^ 0xabcu;
     size_t c;
     int a, b, s;

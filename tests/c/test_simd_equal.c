@@ -406,6 +406,51 @@ static void check_mats(const am_kernels *a, const am_kernels *b, int64_t R, int6
     free(u[0]); free(u[1]); free(rmean[0]); free(rmean[1]);
 }
 
+/* stats_u2_mats of a (scalar reference) and b: the bits of stats_mats,
+ * moments_mats and u2_mats of a run one after the other. */
+static void check_fused_mats(const am_kernels *a, const am_kernels *b, int64_t R, int64_t C,
+                             int64_t B, int gdt, uint64_t *s) {
+    const int64_t n = B * R * C, b0 = B > 2 ? 1 : 0;
+    const size_t gs = am_dtype_size((am_dtype)gdt);
+    const size_t fr = 4 * (size_t)(B * R), fc = 4 * (size_t)(B * C);
+    void *g = xmalloc((size_t)n * gs);
+    float *row = xmalloc(fr), *col = xmalloc(fc), *o[3][7];
+    double *u[3];
+    am_hparams hp = am_hparams_default();
+    am_consts k = am_consts_from(&hp);
+    int64_t i;
+    int w, v;
+    fill(g, gdt, n, s, 0);
+    for (i = 0; i < B * R; i++) row[i] = fabsf(rand_value(s));
+    for (i = 0; i < B * C; i++) col[i] = fabsf(rand_value(s));
+    for (w = 0; w < 3; w++) { /* rs, cs, nr, nc, rf, cf, rmean */
+        for (v = 0; v < 7; v++) {
+            const size_t bytes = v == 6 ? 4 * (size_t)B : v % 2 ? fc : fr;
+            o[w][v] = xmalloc(bytes);
+            memset(o[w][v], 0xA5, bytes);
+        }
+        u[w] = xmalloc(8 * (size_t)B);
+        memset(u[w], 0x5A, 8 * (size_t)B);
+    }
+    for (w = 0; w < 2; w++)
+        (w ? b : a)->stats_u2_mats(g, gdt, R, C, b0, B, row, col, &k, o[w][0], o[w][1],
+                                   o[w][2], o[w][3], o[w][4], o[w][5], o[w][6], u[w]);
+    a->stats_mats(g, gdt, R, C, b0, B, o[2][0], o[2][1]);
+    a->moments_mats(R, C, b0, B, row, col, o[2][0], o[2][1], &k, o[2][2], o[2][3], o[2][4],
+                    o[2][5], o[2][6]);
+    a->u2_mats(g, gdt, R, C, b0, B, o[2][4], o[2][5], u[2]);
+    for (w = 1; w < 3; w++) {
+        for (v = 0; v < 7; v++)
+            assert_memory_equal(o[0][v], o[w][v], v == 6 ? 4 * (size_t)B : v % 2 ? fc : fr);
+        assert_memory_equal(u[0], u[w], 8 * (size_t)B);
+    }
+    free(g); free(row); free(col);
+    for (w = 0; w < 3; w++) {
+        for (v = 0; v < 7; v++) free(o[w][v]);
+        free(u[w]);
+    }
+}
+
 static void test_mats_slots(void **unused) {
     static const int64_t shapes[][2] = {{1, 1}, {3, 3}, {1, 3}, {3, 1}, {2, 5}, {4, 16},
                                         {8, 8}, {7, 9}, {1, 64}, {64, 1}, {9, 8}, {65, 1},
@@ -423,8 +468,12 @@ static void test_mats_slots(void **unused) {
     for (si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
         for (ci = 0; ci < sizeof counts / sizeof counts[0]; ci++)
             for (gdt = 0; gdt < 3; gdt++)
+            {
                 check_mats(&am_kernels_ref, simd, shapes[si][0], shapes[si][1], counts[ci], gdt,
                            &s);
+                check_fused_mats(&am_kernels_ref, simd, shapes[si][0], shapes[si][1],
+                                 counts[ci], gdt, &s);
+            }
 }
 
 /* Both vector Philox generators give am_rng_quad's words, counters crossing
@@ -600,6 +649,65 @@ static void test_counted_agreement_underflow(void **unused) {
         assert_int_equal(pol[5] & 0x07, 0x03);
         assert_float_equal(rep.mean_agreement, (float)((1.0 + 17.0 / 19.0) / 2.0), 1e-7);
         assert_true(lr[1] < lr[0]);
+    }
+    am_kernels_select(0);
+    free(ws);
+}
+
+/* The same for many small matrices, whose agreement am_update counts while
+ * it sums u^2 (stats_u2_mats: the sign of u, not of u / scale). Shape
+ * (2, 9, 2, 3): 18 matrices [[1e15, 1, 1], [1e-32, 1, 1]], every old bit 1.
+ * Each matrix's u at (1, 0) is about 1e-32 * rf (5e14) * cf (4.5e-14) =
+ * 2.2e-31 and the clip scale about 1e16, so u / scale underflows to 0: that
+ * bit becomes 0 and 5 of 6 elements agree. Counting (u > 0) would say 6 of
+ * 6. Scalar and best kernels, am_update and the three phases (which sweep)
+ * must give the same bits. */
+static void test_counted_mats_underflow(void **unused) {
+    am_shape sh = {4, {2, 9, 2, 3}};
+    am_hparams hp = am_hparams_default();
+    am_rng_key key = {5, 6};
+    float p[3][108], g[108], lr[3][2], row[3][36], col[3][54];
+    uint8_t pol[3][14];
+    am_state_sizes sz;
+    am_report rep;
+    void *ws;
+    int v, j;
+    (void)unused;
+    assert_int_equal(am_state_get_sizes(&sh, &sz), AM_OK);
+    assert_int_equal(sz.polarity_bytes, 14);
+    ws = xmalloc((size_t)sz.workspace_bytes);
+    for (j = 0; j < 108; j++) {
+        const int e = j % 6;
+        g[j] = e == 0 ? 1e15f : e == 3 ? 1e-32f : 1.0f;
+    }
+    for (v = 0; v < 3; v++) { /* scalar am_update, best am_update, best phases */
+        am_state st = {lr[v], pol[v], row[v], col[v], NULL, 0};
+        am_tensor pt = {p[v], AM_DTYPE_FLOAT32, sh}, gt = {g, AM_DTYPE_FLOAT32, sh};
+        const size_t wb = (size_t)sz.workspace_bytes;
+        am_kernels_select(v == 0);
+        assert_int_equal(am_state_init(&sh, &st, 1e-4), AM_OK);
+        memset(pol[v], 0xff, sizeof pol[v]);
+        st.step = 1;
+        for (j = 0; j < 108; j++) p[v][j] = 0.5f;
+        if (v < 2) {
+            assert_int_equal(am_update(&pt, &gt, &st, &hp, key, ws, wb, &rep), AM_OK);
+        } else {
+            assert_int_equal(am_update_stats(&pt, &gt, &st, &hp, ws, wb), AM_OK);
+            assert_int_equal(am_update_moments(&pt, &gt, &st, &hp, ws, wb), AM_OK);
+            assert_int_equal(am_update_finish(&pt, &gt, &st, &hp, key, ws, wb, &rep), AM_OK);
+        }
+        assert_true(rep.clip_scale > 1e15f);
+        assert_float_equal(rep.mean_agreement, (float)(5.0 / 6.0), 1e-6);
+        for (j = 0; j < 108; j++) /* bit j of lr-row j / 54 (7 bytes each) */
+            assert_int_equal(pol[v][(j / 54) * 7 + (j % 54) / 8] >> (j % 54 % 8) & 1,
+                             j % 6 != 3);
+        if (v) {
+            assert_memory_equal(p[v], p[0], sizeof p[0]);
+            assert_memory_equal(lr[v], lr[0], sizeof lr[0]);
+            assert_memory_equal(pol[v], pol[0], sizeof pol[0]);
+            assert_memory_equal(row[v], row[0], sizeof row[0]);
+            assert_memory_equal(col[v], col[0], sizeof col[0]);
+        }
     }
     am_kernels_select(0);
     free(ws);
@@ -816,6 +924,7 @@ int main(void) {
         cmocka_unit_test(test_agree_underflow),
         cmocka_unit_test(test_flat_underflow),
         cmocka_unit_test(test_counted_agreement_underflow),
+        cmocka_unit_test(test_counted_mats_underflow),
         cmocka_unit_test(test_updates),
         cmocka_unit_test(test_concurrent_callers),
     };
