@@ -387,6 +387,7 @@ typedef struct fin {
     upd *u;
     am_state *state;
     int counted; /* the stats pass's counts are this update's agreement */
+    int copies;  /* each lr-row task copies its matrices' new moments */
 } fin;
 
 /* Matches of lr-row kr counted by the stats pass (rows of every column
@@ -453,6 +454,13 @@ static void finish_lr_row_task(void *ctx, int64_t kr) {
                       u->grad->dtype, g->R, g->C, r0, r0 + rows, rf, cf,
                       u->inv, f->state->lr[kr], &u->k, u->key.seed,
                       u->key.param_id, f->state->step, f->counted ? pol : NULL);
+    if (f->copies) { /* whole matrices b0..b1-1 (ndim >= 3) */
+        const int64_t b0 = r0 / g->R, nb = rows / g->R;
+        memcpy(f->state->row + b0 * g->R, WS(u, off_new_row, float) + b0 * g->R,
+               (size_t)(nb * g->R) * sizeof(float));
+        memcpy(f->state->col + b0 * g->C, WS(u, off_new_col, float) + b0 * g->C,
+               (size_t)(nb * g->C) * sizeof(float));
+    }
 }
 
 /* Few, long lr-rows (e.g. a (1, 4096, 4096) parameter): the agreement and
@@ -580,12 +588,20 @@ static am_status run_finish(upd *u, am_state *state, am_report *rep) {
     f.u = u;
     f.state = state;
     f.counted = g->ndim >= 2 && counts_valid(u);
+    f.copies = 0;
     if (g->ndim >= 2) {
         const float *agree = WS(u, off_agree, float);
-        if (!finish_split(&f))
+        if (!finish_split(&f)) {
+            /* Many small matrices: their moments are a good part of the
+             * bytes, copied by the threads (ndim >= 3: lr-rows hold whole
+             * matrices). */
+            f.copies = batched(g);
             am_parallel_for(g->lr_rows, (double)g->m * 12.0, finish_lr_row_task, &f);
-        memcpy(state->row, WS(u, off_new_row, float), (size_t)(g->B * g->R) * sizeof(float));
-        memcpy(state->col, WS(u, off_new_col, float), (size_t)(g->B * g->C) * sizeof(float));
+        }
+        if (!f.copies) {
+            memcpy(state->row, WS(u, off_new_row, float), (size_t)(g->B * g->R) * sizeof(float));
+            memcpy(state->col, WS(u, off_new_col, float), (size_t)(g->B * g->C) * sizeof(float));
+        }
         for (t = 0; t < g->lr_rows; t++) mean_agree += agree[t];
         mean_agree /= (double)g->lr_rows;
     } else {
