@@ -13,6 +13,7 @@
 #include "internal.h"
 
 #include <math.h>
+#include <stdatomic.h>
 #include <string.h>
 
 typedef struct upd {
@@ -25,6 +26,7 @@ typedef struct upd {
     const am_kernels *kt;
     float scale, inv; /* clip divisor (SPEC 3.2) and 1 / scale (apply_rows) */
     am_rng_key key;
+    atomic_int inf_sum; /* stats_u2_mats_task saw a non-finite row sum */
 } upd;
 
 #define WS(u, off, T) ((T *)((u)->ws + (u)->g.off))
@@ -205,6 +207,13 @@ static void stats_u2_mats_task(void *ctx, int64_t t) {
                          WS(u, off_new_row, float), WS(u, off_new_col, float),
                          WS(u, off_rf, float), WS(u, off_cf, float),
                          WS(u, off_rmean, float), WS(u, off_tile_u2, double) + b0);
+    { /* a non-finite g makes its row's sum non-finite */
+        const float *rs = WS(u, off_row_sumsq, float);
+        int64_t x;
+        int finite = 1;
+        for (x = b0 * g->R; x < b1 * g->R; x++) finite &= am_isfinite_f32(rs[x]);
+        if (!finite) atomic_store(&u->inf_sum, 1);
+    }
 }
 
 static void flat_u2_task(void *ctx, int64_t t) {
@@ -223,13 +232,6 @@ static void combine_parts(float *dst, const float *parts, int64_t nparts,
     for (x = 0; x < n; x++) dst[x] = parts[x];
     for (p = 1; p < nparts; p++)
         for (x = 0; x < n; x++) dst[x] += parts[p * n + x];
-}
-
-static double sum_doubles(const double *v, int64_t n) {
-    double s = 0.0;
-    int64_t i;
-    for (i = 0; i < n; i++) s += v[i];
-    return s;
 }
 
 static am_status run_stats(upd *u) {
@@ -264,7 +266,7 @@ static am_status run_stats(upd *u) {
         for (x = 0; x < BR; x++) finite &= am_isfinite_f32(rs[x]);
     } else {
         am_parallel_for(g->ntiles, AM_FLAT_CHUNK * 12.0, flat_u2_task, u);
-        u->h->u2_sum = sum_doubles(WS(u, off_tile_u2, double), g->ntiles);
+        u->h->u2_sum = am_sum_tiles(WS(u, off_tile_u2, double), g->ntiles);
         finite = isfinite(u->h->u2_sum);
     }
     /* Rare path: tell a non-finite gradient from an overflow of g*g. */
@@ -278,23 +280,20 @@ static am_status run_stats(upd *u) {
  * status as run_stats then run_moments. Only the workspace is written. */
 static am_status run_stats_moments_mats(upd *u) {
     const am_geom *g = &u->g;
-    const float *rs = WS(u, off_row_sumsq, float);
-    int64_t x;
-    int finite = 1;
     u->h->nonfinite = 0;
     u->h->u2_sum = 0.0;
     u->h->numel = g->numel;
     u->h->counted = 0; /* finish sweeps (as after run_stats) */
     u->h->wsummed = 0;
+    atomic_store(&u->inf_sum, 0);
     am_parallel_for(mat_tasks(g), (double)mats_per_task(g) * (double)(g->R * g->C) * 8.0,
                     stats_u2_mats_task, u);
-    for (x = 0; x < g->B * g->R; x++) finite &= am_isfinite_f32(rs[x]);
-    if (!finite) u->h->nonfinite = count_nonfinite(u->grad, g->numel);
+    if (atomic_load(&u->inf_sum)) u->h->nonfinite = count_nonfinite(u->grad, g->numel);
     if (u->h->nonfinite) {
         u->h->stage = AM_STAGE_STATS;
         return AM_SKIPPED_NONFINITE_GRAD;
     }
-    u->h->u2_sum = sum_doubles(WS(u, off_tile_u2, double), g->ntiles);
+    u->h->u2_sum = am_sum_tiles(WS(u, off_tile_u2, double), g->ntiles);
     u->h->stage = AM_STAGE_MOMENTS;
     return AM_OK;
 }
@@ -375,7 +374,7 @@ static am_status run_moments(upd *u) {
             }
             am_parallel_for(g->ntiles, (double)g->RB * (double)g->CB * 4.0, u2_task, u);
         }
-        u->h->u2_sum = sum_doubles(WS(u, off_tile_u2, double), g->ntiles);
+        u->h->u2_sum = am_sum_tiles(WS(u, off_tile_u2, double), g->ntiles);
     }
     u->h->stage = AM_STAGE_MOMENTS;
     return AM_OK;

@@ -594,8 +594,7 @@ AM_HD void am_ck_elem(const am_ck_args *a, int id, int64_t t) {
             am_ck_decide(a);
             break;
         }
-        AM_CK_UNROLL
-        for (i = 0; i < a->ntiles; i++) s += a->tile_u2[i];
+        s = am_sum_tiles(a->tile_u2, a->ntiles);
         h->u2_sum = s;
         if (a->ndim >= 2) am_ck_decide(a); /* non-finite elements already counted */
         else if (!isfinite(s)) h->flag = 1;
