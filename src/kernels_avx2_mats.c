@@ -120,12 +120,10 @@ static int fits(int64_t R, int64_t C) {
 
 /* ------------------------------------------------------------ stats ---- */
 
-AM_INLINE void stats8(const void *g, const int gdt, int64_t R, int64_t C,
-                      int64_t b, float *rowsum, float *colsum) {
-    __m256 t[AM_MATS_MAX_ELEMS], col[MAXD], rows[MAXD];
+/* Row and column sums of g*g of 8 transposed matrices (t, from load_t). */
+AM_INLINE void sums_v(const __m256 *t, int64_t R, int64_t C, __m256 *rows, __m256 *cols) {
     int64_t i, j;
-    load_t(g, gdt, R * C, b, t);
-    for (j = 0; j < C; j++) col[j] = _mm256_setzero_ps();
+    for (j = 0; j < C; j++) cols[j] = _mm256_setzero_ps();
     for (i = 0; i < R; i++) {
         __m256 acc[AM_LANES];
         int l;
@@ -133,10 +131,17 @@ AM_INLINE void stats8(const void *g, const int gdt, int64_t R, int64_t C,
         for (j = 0; j < C; j++) {
             __m256 x = t[i * C + j], x2 = _mm256_mul_ps(x, x);
             acc[j % AM_LANES] = _mm256_add_ps(acc[j % AM_LANES], x2);
-            col[j] = _mm256_add_ps(col[j], x2);
+            cols[j] = _mm256_add_ps(cols[j], x2);
         }
         rows[i] = lanesum_v(acc);
     }
+}
+
+AM_INLINE void stats8(const void *g, const int gdt, int64_t R, int64_t C,
+                      int64_t b, float *rowsum, float *colsum) {
+    __m256 t[AM_MATS_MAX_ELEMS], col[MAXD], rows[MAXD];
+    load_t(g, gdt, R * C, b, t);
+    sums_v(t, R, C, rows, col);
     scatter_rows(rowsum + b * R, R, R, rows);
     scatter_rows(colsum + b * C, C, C, col);
 }
@@ -163,14 +168,12 @@ void am_avx2_stats_mats(const void *g, int gdt, int64_t R, int64_t C,
 
 /* --------------------------------------------------------------- u2 ---- */
 
-AM_INLINE void u2_8(const void *g, const int gdt, int64_t R, int64_t C,
-                    int64_t b, const float *rf, const float *cf, double *out) {
-    __m256 t[AM_MATS_MAX_ELEMS], rfv[MAXD], cfv[MAXD];
+/* The sums of u^2 of 8 transposed matrices (t) with factors rfv, cfv into
+ * out[0..7]. */
+AM_INLINE void u2_v(const __m256 *t, int64_t R, int64_t C, const __m256 *rfv,
+                    const __m256 *cfv, double *out) {
     __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
     int64_t i, j;
-    load_t(g, gdt, R * C, b, t);
-    gather_rows(rf + b * R, R, R, rfv);
-    gather_rows(cf + b * C, C, C, cfv);
     for (i = 0; i < R; i++) {
         __m256 acc[AM_LANES], s;
         int l;
@@ -185,6 +188,15 @@ AM_INLINE void u2_8(const void *g, const int gdt, int64_t R, int64_t C,
     }
     _mm256_storeu_pd(out, lo);
     _mm256_storeu_pd(out + 4, hi);
+}
+
+AM_INLINE void u2_8(const void *g, const int gdt, int64_t R, int64_t C,
+                    int64_t b, const float *rf, const float *cf, double *out) {
+    __m256 t[AM_MATS_MAX_ELEMS], rfv[MAXD], cfv[MAXD];
+    load_t(g, gdt, R * C, b, t);
+    gather_rows(rf + b * R, R, R, rfv);
+    gather_rows(cf + b * C, C, C, cfv);
+    u2_v(t, R, C, rfv, cfv, out);
 }
 
 void am_avx2_u2_mats(const void *g, int gdt, int64_t R, int64_t C, int64_t b0,
@@ -220,34 +232,44 @@ AM_INLINE __m256 rsqrt_v(__m256 x) {
     return _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_sqrt_ps(x));
 }
 
-AM_INLINE void moments8(int64_t R, int64_t C, int64_t b, const float *row,
-                     const float *col, const float *rs, const float *cs,
-                     const am_consts *k, float *nr, float *nc, float *rf,
-                     float *cf, float *rmean) {
-    __m256 v[MAXD], w[MAXD], x[MAXD];
+/* The new moments and factors of 8 matrices from their sums of g*g (rows,
+ * cols as vectors), stored; the factors also into rfv, cfv. */
+AM_INLINE void moments_v(int64_t R, int64_t C, int64_t b, const float *row,
+                         const float *col, const __m256 *rows, const __m256 *cols,
+                         const am_consts *k, float *nr, float *nc, float *rf,
+                         float *cf, float *rmean, __m256 *rfv, __m256 *cfv) {
+    __m256 v[MAXD];
     const __m256 Cf = _mm256_set1_ps((float)C), Rf = _mm256_set1_ps((float)R);
     const __m256 eps = _mm256_set1_ps(k->eps);
     __m256 s = _mm256_setzero_ps(), mean;
     int64_t i, j;
     gather_rows(row + b * R, R, R, v);
-    gather_rows(rs + b * R, R, R, w);
     for (i = 0; i < R; i++) {
-        v[i] = ema_v(v[i], _mm256_add_ps(_mm256_div_ps(w[i], Cf), eps), k);
+        v[i] = ema_v(v[i], _mm256_add_ps(_mm256_div_ps(rows[i], Cf), eps), k);
         s = _mm256_add_ps(s, v[i]);
     }
     mean = _mm256_div_ps(s, Rf);
     _mm256_storeu_ps(rmean + b, mean);
-    for (i = 0; i < R; i++) x[i] = rsqrt_v(_mm256_div_ps(v[i], mean));
+    for (i = 0; i < R; i++) rfv[i] = rsqrt_v(_mm256_div_ps(v[i], mean));
     scatter_rows(nr + b * R, R, R, v);
-    scatter_rows(rf + b * R, R, R, x);
+    scatter_rows(rf + b * R, R, R, rfv);
     gather_rows(col + b * C, C, C, v);
-    gather_rows(cs + b * C, C, C, w);
     for (j = 0; j < C; j++) {
-        v[j] = ema_v(v[j], _mm256_add_ps(_mm256_div_ps(w[j], Rf), eps), k);
-        x[j] = rsqrt_v(v[j]);
+        v[j] = ema_v(v[j], _mm256_add_ps(_mm256_div_ps(cols[j], Rf), eps), k);
+        cfv[j] = rsqrt_v(v[j]);
     }
     scatter_rows(nc + b * C, C, C, v);
-    scatter_rows(cf + b * C, C, C, x);
+    scatter_rows(cf + b * C, C, C, cfv);
+}
+
+AM_INLINE void moments8(int64_t R, int64_t C, int64_t b, const float *row,
+                        const float *col, const float *rs, const float *cs,
+                        const am_consts *k, float *nr, float *nc, float *rf,
+                        float *cf, float *rmean) {
+    __m256 w[MAXD], x[MAXD], rfv[MAXD], cfv[MAXD];
+    gather_rows(rs + b * R, R, R, w);
+    gather_rows(cs + b * C, C, C, x);
+    moments_v(R, C, b, row, col, w, x, k, nr, nc, rf, cf, rmean, rfv, cfv);
 }
 
 void am_avx2_moments_mats(int64_t R, int64_t C, int64_t b0, int64_t b1,
@@ -280,61 +302,13 @@ AM_INLINE void stats_u2_8(const void *g, const int gdt, int64_t R, int64_t C, in
                           const float *row, const float *col, const am_consts *k,
                           float *rs, float *cs, float *nr, float *nc, float *rf,
                           float *cf, float *rmean, double *out) {
-    __m256 t[AM_MATS_MAX_ELEMS], cols[MAXD], rows[MAXD], v[MAXD], rfv[MAXD], cfv[MAXD];
-    const __m256 Cf = _mm256_set1_ps((float)C), Rf = _mm256_set1_ps((float)R);
-    const __m256 eps = _mm256_set1_ps(k->eps);
-    __m256 s = _mm256_setzero_ps(), mean;
-    __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
-    int64_t i, j;
+    __m256 t[AM_MATS_MAX_ELEMS], cols[MAXD], rows[MAXD], rfv[MAXD], cfv[MAXD];
     load_t(g, gdt, R * C, b, t);
-    /* stats8 */
-    for (j = 0; j < C; j++) cols[j] = _mm256_setzero_ps();
-    for (i = 0; i < R; i++) {
-        __m256 acc[AM_LANES];
-        int l;
-        for (l = 0; l < AM_LANES; l++) acc[l] = _mm256_setzero_ps();
-        for (j = 0; j < C; j++) {
-            __m256 x = t[i * C + j], x2 = _mm256_mul_ps(x, x);
-            acc[j % AM_LANES] = _mm256_add_ps(acc[j % AM_LANES], x2);
-            cols[j] = _mm256_add_ps(cols[j], x2);
-        }
-        rows[i] = lanesum_v(acc);
-    }
+    sums_v(t, R, C, rows, cols);
     scatter_rows(rs + b * R, R, R, rows);
     scatter_rows(cs + b * C, C, C, cols);
-    /* moments8 */
-    gather_rows(row + b * R, R, R, v);
-    for (i = 0; i < R; i++) {
-        v[i] = ema_v(v[i], _mm256_add_ps(_mm256_div_ps(rows[i], Cf), eps), k);
-        s = _mm256_add_ps(s, v[i]);
-    }
-    mean = _mm256_div_ps(s, Rf);
-    _mm256_storeu_ps(rmean + b, mean);
-    for (i = 0; i < R; i++) rfv[i] = rsqrt_v(_mm256_div_ps(v[i], mean));
-    scatter_rows(nr + b * R, R, R, v);
-    scatter_rows(rf + b * R, R, R, rfv);
-    gather_rows(col + b * C, C, C, v);
-    for (j = 0; j < C; j++) {
-        v[j] = ema_v(v[j], _mm256_add_ps(_mm256_div_ps(cols[j], Rf), eps), k);
-        cfv[j] = rsqrt_v(v[j]);
-    }
-    scatter_rows(nc + b * C, C, C, v);
-    scatter_rows(cf + b * C, C, C, cfv);
-    /* u2_8 */
-    for (i = 0; i < R; i++) {
-        __m256 acc[AM_LANES], sum;
-        int l;
-        for (l = 0; l < AM_LANES; l++) acc[l] = _mm256_setzero_ps();
-        for (j = 0; j < C; j++) {
-            __m256 u = _mm256_mul_ps(_mm256_mul_ps(rfv[i], cfv[j]), t[i * C + j]);
-            acc[j % AM_LANES] = _mm256_add_ps(acc[j % AM_LANES], _mm256_mul_ps(u, u));
-        }
-        sum = lanesum_v(acc);
-        lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(sum)));
-        hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(sum, 1)));
-    }
-    _mm256_storeu_pd(out, lo);
-    _mm256_storeu_pd(out + 4, hi);
+    moments_v(R, C, b, row, col, rows, cols, k, nr, nc, rf, cf, rmean, rfv, cfv);
+    u2_v(t, R, C, rfv, cfv, out);
 }
 
 void am_avx2_stats_u2_mats(const void *g, int gdt, int64_t R, int64_t C, int64_t b0,
