@@ -292,11 +292,22 @@ typedef struct am_kernels {
     /* stats_u2_mats: stats_mats (into rs, cs), then moments_mats from those
      * sums, then u2_mats (into out[b - b0]) over matrices [b0, b1), with
      * their bits; am_update runs it instead of the three when no engine
-     * works between the phases (the elements are read once for all three). */
+     * works between the phases (the elements are read once for all three).
+     * fmin[0], fmin[1]: the smallest rf and cf of the range (a NaN factor
+     * may be passed over: it makes u^2 NaN, and the update is skipped). */
     void (*stats_u2_mats)(const void *g, int gdt, int64_t R, int64_t C, int64_t b0,
                           int64_t b1, const float *row, const float *col,
                           const am_consts *k, float *rs, float *cs, float *nr,
-                          float *nc, float *rf, float *cf, float *rmean, double *out);
+                          float *nc, float *rf, float *cf, float *rmean, double *out,
+                          float *fmin);
+
+    /* count_pos: how many of (g[e] > 0), e < n, equal the stored bits
+     * 0..n-1 of bits (bit 0 of byte 0 first; only read), and in *minpos
+     * the smallest g > 0 (+inf when none): the agreement of an lr-row of
+     * many small matrices when a bound (finish_lr_row_task in update.c)
+     * shows that u / scale has the sign of g there. */
+    int64_t (*count_pos)(const void *g, int gdt, int64_t n, const uint8_t *bits,
+                         float *minpos);
 } am_kernels;
 
 /* Matrices of at most this many elements (R*C) take the batched path

@@ -924,11 +924,47 @@ static int64_t avx2_finish_flat(void *p, int pdt, const void *g, int gdt,
     }
 }
 
+/* The count_pos slot (internal.h): 32 elements, one word of stored bits,
+ * per step; four chains for the smallest positive value. */
+static int64_t avx2_count_pos(const void *g, int gdt, int64_t n, const uint8_t *bits,
+                              float *minpos) {
+    const __m256 zero = _mm256_setzero_ps(), inf = _mm256_set1_ps(INFINITY);
+    __m256 mn[4] = {inf, inf, inf, inf};
+    float lanes[8], mp = INFINITY;
+    int64_t e, mism = 0, m;
+    int q;
+    for (e = 0; e + 32 <= n; e += 32) {
+        uint32_t pos = 0, old;
+        for (q = 0; q < 4; q++) {
+            const __m256 x = am_ld8(g, gdt, e + 8 * q);
+            const __m256 gt = _mm256_cmp_ps(x, zero, _CMP_GT_OQ);
+            pos |= (uint32_t)_mm256_movemask_ps(gt) << (8 * q);
+            mn[q] = _mm256_min_ps(mn[q], _mm256_blendv_ps(inf, x, gt));
+        }
+        memcpy(&old, bits + e / 8, 4);
+        mism += __builtin_popcount(pos ^ old);
+    }
+    _mm256_storeu_ps(lanes, _mm256_min_ps(_mm256_min_ps(mn[0], mn[1]),
+                                          _mm256_min_ps(mn[2], mn[3])));
+    _mm256_zeroupper(); /* before the scalar code (simd.h, AM_CLEAN_RETURN) */
+    m = e - mism;
+    for (q = 0; q < 8; q++)
+        if (lanes[q] < mp) mp = lanes[q];
+    for (; e < n; e++) {
+        const float x = am_load(g, gdt, e);
+        const int pos = x > 0.0f;
+        m += pos == ((bits[e >> 3] >> (e & 7)) & 1);
+        if (pos && x < mp) mp = x;
+    }
+    *minpos = mp;
+    return m;
+}
+
 static const am_kernels avx2_table = {
     "avx2",          avx2_stats_tile, avx2_u2_tile,     avx2_u2_flat,
     avx2_agree_rows, avx2_apply_rows, avx2_finish_flat,
     am_avx2_stats_mats, am_avx2_u2_mats, am_avx2_moments_mats,
-    am_avx2_stats_u2_mats,
+    am_avx2_stats_u2_mats, avx2_count_pos,
 };
 
 /* The AVX-512F/BW apply of 16-bit parameters and of small matrices (set
@@ -1005,7 +1041,7 @@ static const am_kernels avx512x_table = {
     "avx2+avx512",   avx512x_stats_tile, avx2_u2_tile,     avx2_u2_flat,
     avx512x_agree_rows, avx512x_apply_rows, avx512x_finish_flat,
     am_avx2_stats_mats, am_avx2_u2_mats, am_avx2_moments_mats,
-    am_avx2_stats_u2_mats,
+    am_avx2_stats_u2_mats, avx2_count_pos,
 };
 
 am_philox_fn am_philox32_avx2(void) { return philox32_avx2; }

@@ -301,26 +301,33 @@ void am_avx2_moments_mats(int64_t R, int64_t C, int64_t b0, int64_t b1,
 AM_INLINE void stats_u2_8(const void *g, const int gdt, int64_t R, int64_t C, int64_t b,
                           const float *row, const float *col, const am_consts *k,
                           float *rs, float *cs, float *nr, float *nc, float *rf,
-                          float *cf, float *rmean, double *out) {
+                          float *cf, float *rmean, double *out, __m256 *mr, __m256 *mc) {
     __m256 t[AM_MATS_MAX_ELEMS], cols[MAXD], rows[MAXD], rfv[MAXD], cfv[MAXD];
+    int64_t x;
     load_t(g, gdt, R * C, b, t);
     sums_v(t, R, C, rows, cols);
     scatter_rows(rs + b * R, R, R, rows);
     scatter_rows(cs + b * C, C, C, cols);
     moments_v(R, C, b, row, col, rows, cols, k, nr, nc, rf, cf, rmean, rfv, cfv);
     u2_v(t, R, C, rfv, cfv, out);
+    for (x = 0; x < R; x++) *mr = _mm256_min_ps(rfv[x], *mr);
+    for (x = 0; x < C; x++) *mc = _mm256_min_ps(cfv[x], *mc);
 }
 
 void am_avx2_stats_u2_mats(const void *g, int gdt, int64_t R, int64_t C, int64_t b0,
                            int64_t b1, const float *row, const float *col,
                            const am_consts *k, float *rs, float *cs, float *nr,
-                           float *nc, float *rf, float *cf, float *rmean, double *out) {
+                           float *nc, float *rf, float *cf, float *rmean, double *out,
+                           float *fmin) {
     int64_t b = b0;
+    __m256 mr = _mm256_set1_ps(INFINITY), mc = mr;
+    float lr[8], lc[8], rest[2] = {INFINITY, INFINITY};
+    int l;
     if (fits(R, C)) {
 #define AM_SU_LOOP(GD, RR, CC)                                                \
     for (; b + 8 <= b1; b += 8)                                               \
         stats_u2_8(g, GD, RR, CC, b, row, col, k, rs, cs, nr, nc, rf, cf, rmean, \
-                   out + (b - b0))
+                   out + (b - b0), &mr, &mc)
 #define AM_SU_DT(RR, CC)                                                      \
     switch (gdt) {                                                            \
     case AM_DTYPE_FLOAT32: AM_SU_LOOP(0, RR, CC); break;                      \
@@ -331,10 +338,18 @@ void am_avx2_stats_u2_mats(const void *g, int gdt, int64_t R, int64_t C, int64_t
 #undef AM_SU_LOOP
 #undef AM_SU_DT
     }
+    _mm256_storeu_ps(lr, mr);
+    _mm256_storeu_ps(lc, mc);
     _mm256_zeroupper(); /* before the scalar code (simd.h, AM_CLEAN_RETURN) */
     if (b < b1)
         am_kernels_ref.stats_u2_mats(g, gdt, R, C, b, b1, row, col, k, rs, cs, nr, nc, rf,
-                                     cf, rmean, out + (b - b0));
+                                     cf, rmean, out + (b - b0), rest);
+    fmin[0] = rest[0];
+    fmin[1] = rest[1];
+    for (l = 0; l < 8; l++) {
+        if (lr[l] < fmin[0]) fmin[0] = lr[l];
+        if (lc[l] < fmin[1]) fmin[1] = lc[l];
+    }
 }
 
 #else /* not built for x86-64 with AVX2 + F16C: never referenced */

@@ -221,14 +221,34 @@ static void ref_stats_u2_mats(const void *g, int gdt, int64_t R, int64_t C, int6
                               int64_t b1, const float *row, const float *col,
                               const am_consts *k, float *rs, float *cs, float *nr,
                               float *nc, float *rf, float *cf, float *rmean,
-                              double *out) {
+                              double *out, float *fmin) {
+    int64_t x;
     ref_stats_mats(g, gdt, R, C, b0, b1, rs, cs);
     ref_moments_mats(R, C, b0, b1, row, col, rs, cs, k, nr, nc, rf, cf, rmean);
     ref_u2_mats(g, gdt, R, C, b0, b1, rf, cf, out);
+    fmin[0] = fmin[1] = INFINITY;
+    for (x = b0 * R; x < b1 * R; x++)
+        if (rf[x] < fmin[0]) fmin[0] = rf[x];
+    for (x = b0 * C; x < b1 * C; x++)
+        if (cf[x] < fmin[1]) fmin[1] = cf[x];
+}
+
+static int64_t ref_count_pos(const void *g, int gdt, int64_t n, const uint8_t *bits,
+                             float *minpos) {
+    float mp = INFINITY;
+    int64_t e, m = 0;
+    for (e = 0; e < n; e++) {
+        const float x = am_load(g, gdt, e);
+        const int pos = x > 0.0f;
+        m += pos == get_bit(bits, e);
+        if (pos && x < mp) mp = x;
+    }
+    *minpos = mp;
+    return m;
 }
 
 const am_kernels am_kernels_ref = {
     "scalar",         ref_stats_tile, ref_u2_tile,    ref_u2_flat,
     ref_agree_rows,   ref_apply_rows, ref_finish_flat, ref_stats_mats,
-    ref_u2_mats,      ref_moments_mats, ref_stats_u2_mats,
+    ref_u2_mats,      ref_moments_mats, ref_stats_u2_mats, ref_count_pos,
 };

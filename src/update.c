@@ -27,6 +27,11 @@ typedef struct upd {
     float scale, inv; /* clip divisor (SPEC 3.2) and 1 / scale (apply_rows) */
     am_rng_key key;
     atomic_int inf_sum; /* stats_u2_mats_task saw a non-finite row sum */
+    /* am_update of many small matrices: finish may count the agreement
+     * from the sign of g (count_pos) where facmin, a lower bound of every
+     * rf[i] * cf[j], shows that u / scale has that sign */
+    int sign_count;
+    float facmin;
 } upd;
 
 #define WS(u, off, T) ((T *)((u)->ws + (u)->g.off))
@@ -206,7 +211,9 @@ static void stats_u2_mats_task(void *ctx, int64_t t) {
                          WS(u, off_row_sumsq, float), WS(u, off_col_sumsq, float),
                          WS(u, off_new_row, float), WS(u, off_new_col, float),
                          WS(u, off_rf, float), WS(u, off_cf, float),
-                         WS(u, off_rmean, float), WS(u, off_tile_u2, double) + b0);
+                         WS(u, off_rmean, float), WS(u, off_tile_u2, double) + b0,
+                         /* the task's smallest rf and cf (2 * tasks <= B) */
+                         WS(u, off_tile_minpos, float) + 2 * t);
     { /* a non-finite g makes its row's sum non-finite */
         const float *rs = WS(u, off_row_sumsq, float);
         int64_t x;
@@ -295,6 +302,18 @@ static am_status run_stats_moments_mats(upd *u) {
     }
     u->h->u2_sum = am_sum_tiles(WS(u, off_tile_u2, double), g->ntiles);
     u->h->stage = AM_STAGE_MOMENTS;
+    { /* the bound for count_pos: rfmin * cfmin, as counts_valid forms it */
+        const float *fmin = WS(u, off_tile_minpos, float);
+        float mr = INFINITY, mc = INFINITY;
+        int64_t t;
+        for (t = 0; t < mat_tasks(g); t++) {
+            mr = fmin[2 * t] < mr ? fmin[2 * t] : mr;
+            mc = fmin[2 * t + 1] < mc ? fmin[2 * t + 1] : mc;
+        }
+        u->facmin = mr * mc;
+        /* the stored bits of an lr-row are its elements' in order */
+        u->sign_count = 1;
+    }
     return AM_OK;
 }
 
@@ -440,19 +459,31 @@ static void finish_lr_row_task(void *ctx, int64_t kr) {
     int64_t rows = g->m / g->C, r0 = kr * rows, matches;
     const float *rf = WS(u, off_rf, float), *cf = WS(u, off_cf, float);
     uint8_t *pol = f->state->polarity + kr * g->pol_row_bytes;
+    uint8_t *wbits = f->counted ? pol : NULL; /* the apply writes the new bits */
     float a;
-    if (f->counted)
+    if (f->counted) {
         matches = counted_matches(u, kr);
-    else
-        matches = u->kt->agree_rows(u->grad->data, u->grad->dtype, g->R, g->C,
-                                    r0, r0 + rows, rf, cf, u->scale, pol);
+    } else {
+        float gmin, m = 0.0f;
+        if (u->sign_count) { /* (g > 0) against the old bits, then the bound */
+            const size_t es = am_dtype_size(u->grad->dtype);
+            matches = u->kt->count_pos((const char *)u->grad->data + (size_t)(r0 * g->C) * es,
+                                       u->grad->dtype, g->m, pol, &gmin);
+            m = u->facmin * gmin;
+        }
+        if (u->sign_count && m / u->scale > 0.0f && m * u->inv > 0.0f)
+            wbits = pol; /* every u / scale (and u * inv) has the sign of g */
+        else
+            matches = u->kt->agree_rows(u->grad->data, u->grad->dtype, g->R, g->C,
+                                        r0, r0 + rows, rf, cf, u->scale, pol);
+    }
     a = (float)matches / (float)g->m;
     WS(u, off_agree, float)[kr] = a;
     if (f->state->step > 0) f->state->lr[kr] = am_lr_bump(f->state->lr[kr], a, &u->k);
     u->kt->apply_rows(u->param->data, u->param->dtype, u->grad->data,
                       u->grad->dtype, g->R, g->C, r0, r0 + rows, rf, cf,
                       u->inv, f->state->lr[kr], &u->k, u->key.seed,
-                      u->key.param_id, f->state->step, f->counted ? pol : NULL);
+                      u->key.param_id, f->state->step, wbits);
     if (f->copies) { /* whole matrices b0..b1-1 (ndim >= 3) */
         const int64_t b0 = r0 / g->R, nb = rows / g->R;
         memcpy(f->state->row + b0 * g->R, WS(u, off_new_row, float) + b0 * g->R,

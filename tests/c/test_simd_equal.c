@@ -414,7 +414,7 @@ static void check_fused_mats(const am_kernels *a, const am_kernels *b, int64_t R
     const size_t gs = am_dtype_size((am_dtype)gdt);
     const size_t fr = 4 * (size_t)(B * R), fc = 4 * (size_t)(B * C);
     void *g = xmalloc((size_t)n * gs);
-    float *row = xmalloc(fr), *col = xmalloc(fc), *o[3][7];
+    float *row = xmalloc(fr), *col = xmalloc(fc), *o[3][7], fmin[2][2];
     double *u[3];
     am_hparams hp = am_hparams_default();
     am_consts k = am_consts_from(&hp);
@@ -434,7 +434,11 @@ static void check_fused_mats(const am_kernels *a, const am_kernels *b, int64_t R
     }
     for (w = 0; w < 2; w++)
         (w ? b : a)->stats_u2_mats(g, gdt, R, C, b0, B, row, col, &k, o[w][0], o[w][1],
-                                   o[w][2], o[w][3], o[w][4], o[w][5], o[w][6], u[w]);
+                                   o[w][2], o[w][3], o[w][4], o[w][5], o[w][6], u[w],
+                                   fmin[w]);
+    assert_memory_equal(fmin[0], fmin[1], sizeof fmin[0]);
+    for (i = b0 * R; i < B * R; i++) assert_true(fmin[0][0] <= o[0][4][i]);
+    for (i = b0 * C; i < B * C; i++) assert_true(fmin[0][1] <= o[0][5][i]);
     a->stats_mats(g, gdt, R, C, b0, B, o[2][0], o[2][1]);
     a->moments_mats(R, C, b0, B, row, col, o[2][0], o[2][1], &k, o[2][2], o[2][3], o[2][4],
                     o[2][5], o[2][6]);
@@ -451,6 +455,28 @@ static void check_fused_mats(const am_kernels *a, const am_kernels *b, int64_t R
     }
 }
 
+/* count_pos of a and b: the same matches and smallest positive value, tails
+ * of every length, zeros and negative zeros among the values. */
+static void check_count_pos(const am_kernels *a, const am_kernels *b, uint64_t *s) {
+    static const int64_t ns[] = {1, 7, 31, 32, 33, 64, 100, 297, 1000};
+    size_t ni;
+    int gdt;
+    for (ni = 0; ni < sizeof ns / sizeof ns[0]; ni++)
+        for (gdt = 0; gdt < 3; gdt++) {
+            const int64_t n = ns[ni];
+            void *g = xmalloc((size_t)n * 4);
+            uint8_t bits[1000 / 8 + 1];
+            float ma, mb;
+            int64_t i;
+            fill(g, gdt, n, s, 0);
+            if (n > 5) set_value(g, gdt, 5, -0.0f);
+            for (i = 0; i < (int64_t)sizeof bits; i++) bits[i] = (uint8_t)(rng_next(s) >> 7);
+            assert_int_equal(a->count_pos(g, gdt, n, bits, &ma), b->count_pos(g, gdt, n, bits, &mb));
+            assert_memory_equal(&ma, &mb, sizeof ma);
+            free(g);
+        }
+}
+
 static void test_mats_slots(void **unused) {
     static const int64_t shapes[][2] = {{1, 1}, {3, 3}, {1, 3}, {3, 1}, {2, 5}, {4, 16},
                                         {8, 8}, {7, 9}, {1, 64}, {64, 1}, {9, 8}, {65, 1},
@@ -465,6 +491,7 @@ static void test_mats_slots(void **unused) {
         print_message("SKIPPED: no AVX2 kernels on this build/CPU; nothing to compare\n");
         skip();
     }
+    check_count_pos(&am_kernels_ref, simd, &s);
     for (si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
         for (ci = 0; ci < sizeof counts / sizeof counts[0]; ci++)
             for (gdt = 0; gdt < 3; gdt++)
