@@ -761,6 +761,59 @@ static int64_t avx512_agree_mats(const void *g, int gdt, int64_t R, int64_t C,
 
 am_agree_mats_fn am_avx512_agree_mats(void) { return avx512_agree_mats; }
 
+/* The count_pos slot (internal.h), 32 elements per step on their bits, as
+ * stats_rows counts: g > 0 exactly when its bits - 1 (unsigned) are below
+ * +inf's bits, and the smallest such difference belongs to the smallest
+ * positive value (minpos_of). */
+AM_INLINE int64_t count_pos_body(const void *g, const int gdt, int64_t n, const uint8_t *bits,
+                                 float *minpos) {
+    const __m512i one16 = _mm512_set1_epi16(1), one32 = _mm512_set1_epi32(1);
+    const __m512i lim16 = _mm512_set1_epi16((short)(gdt == AM_DTYPE_BFLOAT16 ? 0x7f80 : 0x7c00));
+    const __m512i lim32 = _mm512_set1_epi32(0x7f800000);
+    __m512i mn = _mm512_set1_epi32(-1);
+    int64_t e, mism = 0, m;
+    float mp;
+    for (e = 0; e + 32 <= n; e += 32) {
+        uint32_t pos, old;
+        if (gdt == AM_DTYPE_FLOAT32) {
+            const __m512i dl = _mm512_sub_epi32(_mm512_loadu_si512((const float *)g + e), one32);
+            const __m512i dh =
+                _mm512_sub_epi32(_mm512_loadu_si512((const float *)g + e + 16), one32);
+            pos = (uint32_t)_mm512_cmplt_epu32_mask(dl, lim32) |
+                  (uint32_t)_mm512_cmplt_epu32_mask(dh, lim32) << 16;
+            mn = _mm512_min_epu32(mn, _mm512_min_epu32(dl, dh));
+        } else {
+            const __m512i d =
+                _mm512_sub_epi16(_mm512_loadu_si512((const uint16_t *)g + e), one16);
+            pos = (uint32_t)_mm512_cmplt_epu16_mask(d, lim16);
+            mn = _mm512_min_epu16(mn, d);
+        }
+        memcpy(&old, bits + e / 8, 4);
+        mism += __builtin_popcount(pos ^ old);
+    }
+    mp = minpos_of(mn, gdt);
+    m = e - mism;
+    for (; e < n; e++) {
+        const float x = am_load(g, gdt, e);
+        const int p = x > 0.0f;
+        m += p == ((bits[e >> 3] >> (e & 7)) & 1);
+        if (p && x < mp) mp = x;
+    }
+    *minpos = mp;
+    return m;
+}
+
+static int64_t avx512_count_pos(const void *g, int gdt, int64_t n, const uint8_t *bits,
+                                float *minpos) {
+    switch (gdt) {
+    case AM_DTYPE_FLOAT32: AM_CLEAN_RETURN(int64_t, count_pos_body(g, 0, n, bits, minpos));
+    case AM_DTYPE_BFLOAT16: AM_CLEAN_RETURN(int64_t, count_pos_body(g, 1, n, bits, minpos));
+    default: AM_CLEAN_RETURN(int64_t, count_pos_body(g, 2, n, bits, minpos));
+    }
+}
+
+am_count_pos_fn am_avx512_count_pos(void) { return avx512_count_pos; }
+
 /* ref_finish_flat (e0 % 8 == 0), 16 elements per vector: the same IEEE
  * operations per element as the reference (ema, 1 / sqrt, the sign test,
  * the clip's multiplication, the lr bump and clamp, the apply), the same
@@ -869,6 +922,7 @@ am_apply_fn am_avx512_apply16(void) { return NULL; }
 am_stats_fn am_avx512_stats(void) { return NULL; }
 am_apply_mats_fn am_avx512_apply_mats(void) { return NULL; }
 am_agree_mats_fn am_avx512_agree_mats(void) { return NULL; }
+am_count_pos_fn am_avx512_count_pos(void) { return NULL; }
 am_flat_fn am_avx512_flat(void) { return NULL; }
 
 #endif

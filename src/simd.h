@@ -195,6 +195,12 @@ typedef int64_t (*am_agree_mats_fn)(const void *g, int gdt, int64_t R, int64_t C
  * matrices, as am_avx512_apply_mats. NULL when not built. */
 am_agree_mats_fn am_avx512_agree_mats(void);
 
+/* The count_pos slot's signature (internal.h) and its AVX-512F/BW version
+ * (kernels_avx512.c; NULL when not built). */
+typedef int64_t (*am_count_pos_fn)(const void *g, int gdt, int64_t n, const uint8_t *bits,
+                                   float *minpos);
+am_count_pos_fn am_avx512_count_pos(void);
+
 /* The finish_flat slot's signature (internal.h). */
 typedef int64_t (*am_flat_fn)(void *p, int pdt, const void *g, int gdt, float *sq,
                               float *lr, uint8_t *pol, int64_t e0, int64_t e1,

@@ -492,6 +492,7 @@ static void test_mats_slots(void **unused) {
         skip();
     }
     check_count_pos(&am_kernels_ref, simd, &s);
+    if (simd != am_kernels_avx2_plain()) check_count_pos(&am_kernels_ref, am_kernels_avx2_plain(), &s);
     for (si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
         for (ci = 0; ci < sizeof counts / sizeof counts[0]; ci++)
             for (gdt = 0; gdt < 3; gdt++)
