@@ -294,12 +294,15 @@ typedef struct am_kernels {
      * their bits; am_update runs it instead of the three when no engine
      * works between the phases (the elements are read once for all three).
      * fmin[0], fmin[1]: the smallest rf and cf of the range (a NaN factor
-     * may be passed over: it makes u^2 NaN, and the update is skipped). */
+     * may be passed over: it makes u^2 NaN, and the update is skipped).
+     * nr may be row and nc col (the new moments written over the old);
+     * orow and ocol, when not NULL, first receive the old ones (b*R + i,
+     * b*C + j as row and col). */
     void (*stats_u2_mats)(const void *g, int gdt, int64_t R, int64_t C, int64_t b0,
                           int64_t b1, const float *row, const float *col,
                           const am_consts *k, float *rs, float *cs, float *nr,
                           float *nc, float *rf, float *cf, float *rmean, double *out,
-                          float *fmin);
+                          float *fmin, float *orow, float *ocol);
 
     /* count_pos: how many of (g[e] > 0), e < n, equal the stored bits
      * 0..n-1 of bits (bit 0 of byte 0 first; only read), and in *minpos

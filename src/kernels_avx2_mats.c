@@ -301,9 +301,14 @@ void am_avx2_moments_mats(int64_t R, int64_t C, int64_t b0, int64_t b1,
 AM_INLINE void stats_u2_8(const void *g, const int gdt, int64_t R, int64_t C, int64_t b,
                           const float *row, const float *col, const am_consts *k,
                           float *rs, float *cs, float *nr, float *nc, float *rf,
-                          float *cf, float *rmean, double *out, __m256 *mr, __m256 *mc) {
+                          float *cf, float *rmean, double *out, __m256 *mr, __m256 *mc,
+                          float *orow, float *ocol) {
     __m256 t[AM_MATS_MAX_ELEMS], cols[MAXD], rows[MAXD], rfv[MAXD], cfv[MAXD];
     int64_t x;
+    if (orow) { /* the old moments, before nr and nc may overwrite them */
+        memcpy(orow + b * R, row + b * R, (size_t)(8 * R) * sizeof(float));
+        memcpy(ocol + b * C, col + b * C, (size_t)(8 * C) * sizeof(float));
+    }
     load_t(g, gdt, R * C, b, t);
     sums_v(t, R, C, rows, cols);
     scatter_rows(rs + b * R, R, R, rows);
@@ -318,7 +323,7 @@ void am_avx2_stats_u2_mats(const void *g, int gdt, int64_t R, int64_t C, int64_t
                            int64_t b1, const float *row, const float *col,
                            const am_consts *k, float *rs, float *cs, float *nr,
                            float *nc, float *rf, float *cf, float *rmean, double *out,
-                           float *fmin) {
+                           float *fmin, float *orow, float *ocol) {
     int64_t b = b0;
     __m256 mr = _mm256_set1_ps(INFINITY), mc = mr;
     float lr[8], lc[8], rest[2] = {INFINITY, INFINITY};
@@ -327,7 +332,7 @@ void am_avx2_stats_u2_mats(const void *g, int gdt, int64_t R, int64_t C, int64_t
 #define AM_SU_LOOP(GD, RR, CC)                                                \
     for (; b + 8 <= b1; b += 8)                                               \
         stats_u2_8(g, GD, RR, CC, b, row, col, k, rs, cs, nr, nc, rf, cf, rmean, \
-                   out + (b - b0), &mr, &mc)
+                   out + (b - b0), &mr, &mc, orow, ocol)
 #define AM_SU_DT(RR, CC)                                                      \
     switch (gdt) {                                                            \
     case AM_DTYPE_FLOAT32: AM_SU_LOOP(0, RR, CC); break;                      \
@@ -343,7 +348,7 @@ void am_avx2_stats_u2_mats(const void *g, int gdt, int64_t R, int64_t C, int64_t
     _mm256_zeroupper(); /* before the scalar code (simd.h, AM_CLEAN_RETURN) */
     if (b < b1)
         am_kernels_ref.stats_u2_mats(g, gdt, R, C, b, b1, row, col, k, rs, cs, nr, nc, rf,
-                                     cf, rmean, out + (b - b0), rest);
+                                     cf, rmean, out + (b - b0), rest, orow, ocol);
     fmin[0] = rest[0];
     fmin[1] = rest[1];
     for (l = 0; l < 8; l++) {

@@ -7,6 +7,8 @@
  */
 #include "internal.h"
 
+#include <string.h>
+
 /* Lane combine of an 8-lane sum: ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)),
  * the order an AVX 256-bit horizontal add produces. */
 float am_lanesum_finish(const float a[AM_LANES]) {
@@ -221,8 +223,12 @@ static void ref_stats_u2_mats(const void *g, int gdt, int64_t R, int64_t C, int6
                               int64_t b1, const float *row, const float *col,
                               const am_consts *k, float *rs, float *cs, float *nr,
                               float *nc, float *rf, float *cf, float *rmean,
-                              double *out, float *fmin) {
+                              double *out, float *fmin, float *orow, float *ocol) {
     int64_t x;
+    if (orow) {
+        memcpy(orow + b0 * R, row + b0 * R, (size_t)((b1 - b0) * R) * sizeof(float));
+        memcpy(ocol + b0 * C, col + b0 * C, (size_t)((b1 - b0) * C) * sizeof(float));
+    }
     ref_stats_mats(g, gdt, R, C, b0, b1, rs, cs);
     ref_moments_mats(R, C, b0, b1, row, col, rs, cs, k, nr, nc, rf, cf, rmean);
     ref_u2_mats(g, gdt, R, C, b0, b1, rf, cf, out);

@@ -96,7 +96,7 @@ void am_avx2_stats_u2_mats(const void *g, int gdt, int64_t R, int64_t C, int64_t
                            int64_t b1, const float *row, const float *col,
                            const am_consts *k, float *rs, float *cs, float *nr,
                            float *nc, float *rf, float *cf, float *rmean, double *out,
-                           float *fmin);
+                           float *fmin, float *orow, float *ocol);
 
 /* Philox words of 32 consecutive quads (SPEC 5): out[4k + w] is word w of
  * am_rng_quad(seed, pid, step, q0 + k), k < 32, w < 4 (128 words). */

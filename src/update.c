@@ -32,6 +32,11 @@ typedef struct upd {
      * rf[i] * cf[j], shows that u / scale has that sign */
     int sign_count;
     float facmin;
+    /* am_update of many small matrices: the new moments went straight to
+     * state row/col, the old ones to the workspace's new_row/new_col (to be
+     * put back if the update is skipped) */
+    int moments_in_state;
+    am_state *wstate; /* am_update's state (writable), for that */
 } upd;
 
 #define WS(u, off, T) ((T *)((u)->ws + (u)->g.off))
@@ -206,14 +211,17 @@ static void stats_u2_mats_task(void *ctx, int64_t t) {
     const am_geom *g = &u->g;
     int64_t b0, b1;
     mats_range(g, t, &b0, &b1);
+    /* the new moments over the old in the state (am_update's state is
+     * writable: u->wstate), the old ones into new_row/new_col */
     u->kt->stats_u2_mats(u->grad->data, u->grad->dtype, g->R, g->C, b0, b1,
-                         u->state->row, u->state->col, &u->k,
+                         u->wstate->row, u->wstate->col, &u->k,
                          WS(u, off_row_sumsq, float), WS(u, off_col_sumsq, float),
-                         WS(u, off_new_row, float), WS(u, off_new_col, float),
+                         u->wstate->row, u->wstate->col,
                          WS(u, off_rf, float), WS(u, off_cf, float),
                          WS(u, off_rmean, float), WS(u, off_tile_u2, double) + b0,
                          /* the task's smallest rf and cf (2 * tasks <= B) */
-                         WS(u, off_tile_minpos, float) + 2 * t);
+                         WS(u, off_tile_minpos, float) + 2 * t,
+                         WS(u, off_new_row, float), WS(u, off_new_col, float));
     { /* a non-finite g makes its row's sum non-finite */
         const float *rs = WS(u, off_row_sumsq, float);
         int64_t x;
@@ -282,11 +290,23 @@ static am_status run_stats(upd *u) {
     return u->h->nonfinite ? AM_SKIPPED_NONFINITE_GRAD : AM_OK;
 }
 
+/* The old moments back into the state (moments_in_state, a skipped
+ * update). */
+static void restore_moments(upd *u) {
+    const am_geom *g = &u->g;
+    memcpy(u->wstate->row, WS(u, off_new_row, float), (size_t)(g->B * g->R) * sizeof(float));
+    memcpy(u->wstate->col, WS(u, off_new_col, float), (size_t)(g->B * g->C) * sizeof(float));
+    u->moments_in_state = 0;
+}
+
 /* am_update's stats and moments phases of many small matrices in one
- * parallel sweep (stats_u2_mats_task): the same workspace contents and
- * status as run_stats then run_moments. Only the workspace is written. */
+ * parallel sweep (stats_u2_mats_task): the same results as run_stats then
+ * run_moments, except that the new moments are written over the old ones
+ * in the state (moments_in_state) and put back if the update is skipped
+ * (here, or in run_finish), so that finish need not copy them. */
 static am_status run_stats_moments_mats(upd *u) {
     const am_geom *g = &u->g;
+    u->moments_in_state = 1;
     u->h->nonfinite = 0;
     u->h->u2_sum = 0.0;
     u->h->numel = g->numel;
@@ -297,6 +317,7 @@ static am_status run_stats_moments_mats(upd *u) {
                     stats_u2_mats_task, u);
     if (atomic_load(&u->inf_sum)) u->h->nonfinite = count_nonfinite(u->grad, g->numel);
     if (u->h->nonfinite) {
+        restore_moments(u);
         u->h->stage = AM_STAGE_STATS;
         return AM_SKIPPED_NONFINITE_GRAD;
     }
@@ -608,7 +629,10 @@ static am_status run_finish(upd *u, am_state *state, am_report *rep) {
                  "results for this parameter");
     if (u->h->nonfinite) return AM_SKIPPED_NONFINITE_GRAD;
     if (g->numel == 0) return AM_OK;
-    if (!isfinite(u->h->u2_sum)) return AM_SKIPPED_NONFINITE_UPDATE;
+    if (!isfinite(u->h->u2_sum)) {
+        if (u->moments_in_state) restore_moments(u);
+        return AM_SKIPPED_NONFINITE_UPDATE;
+    }
     /* SPEC 3.2, in the reference's order: norm / sqrt(n) / clip, >= 1. */
     norm = (float)sqrt(u->h->u2_sum);
     rms = norm / (float)sqrt((double)g->numel);
@@ -625,10 +649,10 @@ static am_status run_finish(upd *u, am_state *state, am_report *rep) {
             /* Many small matrices: their moments are a good part of the
              * bytes, copied by the threads (ndim >= 3: lr-rows hold whole
              * matrices). */
-            f.copies = batched(g);
+            f.copies = batched(g) && !u->moments_in_state;
             am_parallel_for(g->lr_rows, (double)g->m * 12.0, finish_lr_row_task, &f);
         }
-        if (!f.copies) {
+        if (!f.copies && !u->moments_in_state) {
             memcpy(state->row, WS(u, off_new_row, float), (size_t)(g->B * g->R) * sizeof(float));
             memcpy(state->col, WS(u, off_new_col, float), (size_t)(g->B * g->C) * sizeof(float));
         }
@@ -717,6 +741,7 @@ am_status am_update(const am_tensor *param, const am_tensor *grad,
         return AM_OK;
     }
     if (s == AM_OK && u.g.ndim >= 2 && batched(&u.g)) {
+        u.wstate = state;
         s = run_stats_moments_mats(&u);
     } else {
         if (s == AM_OK) s = run_stats(&u);

@@ -233,17 +233,21 @@ static void test_nonfinite_grad_optimizer(void **unused) {
  * factored parameter (the row mean becomes inf/inf), and eps = 0 with an
  * all-zero gradient (0/0). Both are AM_SKIPPED_NONFINITE_UPDATE with nothing
  * changed; nonfinite_count is 0 (the gradient itself was finite). Both
- * cases factored and unfactored. */
+ * cases factored and unfactored, and for many small matrices (15 of 1x1:
+ * am_update writes their new moments over the old and must put those back). */
 static void test_nonfinite_update(void **unused) {
-    const int64_t d2[2] = {3, 5}, d1[1] = {9};
+    const int64_t d2[2] = {3, 5}, d1[1] = {9}, d3[3] = {15, 1, 1};
     am_hparams hp = am_hparams_default(), hp0 = am_hparams_default();
     int which;
     (void)unused;
     hp0.eps = 0.0;
     /* which: 0 overflow factored, 1 eps = 0 factored, 2 eps = 0 unfactored,
-     * 3 overflow unfactored (1-D), 4 overflow 0-D */
-    for (which = 0; which < 5; which++) {
-        am_shape sh = which <= 1 ? t_shape(2, d2) : t_shape(which == 4 ? 0 : 1, d1);
+     * 3 overflow unfactored (1-D), 4 overflow 0-D, 5 overflow and 6 eps = 0
+     * many small matrices */
+    for (which = 0; which < 7; which++) {
+        am_shape sh = which <= 1   ? t_shape(2, d2)
+                      : which >= 5 ? t_shape(3, d3)
+                                   : t_shape(which == 4 ? 0 : 1, d1);
         int64_t n = t_numel(&sh), i;
         float p[15], g[15];
         am_tensor pt = t_tensor(p, AM_DTYPE_FLOAT32, &sh), gt = t_tensor(g, AM_DTYPE_FLOAT32, &sh);
@@ -251,7 +255,7 @@ static void test_nonfinite_update(void **unused) {
         am_report rep;
         t_snap snap;
         t_fix f;
-        int overflow = which == 0 || which >= 3;
+        int overflow = which == 0 || (which >= 3 && which <= 5);
         t_fix_init(&f, &sh, 1e-3);
         for (i = 0; i < n; i++) {
             p[i] = 0.25f * (float)(i + 1);
