@@ -234,6 +234,25 @@ AM_HD float am_ema(float old, float x, const am_consts *k) {
 
 AM_HD float am_rsqrt(float x) { return 1.0f / sqrtf(x); }
 
+/* 1 / n for the means of SPEC 3.1 (mean_C, mean_R): the means are taken as
+ * sum * (1 / n), within an ulp of sum / n, so that the many small matrices
+ * of a convolution weight (six means and a row mean per 3x3 matrix) do not
+ * wait on the divider; every path (scalar, SIMD, the CUDA plan) does the
+ * same. */
+AM_HD float am_inv_count(int64_t n) { return 1.0f / (float)n; }
+
+/* A new second moment of SPEC 3.1 from a sum of squares over n elements:
+ * ema(old, sum * (1 / n) + eps), inv_n = am_inv_count(n). */
+AM_HD float am_moment(float old, float sum, float inv_n, const am_consts *k) {
+    return am_ema(old, sum * inv_n + k->eps, k);
+}
+
+/* A row factor of SPEC 3.1, rsqrt(nr / rmean), as sqrt(rmean / nr): one
+ * division and one square root instead of two divisions and a square root,
+ * within an ulp, with the same infinities and NaNs (nr = 0 < rmean: inf;
+ * both 0 or both inf: NaN; nr = inf > rmean: 0). */
+AM_HD float am_row_factor(float nr, float rmean) { return sqrtf(rmean / nr); }
+
 /* The sum of a parameter's per-tile sums of u*u (in tile order): groups of
  * AM_SUM_GROUP consecutive tiles are summed in order, then the group sums
  * in order. The same association on every path (CPU threads, SIMD sets,

@@ -137,13 +137,13 @@ typedef struct am_wsum {
     float *nr;            /* out: the new row moments, by i */
     float *wpart;         /* out: [j1 - j0], the tile's sums */
     const am_consts *k;
-    float Cf;             /* (float) C */
+    float Cinv;           /* am_inv_count(C) */
 } am_wsum;
 
-/* Row i's new moment (as moments_mats: ema(row, rs / C + eps)), stored in
- * ws->nr[i]; returns its weight 1 / nr. */
+/* Row i's new moment (as moments_mats: am_moment), stored in ws->nr[i];
+ * returns its weight 1 / nr. */
 static inline float am_wsum_weight(const am_wsum *ws, int64_t i, float rs) {
-    float nr = am_ema(ws->row_old[i], rs / ws->Cf + ws->k->eps, ws->k);
+    float nr = am_moment(ws->row_old[i], rs, ws->Cinv, ws->k);
     ws->nr[i] = nr;
     return 1.0f / nr;
 }
@@ -281,9 +281,10 @@ typedef struct am_kernels {
 
     /* moments_mats: the new second moments and factors of matrices
      * [b0, b1) from the row/col sums of g^2 (rs, cs) and the old moments
-     * (row, col), SPEC 3.1: nr = ema(row, rs/C + eps), rmean[b] = (sum over
-     * i ascending of nr) / R, rf = rsqrt(nr / rmean), nc = ema(col,
-     * cs/R + eps), cf = rsqrt(nc). */
+     * (row, col), SPEC 3.1 as am_math.h forms it: nr = am_moment(row, rs,
+     * 1/C), rmean[b] = (sum over i ascending of nr) * (1/R), rf =
+     * am_row_factor(nr, rmean) (sqrt(rmean / nr)), nc = am_moment(col, cs,
+     * 1/R), cf = am_rsqrt(nc). */
     void (*moments_mats)(int64_t R, int64_t C, int64_t b0, int64_t b1,
                          const float *row, const float *col, const float *rs,
                          const float *cs, const am_consts *k, float *nr,

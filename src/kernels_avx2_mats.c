@@ -239,23 +239,24 @@ AM_INLINE void moments_v(int64_t R, int64_t C, int64_t b, const float *row,
                          const am_consts *k, float *nr, float *nc, float *rf,
                          float *cf, float *rmean, __m256 *rfv, __m256 *cfv) {
     __m256 v[MAXD];
-    const __m256 Cf = _mm256_set1_ps((float)C), Rf = _mm256_set1_ps((float)R);
+    /* am_moment, am_row_factor */
+    const __m256 Cinv = _mm256_set1_ps(am_inv_count(C)), Rinv = _mm256_set1_ps(am_inv_count(R));
     const __m256 eps = _mm256_set1_ps(k->eps);
     __m256 s = _mm256_setzero_ps(), mean;
     int64_t i, j;
     gather_rows(row + b * R, R, R, v);
     for (i = 0; i < R; i++) {
-        v[i] = ema_v(v[i], _mm256_add_ps(_mm256_div_ps(rows[i], Cf), eps), k);
+        v[i] = ema_v(v[i], _mm256_add_ps(_mm256_mul_ps(rows[i], Cinv), eps), k);
         s = _mm256_add_ps(s, v[i]);
     }
-    mean = _mm256_div_ps(s, Rf);
+    mean = _mm256_mul_ps(s, Rinv);
     _mm256_storeu_ps(rmean + b, mean);
-    for (i = 0; i < R; i++) rfv[i] = rsqrt_v(_mm256_div_ps(v[i], mean));
+    for (i = 0; i < R; i++) rfv[i] = _mm256_sqrt_ps(_mm256_div_ps(mean, v[i]));
     scatter_rows(nr + b * R, R, R, v);
     scatter_rows(rf + b * R, R, R, rfv);
     gather_rows(col + b * C, C, C, v);
     for (j = 0; j < C; j++) {
-        v[j] = ema_v(v[j], _mm256_add_ps(_mm256_div_ps(cols[j], Rf), eps), k);
+        v[j] = ema_v(v[j], _mm256_add_ps(_mm256_mul_ps(cols[j], Rinv), eps), k);
         cfv[j] = rsqrt_v(v[j]);
     }
     scatter_rows(nc + b * C, C, C, v);

@@ -189,22 +189,22 @@ static void ref_moments_mat(int64_t R, int64_t C, int64_t b, const float *row,
                             const float *col, const float *rs, const float *cs,
                             const am_consts *k, float *nr, float *nc,
                             float *rf, float *cf, float *rmean) {
-    const float Cf = (float)C, Rf = (float)R;
+    const float Cinv = am_inv_count(C), Rinv = am_inv_count(R);
     float s = 0.0f;
     int64_t i, j;
     for (i = 0; i < R; i++) {
         int64_t x = b * R + i;
-        nr[x] = am_ema(row[x], rs[x] / Cf + k->eps, k);
+        nr[x] = am_moment(row[x], rs[x], Cinv, k);
         s += nr[x];
     }
-    rmean[b] = s / Rf;
+    rmean[b] = s * Rinv;
     for (i = 0; i < R; i++) {
         int64_t x = b * R + i;
-        rf[x] = am_rsqrt(nr[x] / rmean[b]);
+        rf[x] = am_row_factor(nr[x], rmean[b]);
     }
     for (j = 0; j < C; j++) {
         int64_t y = b * C + j;
-        nc[y] = am_ema(col[y], cs[y] / Rf + k->eps, k);
+        nc[y] = am_moment(col[y], cs[y], Rinv, k);
         cf[y] = am_rsqrt(nc[y]);
     }
 }

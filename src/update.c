@@ -148,7 +148,7 @@ static void stats_task(void *ctx, int64_t t) {
         ws.nr = WS(u, off_wnr, float) + b * g->R;
         ws.wpart = WS(u, off_wpart, float) + rb * g->B * g->C + b * g->C + j0;
         ws.k = &u->k;
-        ws.Cf = (float)g->C;
+        ws.Cinv = am_inv_count(g->C);
     }
     u->kt->stats_tile(mat_ptr(u->grad, g, b), u->grad->dtype, g->C, i0, i1, j0,
                       j1, rowdst + b * g->R + i0, coldst + b * g->C + j0, &pm,

@@ -484,7 +484,7 @@ AM_HD void am_ck_elem(const am_ck_args *a, int id, int64_t t) {
         }
         /* A non-finite g makes its row's sum non-finite. */
         if (!am_isfinite_f32(s)) h->flag = 1;
-        a->new_row[t] = am_ema(a->row[t], s / (float)a->C + a->k.eps, &a->k);
+        a->new_row[t] = am_moment(a->row[t], s, am_inv_count(a->C), &a->k);
         if (a->wsum) a->wrow[t] = 1.0f / a->new_row[t]; /* am_wsum_weight */
         break;
     }
@@ -496,7 +496,7 @@ AM_HD void am_ck_elem(const am_ck_args *a, int id, int64_t t) {
             float s = 0.0f;
             AM_CK_UNROLL
             for (i = 0; i < a->R; i++) s += a->new_row[t * a->R + i];
-            a->rmean[t] = s / (float)a->R;
+            a->rmean[t] = s * am_inv_count(a->R);
         } else {
             int64_t c = t - a->B;
             int64_t rb = am_ck_div(c, BC), y = c - rb * BC, b = am_ck_div(y, a->C);
@@ -521,14 +521,14 @@ AM_HD void am_ck_elem(const am_ck_args *a, int id, int64_t t) {
                 for (p = 1; p < a->nrb; p++) s += a->colpart[p * BC + t];
                 a->col_sumsq[t] = s;
             }
-            nc = am_ema(a->col[t], s / (float)a->R + a->k.eps, &a->k);
+            nc = am_moment(a->col[t], s, am_inv_count(a->R), &a->k);
             a->new_col[t] = nc;
             a->cf[t] = am_rsqrt(nc);
             /* every thread that sets it stores the same 1: order-free */
             if (!(a->cf[t] < AM_WSUM_FAC_MAX)) h->bigfac = 1;
         }
         if (t < BR) {
-            a->rf[t] = am_rsqrt(a->new_row[t] / a->rmean[am_ck_div(t, a->R)]);
+            a->rf[t] = am_row_factor(a->new_row[t], a->rmean[am_ck_div(t, a->R)]);
             if (!(a->rf[t] < AM_WSUM_FAC_MAX)) h->bigfac = 1;
         }
         break;

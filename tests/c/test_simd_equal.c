@@ -156,7 +156,7 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
                 const am_polmap *pmx = (i0 & 1) ? &pmw : NULL;
                 ws1.row_old = ws2.row_old = row_old;
                 ws1.k = ws2.k = &k;
-                ws1.Cf = ws2.Cf = (float)C;
+                ws1.Cinv = ws2.Cinv = am_inv_count(C);
                 ws1.nr = nr1;
                 ws2.nr = nr2;
                 ws1.wpart = w1;
