@@ -105,17 +105,21 @@ static void evict(void) {
  * (docs/PERFORMANCE.md), parameter and gradient of element size es:
  * factored, the gradient is read 2x when the library's tiles hold whole
  * rows (stats with the agreement count and the sum of u*u, then the apply;
- * C <= 16384 and not the batched path of small matrices), else 3x (a pass
- * of its own for the sum of u*u); parameter read + written once, polarity
- * bits read + written. Unfactored: g 2x, p read + written, sq read 2x +
- * written, lr read + written, polarity. */
+ * C <= 16384) and for many small matrices (am_update's fused sweep, then
+ * finish), else 3x (a pass of its own for the sum of u*u); parameter read +
+ * written once, polarity bits read + written; many small matrices also
+ * read and write their row and column moments (8 (R + C) / (R C) bytes
+ * per element: 5.33 for 3x3, 16 for 1x1), which the O(rows + cols) of
+ * large matrices leaves out. Unfactored: g 2x, p read + written, sq read
+ * 2x + written, lr read + written, polarity. */
 static double model_bytes(const am_shape *sh, size_t es) {
     if (sh->ndim >= 2) {
         int64_t R = sh->dims[sh->ndim - 2], C = sh->dims[sh->ndim - 1], B = 1;
-        int d, whole;
+        int d;
         for (d = 0; d < sh->ndim - 2; d++) B *= sh->dims[d];
-        whole = C <= 16384 && !(B > 1 && R <= 64 && R * C <= 64);
-        return (whole ? 2.0 : 3.0) * (double)es + 2.0 * (double)es + 0.25;
+        if (B > 1 && R <= 64 && R * C <= 64) /* the batched path */
+            return 4.0 * (double)es + 0.25 + 8.0 * (double)(R + C) / (double)(R * C);
+        return (C <= 16384 ? 2.0 : 3.0) * (double)es + 2.0 * (double)es + 0.25;
     }
     return 2.0 * (double)es + 2.0 * (double)es + 12.0 + 8.0 + 0.25;
 }
