@@ -1,7 +1,8 @@
 /*
  * kernels_avx2_mats.c — AVX2 batched kernels for many small matrices (the
- * stats_mats, u2_mats and moments_mats slots of internal.h), bit-identical
- * to the reference's per-matrix loops.
+ * stats_mats, u2_mats and moments_mats slots of internal.h, and
+ * stats_u2_mats, the three in one sweep), bit-identical to the reference's
+ * per-matrix loops.
  *
  * A (256, 256, 3, 3) conv weight is 65536 matrices of 3x3: per-matrix calls
  * and O(R + C) scalar loops cost far more than the 9 elements. Here 8

@@ -7,6 +7,9 @@
  *             over g — the sum of u*u (factored only).
  *   finish  : pass 3 — clip, agreement, lr bump, parameter update; the state
  *             is written only here, after every check has passed.
+ * am_update of many small matrices (e.g. 3x3 convolutions) runs stats and
+ * moments as one sweep instead (run_stats_moments_mats), which writes the
+ * new moments over the old and puts the old back if the update is skipped.
  * Work is split into tiles whose results are combined in a fixed order, so
  * the bits never depend on the thread count (internal.h, AM_LANES).
  */
@@ -310,7 +313,7 @@ static am_status run_stats_moments_mats(upd *u) {
     u->h->nonfinite = 0;
     u->h->u2_sum = 0.0;
     u->h->numel = g->numel;
-    u->h->counted = 0; /* finish sweeps (as after run_stats) */
+    u->h->counted = 0; /* finish counts (count_pos, or its sweep) */
     u->h->wsummed = 0;
     atomic_store(&u->inf_sum, 0);
     am_parallel_for(mat_tasks(g), (double)mats_per_task(g) * (double)(g->R * g->C) * 8.0,
