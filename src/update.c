@@ -480,7 +480,7 @@ static void finish_lr_row_task(void *ctx, int64_t kr) {
     fin *f = (fin *)ctx;
     upd *u = f->u;
     const am_geom *g = &u->g;
-    int64_t rows = g->m / g->C, r0 = kr * rows, matches;
+    int64_t rows = g->m / g->C, r0 = kr * rows, matches = 0;
     const float *rf = WS(u, off_rf, float), *cf = WS(u, off_cf, float);
     uint8_t *pol = f->state->polarity + kr * g->pol_row_bytes;
     uint8_t *wbits = f->counted ? pol : NULL; /* the apply writes the new bits */
@@ -488,14 +488,16 @@ static void finish_lr_row_task(void *ctx, int64_t kr) {
     if (f->counted) {
         matches = counted_matches(u, kr);
     } else {
-        float gmin, m = 0.0f;
+        int by_sign = 0;
         if (u->sign_count) { /* (g > 0) against the old bits, then the bound */
             const size_t es = am_dtype_size(u->grad->dtype);
+            float gmin, m;
             matches = u->kt->count_pos((const char *)u->grad->data + (size_t)(r0 * g->C) * es,
                                        u->grad->dtype, g->m, pol, &gmin);
             m = u->facmin * gmin;
+            by_sign = m / u->scale > 0.0f && m * u->inv > 0.0f;
         }
-        if (u->sign_count && m / u->scale > 0.0f && m * u->inv > 0.0f)
+        if (by_sign)
             wbits = pol; /* every u / scale (and u * inv) has the sign of g */
         else
             matches = u->kt->agree_rows(u->grad->data, u->grad->dtype, g->R, g->C,
