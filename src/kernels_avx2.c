@@ -931,7 +931,7 @@ static int64_t avx2_count_pos(const void *g, int gdt, int64_t n, const uint8_t *
     const __m256 zero = _mm256_setzero_ps(), inf = _mm256_set1_ps(INFINITY);
     __m256 mn[4] = {inf, inf, inf, inf};
     float lanes[8], mp = INFINITY;
-    int64_t e, mism = 0, m;
+    int64_t e, mism = 0;
     int q;
     for (e = 0; e + 32 <= n; e += 32) {
         uint32_t pos = 0, old;
@@ -947,17 +947,9 @@ static int64_t avx2_count_pos(const void *g, int gdt, int64_t n, const uint8_t *
     _mm256_storeu_ps(lanes, _mm256_min_ps(_mm256_min_ps(mn[0], mn[1]),
                                           _mm256_min_ps(mn[2], mn[3])));
     _mm256_zeroupper(); /* before the scalar code (simd.h, AM_CLEAN_RETURN) */
-    m = e - mism;
     for (q = 0; q < 8; q++)
         if (lanes[q] < mp) mp = lanes[q];
-    for (; e < n; e++) {
-        const float x = am_load(g, gdt, e);
-        const int pos = x > 0.0f;
-        m += pos == ((bits[e >> 3] >> (e & 7)) & 1);
-        if (pos && x < mp) mp = x;
-    }
-    *minpos = mp;
-    return m;
+    return am_count_pos_tail(g, gdt, e, n, bits, e - mism, mp, minpos);
 }
 
 static const am_kernels avx2_table = {

@@ -771,8 +771,7 @@ AM_INLINE int64_t count_pos_body(const void *g, const int gdt, int64_t n, const 
     const __m512i lim16 = _mm512_set1_epi16((short)(gdt == AM_DTYPE_BFLOAT16 ? 0x7f80 : 0x7c00));
     const __m512i lim32 = _mm512_set1_epi32(0x7f800000);
     __m512i mn = _mm512_set1_epi32(-1);
-    int64_t e, mism = 0, m;
-    float mp;
+    int64_t e, mism = 0;
     for (e = 0; e + 32 <= n; e += 32) {
         uint32_t pos, old;
         if (gdt == AM_DTYPE_FLOAT32) {
@@ -791,16 +790,7 @@ AM_INLINE int64_t count_pos_body(const void *g, const int gdt, int64_t n, const 
         memcpy(&old, bits + e / 8, 4);
         mism += __builtin_popcount(pos ^ old);
     }
-    mp = minpos_of(mn, gdt);
-    m = e - mism;
-    for (; e < n; e++) {
-        const float x = am_load(g, gdt, e);
-        const int p = x > 0.0f;
-        m += p == ((bits[e >> 3] >> (e & 7)) & 1);
-        if (p && x < mp) mp = x;
-    }
-    *minpos = mp;
-    return m;
+    return am_count_pos_tail(g, gdt, e, n, bits, e - mism, minpos_of(mn, gdt), minpos);
 }
 
 static int64_t avx512_count_pos(const void *g, int gdt, int64_t n, const uint8_t *bits,
