@@ -30,15 +30,14 @@ typedef struct upd {
     float scale, inv; /* clip divisor (SPEC 3.2) and 1 / scale (apply_rows) */
     am_rng_key key;
     atomic_int inf_sum; /* stats_u2_mats_task saw a non-finite row sum */
-    /* am_update of many small matrices: finish may count the agreement
-     * from the sign of g (count_pos) where facmin, a lower bound of every
-     * rf[i] * cf[j], shows that u / scale has that sign */
-    int sign_count;
+    /* am_update's sweep of many small matrices ran (run_stats_moments_mats):
+     * the new moments are in the state row/col, the old ones in the
+     * workspace's new_row/new_col (put back if the update is skipped), and
+     * finish may count the agreement from the sign of g (count_pos) where
+     * facmin, a lower bound of every rf[i] * cf[j], shows that u / scale
+     * has that sign */
+    int mats_sweep;
     float facmin;
-    /* am_update of many small matrices: the new moments went straight to
-     * state row/col, the old ones to the workspace's new_row/new_col (to be
-     * put back if the update is skipped) */
-    int moments_in_state;
     am_state *wstate; /* am_update's state (writable), for that */
 } upd;
 
@@ -293,23 +292,21 @@ static am_status run_stats(upd *u) {
     return u->h->nonfinite ? AM_SKIPPED_NONFINITE_GRAD : AM_OK;
 }
 
-/* The old moments back into the state (moments_in_state, a skipped
- * update). */
+/* The old moments back into the state (mats_sweep, a skipped update). */
 static void restore_moments(upd *u) {
     const am_geom *g = &u->g;
     memcpy(u->wstate->row, WS(u, off_new_row, float), (size_t)(g->B * g->R) * sizeof(float));
     memcpy(u->wstate->col, WS(u, off_new_col, float), (size_t)(g->B * g->C) * sizeof(float));
-    u->moments_in_state = 0;
 }
 
 /* am_update's stats and moments phases of many small matrices in one
  * parallel sweep (stats_u2_mats_task): the same results as run_stats then
  * run_moments, except that the new moments are written over the old ones
- * in the state (moments_in_state) and put back if the update is skipped
+ * in the state (mats_sweep) and put back if the update is skipped
  * (here, or in run_finish), so that finish need not copy them. */
 static am_status run_stats_moments_mats(upd *u) {
     const am_geom *g = &u->g;
-    u->moments_in_state = 1;
+    u->mats_sweep = 1;
     u->h->nonfinite = 0;
     u->h->u2_sum = 0.0;
     u->h->numel = g->numel;
@@ -335,8 +332,6 @@ static am_status run_stats_moments_mats(upd *u) {
             mc = fmin[2 * t + 1] < mc ? fmin[2 * t + 1] : mc;
         }
         u->facmin = mr * mc;
-        /* the stored bits of an lr-row are its elements' in order */
-        u->sign_count = 1;
     }
     return AM_OK;
 }
@@ -489,7 +484,7 @@ static void finish_lr_row_task(void *ctx, int64_t kr) {
         matches = counted_matches(u, kr);
     } else {
         int by_sign = 0;
-        if (u->sign_count) { /* (g > 0) against the old bits, then the bound */
+        if (u->mats_sweep) { /* (g > 0) against the old bits, then the bound */
             const size_t es = am_dtype_size(u->grad->dtype);
             float gmin, m;
             matches = u->kt->count_pos((const char *)u->grad->data + (size_t)(r0 * g->C) * es,
@@ -635,7 +630,7 @@ static am_status run_finish(upd *u, am_state *state, am_report *rep) {
     if (u->h->nonfinite) return AM_SKIPPED_NONFINITE_GRAD;
     if (g->numel == 0) return AM_OK;
     if (!isfinite(u->h->u2_sum)) {
-        if (u->moments_in_state) restore_moments(u);
+        if (u->mats_sweep) restore_moments(u);
         return AM_SKIPPED_NONFINITE_UPDATE;
     }
     /* SPEC 3.2, in the reference's order: norm / sqrt(n) / clip, >= 1. */
@@ -654,10 +649,10 @@ static am_status run_finish(upd *u, am_state *state, am_report *rep) {
             /* Many small matrices: their moments are a good part of the
              * bytes, copied by the threads (ndim >= 3: lr-rows hold whole
              * matrices). */
-            f.copies = batched(g) && !u->moments_in_state;
+            f.copies = batched(g) && !u->mats_sweep;
             am_parallel_for(g->lr_rows, (double)g->m * 12.0, finish_lr_row_task, &f);
         }
-        if (!f.copies && !u->moments_in_state) {
+        if (!f.copies && !u->mats_sweep) {
             memcpy(state->row, WS(u, off_new_row, float), (size_t)(g->B * g->R) * sizeof(float));
             memcpy(state->col, WS(u, off_new_col, float), (size_t)(g->B * g->C) * sizeof(float));
         }
