@@ -197,6 +197,23 @@ AM_HD int am_wsum_usable(double u2, int big_factor) {
     return !big_factor && u2 >= 0.0 && u2 < AM_WSUM_U2_MAX;
 }
 
+/* count_pos (the kernel slot below) over elements e..n-1 one by one, given
+ * the matches m and smallest positive value mp of elements 0..e-1 (the
+ * scalar reference: e = 0; a SIMD version: its vector part); returns the
+ * matches, the smallest positive value in *minpos. */
+static inline int64_t am_count_pos_tail(const void *g, int gdt, int64_t e, int64_t n,
+                                        const uint8_t *bits, int64_t m, float mp,
+                                        float *minpos) {
+    for (; e < n; e++) {
+        const float x = am_load(g, gdt, e);
+        const int pos = x > 0.0f;
+        m += pos == ((bits[e >> 3] >> (e & 7)) & 1);
+        if (pos && x < mp) mp = x;
+    }
+    *minpos = mp;
+    return m;
+}
+
 /* ------------------------------------------------------ kernel table ---- */
 
 /* The per-tile work of an update. Every slot always holds a valid function:

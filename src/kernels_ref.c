@@ -241,16 +241,7 @@ static void ref_stats_u2_mats(const void *g, int gdt, int64_t R, int64_t C, int6
 
 static int64_t ref_count_pos(const void *g, int gdt, int64_t n, const uint8_t *bits,
                              float *minpos) {
-    float mp = INFINITY;
-    int64_t e, m = 0;
-    for (e = 0; e < n; e++) {
-        const float x = am_load(g, gdt, e);
-        const int pos = x > 0.0f;
-        m += pos == get_bit(bits, e);
-        if (pos && x < mp) mp = x;
-    }
-    *minpos = mp;
-    return m;
+    return am_count_pos_tail(g, gdt, 0, n, bits, 0, INFINITY, minpos);
 }
 
 const am_kernels am_kernels_ref = {

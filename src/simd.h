@@ -17,22 +17,6 @@
  * thread: stats 14.8 -> 11.1 ms (docs/PERFORMANCE.md). */
 #define AM_FLAT_PREFETCH 1024
 
-/* The end of a SIMD count_pos (internal.h): elements e..n-1 one by one,
- * given the vector part's matches m and smallest positive value mp; returns
- * the matches, the smallest positive value in *minpos. */
-static inline int64_t am_count_pos_tail(const void *g, int gdt, int64_t e, int64_t n,
-                                        const uint8_t *bits, int64_t m, float mp,
-                                        float *minpos) {
-    for (; e < n; e++) {
-        const float x = am_load(g, gdt, e);
-        const int pos = x > 0.0f;
-        m += pos == ((bits[e >> 3] >> (e & 7)) & 1);
-        if (pos && x < mp) mp = x;
-    }
-    *minpos = mp;
-    return m;
-}
-
 /* The scalar tail of one row of a SIMD stats_tile (columns nv..n-1 of the
  * tile, base the row's element j0), as the reference's loop: squares into
  * the row's lanes a and the column sums; with cnt, the agreement of
