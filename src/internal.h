@@ -315,7 +315,8 @@ typedef struct am_kernels {
      * may be passed over: it makes u^2 NaN, and the update is skipped).
      * nr may be row and nc col (the new moments written over the old);
      * orow and ocol, when not NULL, first receive the old ones (b*R + i,
-     * b*C + j as row and col). */
+     * b*C + j as row and col). rs, cs and rmean may be NULL: not written
+     * (am_update reads none of them). */
     void (*stats_u2_mats)(const void *g, int gdt, int64_t R, int64_t C, int64_t b0,
                           int64_t b1, const float *row, const float *col,
                           const am_consts *k, float *rs, float *cs, float *nr,

@@ -1029,6 +1029,19 @@ static void avx512x_stats_tile(const void *g, int gdt, int64_t C, int64_t i0, in
     g_stats512(g, gdt, C, i0, i1, j0, j1, rowpart, colpart, pm, rowmatch, minpos, ws);
 }
 
+/* The AVX-512 sweep of 3x3 and 1x1 matrices (set with g_apply16). */
+static am_stats_u2_mats_fn g_su512;
+
+static void avx512x_stats_u2_mats(const void *g, int gdt, int64_t R, int64_t C, int64_t b0,
+                                  int64_t b1, const float *row, const float *col,
+                                  const am_consts *k, float *rs, float *cs, float *nr,
+                                  float *nc, float *rf, float *cf, float *rmean, double *out,
+                                  float *fmin, float *orow, float *ocol) {
+    /* returns with vzeroupper (AM_CLEAN_RETURN, simd.h) */
+    g_su512(g, gdt, R, C, b0, b1, row, col, k, rs, cs, nr, nc, rf, cf, rmean, out, fmin,
+            orow, ocol);
+}
+
 /* The AVX-512 count_pos (set with g_apply16). */
 static am_count_pos_fn g_count512;
 
@@ -1042,7 +1055,7 @@ static const am_kernels avx512x_table = {
     "avx2+avx512",   avx512x_stats_tile, avx2_u2_tile,     avx2_u2_flat,
     avx512x_agree_rows, avx512x_apply_rows, avx512x_finish_flat,
     am_avx2_stats_mats, am_avx2_u2_mats, am_avx2_moments_mats,
-    am_avx2_stats_u2_mats, avx512x_count_pos,
+    avx512x_stats_u2_mats, avx512x_count_pos,
 };
 
 am_philox_fn am_philox32_avx2(void) { return philox32_avx2; }
@@ -1061,8 +1074,9 @@ const am_kernels *am_kernels_avx2(void) {
     g_agree_mats = am_avx512_agree_mats();
     g_stats512 = am_avx512_stats();
     g_count512 = am_avx512_count_pos();
+    g_su512 = am_avx512_stats_u2_mats();
     if (!g_apply16 || !g_flat512 || !g_apply_mats || !g_agree_mats || !g_stats512 ||
-        !g_count512 || !am_philox32_avx512())
+        !g_count512 || !g_su512 || !am_philox32_avx512())
         return &avx2_table;
     g_philox = am_philox32_avx512(); /* only with the whole AVX-512 set */
     return &avx512x_table;

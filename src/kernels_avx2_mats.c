@@ -251,7 +251,7 @@ AM_INLINE void moments_v(int64_t R, int64_t C, int64_t b, const float *row,
         s = _mm256_add_ps(s, v[i]);
     }
     mean = _mm256_mul_ps(s, Rinv);
-    _mm256_storeu_ps(rmean + b, mean);
+    if (rmean) _mm256_storeu_ps(rmean + b, mean);
     for (i = 0; i < R; i++) rfv[i] = _mm256_sqrt_ps(_mm256_div_ps(mean, v[i]));
     scatter_rows(nr + b * R, R, R, v);
     scatter_rows(rf + b * R, R, R, rfv);
@@ -313,8 +313,8 @@ AM_INLINE void stats_u2_8(const void *g, const int gdt, int64_t R, int64_t C, in
     }
     load_t(g, gdt, R * C, b, t);
     sums_v(t, R, C, rows, cols);
-    scatter_rows(rs + b * R, R, R, rows);
-    scatter_rows(cs + b * C, C, C, cols);
+    if (rs) scatter_rows(rs + b * R, R, R, rows);
+    if (cs) scatter_rows(cs + b * C, C, C, cols);
     moments_v(R, C, b, row, col, rows, cols, k, nr, nc, rf, cf, rmean, rfv, cfv);
     u2_v(t, R, C, rfv, cfv, out);
     for (x = 0; x < R; x++) *mr = _mm256_min_ps(rfv[x], *mr);

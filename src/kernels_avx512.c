@@ -20,35 +20,16 @@
 #include <immintrin.h>
 
 #include "am_bits.h"
+#include "avx512_load.h"
 
 #define AM_INLINE static inline __attribute__((always_inline))
 #define AM_NOINLINE __attribute__((noinline))
 #define AM_PREFETCH 512 /* elements ahead, as in kernels_avx2.c */
 
-/* Word w of a zmm taken from word (w >> 1) of the source: with the even words
- * zeroed, 16 bfloat16 values become their float32 bit patterns (value << 16)
- * in one vpermw (a widening move plus a shift would be two instructions). */
-AM_INLINE __m512i widen_idx(void) {
-    return _mm512_set_epi16(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8,
-                            7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-}
-
 /* Word w < 16 taken from word 2w + 1: the high halves of 16 32-bit lanes. */
 AM_INLINE __m512i high_idx(void) {
     return _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1,
                             31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-}
-
-/* Elements i..i+15 as float32, exactly (bf16: the bits moved up 16;
- * half: vcvtph2ps). */
-AM_INLINE __m512 ld16(const void *base, const int dt, int64_t i) {
-    __m256i h;
-    if (dt == AM_DTYPE_FLOAT32) return _mm512_loadu_ps((const float *)base + i);
-    h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
-    if (dt == AM_DTYPE_BFLOAT16)
-        return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(
-            0xAAAAAAAAu, widen_idx(), _mm512_castsi256_si512(h)));
-    return _mm512_cvtph_ps(h);
 }
 
 /* The noise windows of one apply (see rngwin in kernels_avx2.c): w holds
@@ -182,7 +163,7 @@ AM_INLINE void st16(void *base, const int dt, int64_t i, __m512 v, rng512 *w) {
 AM_INLINE unsigned apply16(void *p, const int pdt, const void *g, const int gdt,
                            int64_t f, __m512 fac, __m512 iv, __m512 lrv, __m512 wdv,
                            const int scaled, const int wd, rng512 *w) {
-    __m512 u = _mm512_mul_ps(fac, ld16(g, gdt, f)), pv = ld16(p, pdt, f), t;
+    __m512 u = _mm512_mul_ps(fac, am_ld16(g, gdt, f)), pv = am_ld16(p, pdt, f), t;
     if (scaled) u = _mm512_mul_ps(u, iv);
     t = wd ? _mm512_add_ps(u, _mm512_mul_ps(wdv, pv)) : u;
     st16(p, pdt, f, _mm512_sub_ps(pv, _mm512_mul_ps(lrv, t)), w);
@@ -192,7 +173,7 @@ AM_INLINE unsigned apply16(void *p, const int pdt, const void *g, const int gdt,
 /* ------------------------------------------------------------ stats ---- */
 
 /* Word w of a zmm taken from word 16 + (w >> 1) of the source (see
- * widen_idx): the upper 16 bfloat16 values of 32. */
+ * am_widen_idx): the upper 16 bfloat16 values of 32. */
 AM_INLINE __m512i widen_idx_hi(void) {
     return _mm512_set_epi16(31, 31, 30, 30, 29, 29, 28, 28, 27, 27, 26, 26, 25, 25, 24, 24,
                             23, 23, 22, 22, 21, 21, 20, 20, 19, 19, 18, 18, 17, 17, 16, 16);
@@ -201,7 +182,8 @@ AM_INLINE __m512i widen_idx_hi(void) {
 /* 32 raw 16-bit values as two vectors of float32, exactly. */
 AM_INLINE void widen32(__m512i raw, const int gdt, __m512 *lo, __m512 *hi) {
     if (gdt == AM_DTYPE_BFLOAT16) {
-        *lo = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, widen_idx(), raw));
+        *lo = _mm512_castsi512_ps(
+            _mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, am_widen_idx(), raw));
         *hi = _mm512_castsi512_ps(
             _mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, widen_idx_hi(), raw));
     } else {
@@ -735,7 +717,7 @@ AM_INLINE int64_t agree_mats_body(const void *g, const int gdt, int64_t R, int64
     *matches = 0;
     if (rows == 0) return 0;
     for (f = r0 * C; f < f1; f += 16) {
-        const __m512 u = _mm512_mul_ps(ff16_next(&ff), ld16(g, gdt, f));
+        const __m512 u = _mm512_mul_ps(ff16_next(&ff), am_ld16(g, gdt, f));
         bw_put(&bw, (uint32_t)_mm512_cmp_ps_mask(u, tv, _CMP_GE_OQ), 16);
     }
     *matches = bw.matches;
@@ -827,7 +809,7 @@ AM_INLINE int64_t flat_mode(void *p, const int pdt, const void *g, const int gdt
     int64_t e = e0, matches = 0;
     /* e0 % 8 == 0: every vector owns two whole polarity bytes */
     for (; e + 16 <= e1; e += 16) {
-        const __m512 x = ld16(g, gdt, e);
+        const __m512 x = am_ld16(g, gdt, e);
         const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(sq + e), b2),
                                        _mm512_mul_ps(_mm512_mul_ps(x, x), omb2));
         __m512 u = _mm512_mul_ps(_mm512_div_ps(one, _mm512_sqrt_ps(_mm512_add_ps(v, eps))), x);
@@ -854,7 +836,7 @@ AM_INLINE int64_t flat_mode(void *p, const int pdt, const void *g, const int gdt
             lrv = _mm512_mask_mov_ps(lrv, _mm512_cmp_ps_mask(lrv, hi, _CMP_GT_OQ), hi);
             _mm512_storeu_ps(lr + e, lrv);
         }
-        pv = ld16(p, pdt, e);
+        pv = am_ld16(p, pdt, e);
         t = wd ? _mm512_add_ps(u, _mm512_mul_ps(wdv, pv)) : u;
         st16(p, pdt, e, _mm512_sub_ps(pv, _mm512_mul_ps(lrv, t)), w);
         if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) f16_fixup((uint16_t *)p, w);

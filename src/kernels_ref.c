@@ -184,28 +184,23 @@ static void ref_u2_mats(const void *g, int gdt, int64_t R, int64_t C,
                                   gdt, C, 0, R, 0, C, rf + b * R, cf + b * C);
 }
 
-/* SPEC 3.1 for one matrix b. */
-static void ref_moments_mat(int64_t R, int64_t C, int64_t b, const float *row,
-                            const float *col, const float *rs, const float *cs,
-                            const am_consts *k, float *nr, float *nc,
-                            float *rf, float *cf, float *rmean) {
+/* SPEC 3.1 for one matrix: its old moments row[0..R), col[0..C), its sums
+ * of squares rs, cs; the new moments nr, nc, factors rf, cf and *rmean. */
+static void ref_moments_mat(int64_t R, int64_t C, const float *row, const float *col,
+                            const float *rs, const float *cs, const am_consts *k, float *nr,
+                            float *nc, float *rf, float *cf, float *rmean) {
     const float Cinv = am_inv_count(C), Rinv = am_inv_count(R);
     float s = 0.0f;
     int64_t i, j;
     for (i = 0; i < R; i++) {
-        int64_t x = b * R + i;
-        nr[x] = am_moment(row[x], rs[x], Cinv, k);
-        s += nr[x];
+        nr[i] = am_moment(row[i], rs[i], Cinv, k);
+        s += nr[i];
     }
-    rmean[b] = s * Rinv;
-    for (i = 0; i < R; i++) {
-        int64_t x = b * R + i;
-        rf[x] = am_row_factor(nr[x], rmean[b]);
-    }
+    *rmean = s * Rinv;
+    for (i = 0; i < R; i++) rf[i] = am_row_factor(nr[i], *rmean);
     for (j = 0; j < C; j++) {
-        int64_t y = b * C + j;
-        nc[y] = am_moment(col[y], cs[y], Rinv, k);
-        cf[y] = am_rsqrt(nc[y]);
+        nc[j] = am_moment(col[j], cs[j], Rinv, k);
+        cf[j] = am_rsqrt(nc[j]);
     }
 }
 
@@ -216,22 +211,33 @@ static void ref_moments_mats(int64_t R, int64_t C, int64_t b0, int64_t b1,
                              float *rf, float *cf, float *rmean) {
     int64_t b;
     for (b = b0; b < b1; b++)
-        ref_moments_mat(R, C, b, row, col, rs, cs, k, nr, nc, rf, cf, rmean);
+        ref_moments_mat(R, C, row + b * R, col + b * C, rs + b * R, cs + b * C, k, nr + b * R,
+                        nc + b * C, rf + b * R, cf + b * C, rmean + b);
 }
 
+/* Matrix by matrix: its sums, moments and sum of u^2, with the bits of
+ * the three slots. NULL rs, cs: the sums go to rf, cf, each read (into nr,
+ * nc) before the factor at its place is written (ref_moments_mat). */
 static void ref_stats_u2_mats(const void *g, int gdt, int64_t R, int64_t C, int64_t b0,
                               int64_t b1, const float *row, const float *col,
                               const am_consts *k, float *rs, float *cs, float *nr,
                               float *nc, float *rf, float *cf, float *rmean,
                               double *out, float *fmin, float *orow, float *ocol) {
-    int64_t x;
+    const size_t es = am_dtype_size((am_dtype)gdt);
+    float lmean;
+    int64_t b, x;
     if (orow) {
         memcpy(orow + b0 * R, row + b0 * R, (size_t)((b1 - b0) * R) * sizeof(float));
         memcpy(ocol + b0 * C, col + b0 * C, (size_t)((b1 - b0) * C) * sizeof(float));
     }
-    ref_stats_mats(g, gdt, R, C, b0, b1, rs, cs);
-    ref_moments_mats(R, C, b0, b1, row, col, rs, cs, k, nr, nc, rf, cf, rmean);
-    ref_u2_mats(g, gdt, R, C, b0, b1, rf, cf, out);
+    for (b = b0; b < b1; b++) {
+        const void *gm = (const char *)g + (size_t)(b * R * C) * es;
+        float *mrs = (rs ? rs : rf) + b * R, *mcs = (cs ? cs : cf) + b * C;
+        ref_stats_tile(gm, gdt, C, 0, R, 0, C, mrs, mcs, NULL, NULL, NULL, NULL);
+        ref_moments_mat(R, C, row + b * R, col + b * C, mrs, mcs, k, nr + b * R, nc + b * C,
+                        rf + b * R, cf + b * C, rmean ? rmean + b : &lmean);
+        out[b - b0] = ref_u2_tile(gm, gdt, C, 0, R, 0, C, rf + b * R, cf + b * C);
+    }
     fmin[0] = fmin[1] = INFINITY;
     for (x = b0 * R; x < b1 * R; x++)
         if (rf[x] < fmin[0]) fmin[0] = rf[x];

@@ -223,6 +223,17 @@ typedef void (*am_stats_fn)(const void *g_mat, int gdt, int64_t C, int64_t i0, i
  * call when am_cpu_has_avx512() is true. */
 am_stats_fn am_avx512_stats(void);
 
+/* The stats_u2_mats slot's signature (internal.h) and its AVX-512F/BW
+ * version (kernels_avx512_mats.c: runs of 16 3x3 or 1x1 matrices, the
+ * rest by am_avx2_stats_u2_mats); NULL when not built. Only valid to call
+ * when am_cpu_has_avx512() is true. */
+typedef void (*am_stats_u2_mats_fn)(const void *g, int gdt, int64_t R, int64_t C, int64_t b0,
+                                    int64_t b1, const float *row, const float *col,
+                                    const am_consts *k, float *rs, float *cs, float *nr,
+                                    float *nc, float *rf, float *cf, float *rmean,
+                                    double *out, float *fmin, float *orow, float *ocol);
+am_stats_u2_mats_fn am_avx512_stats_u2_mats(void);
+
 /* The AVX2 set without any AVX-512 part (for tests: the set in use on CPUs
  * without AVX-512). NULL when not built. */
 const am_kernels *am_kernels_avx2_plain(void);

@@ -16,7 +16,6 @@
 #include "internal.h"
 
 #include <math.h>
-#include <stdatomic.h>
 #include <string.h>
 
 typedef struct upd {
@@ -29,7 +28,6 @@ typedef struct upd {
     const am_kernels *kt;
     float scale, inv; /* clip divisor (SPEC 3.2) and 1 / scale (apply_rows) */
     am_rng_key key;
-    atomic_int inf_sum; /* stats_u2_mats_task saw a non-finite row sum */
     /* am_update's sweep of many small matrices ran (run_stats_moments_mats):
      * the new moments are in the state row/col, the old ones in the
      * workspace's new_row/new_col (put back if the update is skipped), and
@@ -214,23 +212,16 @@ static void stats_u2_mats_task(void *ctx, int64_t t) {
     int64_t b0, b1;
     mats_range(g, t, &b0, &b1);
     /* the new moments over the old in the state (am_update's state is
-     * writable: u->wstate), the old ones into new_row/new_col */
+     * writable: u->wstate), the old ones into new_row/new_col; the sums of
+     * g^2 and the row means are not kept (NULL): nothing reads them */
     u->kt->stats_u2_mats(u->grad->data, u->grad->dtype, g->R, g->C, b0, b1,
-                         u->wstate->row, u->wstate->col, &u->k,
-                         WS(u, off_row_sumsq, float), WS(u, off_col_sumsq, float),
+                         u->wstate->row, u->wstate->col, &u->k, NULL, NULL,
                          u->wstate->row, u->wstate->col,
-                         WS(u, off_rf, float), WS(u, off_cf, float),
-                         WS(u, off_rmean, float), WS(u, off_tile_u2, double) + b0,
+                         WS(u, off_rf, float), WS(u, off_cf, float), NULL,
+                         WS(u, off_tile_u2, double) + b0,
                          /* the task's smallest rf and cf (2 * tasks <= B) */
                          WS(u, off_tile_minpos, float) + 2 * t,
                          WS(u, off_new_row, float), WS(u, off_new_col, float));
-    { /* a non-finite g makes its row's sum non-finite */
-        const float *rs = WS(u, off_row_sumsq, float);
-        int64_t x;
-        int finite = 1;
-        for (x = b0 * g->R; x < b1 * g->R; x++) finite &= am_isfinite_f32(rs[x]);
-        if (!finite) atomic_store(&u->inf_sum, 1);
-    }
 }
 
 static void flat_u2_task(void *ctx, int64_t t) {
@@ -312,16 +303,19 @@ static am_status run_stats_moments_mats(upd *u) {
     u->h->numel = g->numel;
     u->h->counted = 0; /* finish counts (count_pos, or its sweep) */
     u->h->wsummed = 0;
-    atomic_store(&u->inf_sum, 0);
     am_parallel_for(mat_tasks(g), (double)mats_per_task(g) * (double)(g->R * g->C) * 8.0,
                     stats_u2_mats_task, u);
-    if (atomic_load(&u->inf_sum)) u->h->nonfinite = count_nonfinite(u->grad, g->numel);
+    u->h->u2_sum = am_sum_tiles(WS(u, off_tile_u2, double), g->ntiles);
+    /* A non-finite g makes the sum of u^2 NaN: its row's sum of squares,
+     * new row moment and row mean are non-finite, so its row factor is
+     * NaN (inf / inf, NaN / x). Rare path: tell it from an overflow. */
+    if (!isfinite(u->h->u2_sum)) u->h->nonfinite = count_nonfinite(u->grad, g->numel);
     if (u->h->nonfinite) {
         restore_moments(u);
+        u->h->u2_sum = 0.0;
         u->h->stage = AM_STAGE_STATS;
         return AM_SKIPPED_NONFINITE_GRAD;
     }
-    u->h->u2_sum = am_sum_tiles(WS(u, off_tile_u2, double), g->ntiles);
     u->h->stage = AM_STAGE_MOMENTS;
     { /* the bound for count_pos: rfmin * cfmin, as counts_valid forms it */
         const float *fmin = WS(u, off_tile_minpos, float);

@@ -28,7 +28,7 @@ typedef struct t_case { int32_t ndim; int64_t d[8]; } t_case;
 static const t_case k_shapes[] = {
     {0, {0}}, {1, {1}}, {1, {17}}, {1, {4097}}, {2, {1, 1}}, {2, {17, 1}},
     {2, {1, 17}}, {2, {33, 65}}, {3, {3, 1, 7}}, {4, {10, 5, 4, 3}},
-    {2, {2, 16385}},
+    {2, {2, 16385}}, {4, {4, 9, 3, 3}}, {4, {17, 2, 1, 1}}, /* runs of 16 matrices */
 };
 #define N_SHAPES (sizeof k_shapes / sizeof k_shapes[0])
 

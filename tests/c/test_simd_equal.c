@@ -437,15 +437,15 @@ static void check_fused_mats(const am_kernels *a, const am_kernels *b, int64_t R
                                    o[w][2], o[w][3], o[w][4], o[w][5], o[w][6], u[w],
                                    fmin[w], NULL, NULL);
     assert_memory_equal(fmin[0], fmin[1], sizeof fmin[0]);
-    for (w = 0; w < 2; w++) { /* in place, the old moments kept aside */
+    for (w = 0; w < 2; w++) { /* in place, the old moments kept aside, no sums or means */
         float *rowc = xmalloc(fr), *colc = xmalloc(fc), *orow = xmalloc(fr), *ocol = xmalloc(fc);
         float *x[5], fm[2];
         double *ux = xmalloc(8 * (size_t)B);
         memcpy(rowc, row, fr);
         memcpy(colc, col, fc);
         for (v = 0; v < 5; v++) x[v] = xmalloc(v == 4 ? 4 * (size_t)B : v % 2 ? fc : fr);
-        (w ? b : a)->stats_u2_mats(g, gdt, R, C, b0, B, rowc, colc, &k, x[0], x[1], rowc,
-                                   colc, x[2], x[3], x[4], ux, fm, orow, ocol);
+        (w ? b : a)->stats_u2_mats(g, gdt, R, C, b0, B, rowc, colc, &k, NULL, NULL, rowc,
+                                   colc, x[2], x[3], NULL, ux, fm, orow, ocol);
         assert_memory_equal(rowc, row, 4 * (size_t)(b0 * R)); /* before b0: untouched */
         assert_memory_equal(colc, col, 4 * (size_t)(b0 * C));
         assert_memory_equal(rowc + b0 * R, o[0][2] + b0 * R, 4 * (size_t)((B - b0) * R));
@@ -453,7 +453,9 @@ static void check_fused_mats(const am_kernels *a, const am_kernels *b, int64_t R
         assert_memory_equal(orow + b0 * R, row + b0 * R, 4 * (size_t)((B - b0) * R));
         assert_memory_equal(ocol + b0 * C, col + b0 * C, 4 * (size_t)((B - b0) * C));
         assert_memory_equal(x[2] + b0 * R, o[0][4] + b0 * R, 4 * (size_t)((B - b0) * R));
+        assert_memory_equal(x[3] + b0 * C, o[0][5] + b0 * C, 4 * (size_t)((B - b0) * C));
         assert_memory_equal(ux, u[0], 8 * (size_t)(B - b0));
+        assert_memory_equal(fm, fmin[0], sizeof fm);
         free(rowc); free(colc); free(orow); free(ocol); free(ux);
         for (v = 0; v < 5; v++) free(x[v]);
     }
