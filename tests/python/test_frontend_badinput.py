@@ -93,6 +93,11 @@ def test_changed_after_construction_is_refused_unchanged():
     cases = []
     # an invalid hyperparameter set on the group after construction
     cases.append((lambda: opt.param_groups[0].__setitem__("beta2", 2.0), "beta2"))
+    # ... or one that is not a plain number (step() validates a group again
+    # whenever its values or their types change)
+    cases.append((lambda: opt.param_groups[0].__setitem__("eps", torch.tensor(1e-30)), "eps"))
+    cases.append((lambda: opt.param_groups[0].__setitem__("weight_decay", True),
+                  "weight_decay"))
     # a gradient in a dtype the library does not take (allowed by grad_dtype)
     def f64_grad():
         m.fc.bias.grad = None
