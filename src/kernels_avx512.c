@@ -634,6 +634,37 @@ AM_INLINE __m512 ff16_next(ff16 *w) {
     return fac;
 }
 
+/* The factors rf[i] * cf[j] of the 16 elements 16v.. of a run of 16 3x3
+ * matrices, from the run's 48 rf (r) and 48 cf (c) values: element E is
+ * (matrix E / 9, row E % 9 / 3, column E % 3); a vector's elements use at
+ * most 9 consecutive values of each, all within floats 0..31 or 16..47, so
+ * one two-source permute picks each (tables below, base 0 or 16). */
+#define AM_E(v, l) (16 * (v) + (l))
+#define AM_HI(v) (3 * ((16 * (v) + 15) / 9) + 2)
+#define AM_BASE(v) (AM_HI(v) > 31 ? 16 : 0)
+#define AM_RI(v, l) (3 * (AM_E(v, l) / 9) + AM_E(v, l) % 9 / 3 - AM_BASE(v))
+#define AM_CI(v, l) (3 * (AM_E(v, l) / 9) + AM_E(v, l) % 3 - AM_BASE(v))
+#define AM_IDX16(M, v)                                                                 \
+    {M(v, 0), M(v, 1), M(v, 2),  M(v, 3),  M(v, 4),  M(v, 5),  M(v, 6),  M(v, 7),    \
+     M(v, 8), M(v, 9), M(v, 10), M(v, 11), M(v, 12), M(v, 13), M(v, 14), M(v, 15)}
+#define AM_IDX9(M)                                                                     \
+    {AM_IDX16(M, 0), AM_IDX16(M, 1), AM_IDX16(M, 2), AM_IDX16(M, 3), AM_IDX16(M, 4),   \
+     AM_IDX16(M, 5), AM_IDX16(M, 6), AM_IDX16(M, 7), AM_IDX16(M, 8)}
+static const int32_t fac3_ri[9][16] __attribute__((aligned(64))) = AM_IDX9(AM_RI);
+static const int32_t fac3_ci[9][16] __attribute__((aligned(64))) = AM_IDX9(AM_CI);
+
+AM_INLINE __m512 fac3(const __m512 *r, const __m512 *c, const int v) {
+    const int h = AM_BASE(v) / 16;
+    return _mm512_mul_ps(
+        _mm512_permutex2var_ps(r[h], _mm512_load_si512((const void *)fac3_ri[v]), r[h + 1]),
+        _mm512_permutex2var_ps(c[h], _mm512_load_si512((const void *)fac3_ci[v]), c[h + 1]));
+}
+#undef AM_IDX9
+#undef AM_IDX16
+#undef AM_CI
+#undef AM_RI
+#undef AM_E
+
 /* The apply of an lr-row of small matrices (C < 16), walked as one flat
  * stream of 16-element vectors: the runs of 16 whole matrices ff16_init
  * covers, polarity included (a multiple of 16 bits, so the caller's rest
@@ -645,19 +676,45 @@ AM_INLINE int64_t mats_mode(void *p, const int pdt, const void *g, const int gdt
                             const int wd, rng512 *w) {
     const __m512 iv = _mm512_set1_ps(inv), lrv = _mm512_set1_ps(lr),
                  wdv = _mm512_set1_ps(k->wd);
-    bitw bw = {pol_row, 0, 0, 0};
     ff16 ff;
-    const int64_t rows = ff16_init(&ff, rf, cf, R, C, r0, r1), f1 = (r0 + rows) * C;
+    const int64_t rows = ff16_init(&ff, rf, cf, R, C, r0, r1), f0 = r0 * C, f1 = (r0 + rows) * C;
     int64_t f;
     if (rows == 0) return 0;
-    for (f = r0 * C; f < f1; f += 16) {
-        unsigned bits;
-        if (pdt != AM_DTYPE_FLOAT32) rng_need(w, f, 16);
-        w->span0 = f;
-        bits = apply16(p, pdt, g, gdt, f, ff16_next(&ff), iv, lrv, wdv, scaled, wd, w);
-        if (pol_row) bw_put(&bw, bits, 16);
-        if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) f16_fixup((uint16_t *)p, w);
+    /* 16 bits on a 16-bit boundary (no match count: count_pos or the
+     * agreement sweep counted them), bit 0 of a byte first */
+#define AM_VEC(F, FAC)                                                                     \
+    do {                                                                                   \
+        uint16_t bits_;                                                                    \
+        if (pdt != AM_DTYPE_FLOAT32) rng_need(w, F, 16);                                   \
+        w->span0 = F;                                                                      \
+        bits_ = (uint16_t)apply16(p, pdt, g, gdt, F, FAC, iv, lrv, wdv, scaled, wd, w);    \
+        if (pol_row) memcpy(pol_row + ((F)-f0) / 8, &bits_, 2);                           \
+        if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) f16_fixup((uint16_t *)p, w);            \
+    } while (0)
+    if (R == 3 && C == 3) { /* runs of 16 matrices: 144 elements, 48 rf and cf */
+        const float *rb = rf + r0, *cb = cf + r0;
+        for (f = f0; f < f1; f += 144, rb += 48, cb += 48) {
+            const __m512 r[3] = {_mm512_loadu_ps(rb), _mm512_loadu_ps(rb + 16),
+                                 _mm512_loadu_ps(rb + 32)};
+            const __m512 c[3] = {_mm512_loadu_ps(cb), _mm512_loadu_ps(cb + 16),
+                                 _mm512_loadu_ps(cb + 32)};
+            AM_VEC(f, fac3(r, c, 0));
+            AM_VEC(f + 16, fac3(r, c, 1));
+            AM_VEC(f + 32, fac3(r, c, 2));
+            AM_VEC(f + 48, fac3(r, c, 3));
+            AM_VEC(f + 64, fac3(r, c, 4));
+            AM_VEC(f + 80, fac3(r, c, 5));
+            AM_VEC(f + 96, fac3(r, c, 6));
+            AM_VEC(f + 112, fac3(r, c, 7));
+            AM_VEC(f + 128, fac3(r, c, 8));
+        }
+    } else if (R == 1 && C == 1) { /* element e: rf[e] * cf[e] */
+        for (f = f0; f < f1; f += 16)
+            AM_VEC(f, _mm512_mul_ps(_mm512_loadu_ps(rf + f), _mm512_loadu_ps(cf + f)));
+    } else {
+        for (f = f0; f < f1; f += 16) AM_VEC(f, ff16_next(&ff));
     }
+#undef AM_VEC
     return rows;
 }
 
