@@ -16,8 +16,10 @@ comparison is a ratio of numbers measured next to each other):
      (../shared/reference, skipped with a message when absent) and
      torch.optim.AdamW foreach and fused: time per step and speedups.
   3. GPT-2 small's parameter list (124M, float32): full step time for ours,
-     the reference and AdamW (foreach, fused); the sum of our kernels' times
-     for the same list (front-end overhead); optimizer state bytes/parameter.
+     the reference and AdamW (foreach, fused); our kernels alone on the same
+     list, called from the same process in the same round-robin, and the sum
+     of their times from the C program (front-end overhead); optimizer state
+     bytes/parameter.
 Results: bench/results/bench.{json,md,png} (--out DIR).
 """
 import argparse
@@ -123,6 +125,8 @@ class Runner:
         if kind in ("ours", "ours_own_pool"):
             import automagic
             self.opt = automagic.Automagic3(ps, fused=False)
+        elif kind == "ours_kernels":
+            self._init_kernels_only(ps, gs)
         elif kind == "reference":
             with contextlib.redirect_stdout(io.StringIO()):  # it prints a count
                 self.opt = Ref(ps)
@@ -134,7 +138,34 @@ class Runner:
         else:
             raise ValueError(kind)
 
+    def _init_kernels_only(self, ps, gs):
+        """Our kernels alone, from this process: am_update through ctypes on
+        the front end's own C views of each tensor, one after the other, with
+        nothing of the front end's Python around them (one step through the
+        front end first creates the state and the views)."""
+        import ctypes
+        import automagic
+        from automagic import _lib
+        self.opt = automagic.Automagic3(ps, fused=False)
+        for p, g in zip(ps, gs):
+            p.grad = g
+        self.opt.step()
+        plans = [self.opt._plans[self.opt._param_index[p]] for p in ps]
+        ws, ws_bytes = self.opt._workspace(max(pl.workspace_bytes for pl in plans))
+        self.calls = []
+        for p, g, pl in zip(ps, gs, plans):
+            pl.pt.data, pl.gt.data = p.data_ptr(), g.data_ptr()
+            self.calls.append((pl.pt_ref, pl.gt_ref, pl.st_ref, ctypes.byref(pl.hp), pl.key,
+                               ws, ws_bytes, pl.rep_ref))
+        self.lib = _lib.lib
+
     def step(self):
+        if self.kind == "ours_kernels":
+            self.lib.am_set_num_threads(self.torch.get_num_threads())
+            for c in self.calls:
+                if self.lib.am_update(*c) != 0:
+                    raise RuntimeError("ours_kernels: am_update failed")
+            return
         for p, g in zip(self.ps, self.gs):
             p.grad = g
         if self.kind == "ours_own_pool":
@@ -300,7 +331,8 @@ def gpt2_bench(torch, exe, threads, Ref, reps):
     # torch_case: timed one after the other, bursts of load from other
     # processes made single runs differ by 30% here.
     runners = {}
-    for kind in ["ours", "ours_own_pool", "reference", "adamw_foreach", "adamw_fused"]:
+    for kind in ["ours", "ours_kernels", "ours_own_pool", "reference", "adamw_foreach",
+                 "adamw_fused"]:
         if kind == "reference" and Ref is None:
             continue
         ps, gs = make_params(torch, shapes, torch.float32)
@@ -310,9 +342,12 @@ def gpt2_bench(torch, exe, threads, Ref, reps):
         out["step"][kind] = {"sec_min": res[kind][0], "sec_median": res[kind][1]}
         out["state_bytes_per_param"][kind] = r.state_bytes() / n
     del runners
-    # The sum of our kernels' times over the same list, from the C program
-    # (one am_update per tensor, no Python): the front end's overhead is the
-    # difference.
+    # The front end's overhead: the step against our kernels alone, called
+    # from the same process in the same round-robin (ours_kernels); and, as
+    # before, against the sum of our kernels' times over the same list from
+    # the C program (one am_update per tensor, each from cold caches,
+    # minutes away from the step: noisier).
+    out["kernels_in_process_sec"] = res["ours_kernels"][0]
     uniq = {}
     for s in shapes:
         uniq[s] = uniq.get(s, 0) + 1
@@ -412,8 +447,12 @@ def print_tables(result):
             print("  %-14s %8.1f ms/step  (%.2fx ours)  state %.3f bytes/param" % (
                 kind, v["sec_min"] * 1e3, v["sec_min"] / ours,
                 g["state_bytes_per_param"][kind]))
-        print("  sum of our kernels' times (C, per tensor): %.1f ms; full step / sum - 1 = "
-              "%.1f%% (noisy on a shared machine)" % (
+        if "kernels_in_process_sec" in g:
+            kin = g["kernels_in_process_sec"]
+            print("  our kernels alone, called in the same round-robin: %.1f ms; full step / "
+                  "that - 1 = %.1f%%" % (kin * 1e3, 100 * (ours / kin - 1)))
+        print("  sum of our kernels' times (C program, per tensor): %.1f ms; full step / sum "
+              "- 1 = %.1f%% (noisier: measured minutes apart)" % (
                   g["kernel_sum_sec"] * 1e3, 100 * (ours / g["kernel_sum_sec"] - 1)))
         print("  front end fixed cost: %.1f us per tensor, %.2f ms per step = %.2f%% of the "
               "kernel sum" % (g["frontend_overhead_us_per_tensor"],
@@ -467,6 +506,12 @@ def markdown(result):
                 kind, v["sec_min"] * 1e3, v["sec_min"] / ours,
                 g["state_bytes_per_param"][kind]))
         out.append("")
+        if "kernels_in_process_sec" in g:
+            kin = g["kernels_in_process_sec"]
+            out.append("Our kernels alone (ours_kernels: am_update per tensor from the same "
+                       "process, in the same round-robin): %.1f ms; the full step is %+.1f%% "
+                       "of that." % (kin * 1e3, 100 * (ours / kin - 1)))
+            out.append("")
         out.append("Sum of our kernels' times over the same tensors (C): %.1f ms; the front "
                    "end's fixed cost: %.1f us per tensor = %.2f%% of that sum." % (
                        g["kernel_sum_sec"] * 1e3, g["frontend_overhead_us_per_tensor"],
