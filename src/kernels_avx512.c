@@ -663,6 +663,8 @@ AM_INLINE __m512 fac3(const __m512 *r, const __m512 *c, const int v) {
 #undef AM_IDX16
 #undef AM_CI
 #undef AM_RI
+#undef AM_BASE
+#undef AM_HI
 #undef AM_E
 
 /* The apply of an lr-row of small matrices (C < 16), walked as one flat
@@ -677,7 +679,8 @@ AM_INLINE int64_t mats_mode(void *p, const int pdt, const void *g, const int gdt
     const __m512 iv = _mm512_set1_ps(inv), lrv = _mm512_set1_ps(lr),
                  wdv = _mm512_set1_ps(k->wd);
     ff16 ff;
-    const int64_t rows = ff16_init(&ff, rf, cf, R, C, r0, r1), f0 = r0 * C, f1 = (r0 + rows) * C;
+    const int64_t rows = ff16_init(&ff, rf, cf, R, C, r0, r1), f0 = r0 * C;
+    const int64_t f1 = (r0 + rows) * C;
     int64_t f;
     if (rows == 0) return 0;
     /* 16 bits on a 16-bit boundary (no match count: count_pos or the
@@ -692,7 +695,7 @@ AM_INLINE int64_t mats_mode(void *p, const int pdt, const void *g, const int gdt
         if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) f16_fixup((uint16_t *)p, w);            \
     } while (0)
     if (R == 3 && C == 3) { /* runs of 16 matrices: 144 elements, 48 rf and cf */
-        const float *rb = rf + r0, *cb = cf + r0;
+        const float *rb = rf + r0, *cb = cf + r0; /* cf of matrix r0 / 3: (r0 / 3) * 3 */
         for (f = f0; f < f1; f += 144, rb += 48, cb += 48) {
             const __m512 r[3] = {_mm512_loadu_ps(rb), _mm512_loadu_ps(rb + 16),
                                  _mm512_loadu_ps(rb + 32)};
