@@ -256,6 +256,28 @@ AM_INLINE void wsum_rows(const void *g, const int gdt, int64_t C, const int nq, 
     am_wsum_cols(g, gdt, C, wg->i, nq, j0, j0 + n32, j0 + n, wg->w, wg->wpart);
 }
 
+/* The signs of 32 gradient elements from their bits (float32: a and b,
+ * 16 each; 16-bit types: a holds all 32): bit l is 1 when element l is >
+ * 0, i.e. when its bits - 1 (unsigned) are below +inf's bits; the running
+ * minimum of those differences goes into *mn, its smallest one belonging to
+ * the smallest positive value (+0 wraps to all ones, negatives are above
+ * +inf's bits; minpos_of). */
+AM_INLINE uint32_t pos_mask32(const int gdt, __m512i a, __m512i b, __m512i *mn) {
+    if (gdt == AM_DTYPE_FLOAT32) {
+        const __m512i one = _mm512_set1_epi32(1), lim = _mm512_set1_epi32(0x7f800000);
+        const __m512i dl = _mm512_sub_epi32(a, one), dh = _mm512_sub_epi32(b, one);
+        *mn = _mm512_min_epu32(*mn, _mm512_min_epu32(dl, dh));
+        return (uint32_t)_mm512_cmplt_epu32_mask(dl, lim) |
+               (uint32_t)_mm512_cmplt_epu32_mask(dh, lim) << 16;
+    } else {
+        const __m512i d = _mm512_sub_epi16(a, _mm512_set1_epi16(1));
+        const __m512i lim =
+            _mm512_set1_epi16((short)(gdt == AM_DTYPE_BFLOAT16 ? 0x7f80 : 0x7c00));
+        *mn = _mm512_min_epu16(*mn, d);
+        return (uint32_t)_mm512_cmplt_epu16_mask(d, lim);
+    }
+}
+
 /* Rows i..i+nr-1 (nr = 4 or 1, a constant) of stats_body: 32 columns of a
  * row per step. With cnt, the agreement is counted on the raw bits: a
  * gradient element is > 0 exactly when 1 <= bits <= bits of +inf, i.e.
@@ -275,9 +297,6 @@ AM_INLINE void stats_rows(const void *g, const int gdt, const int cnt, const int
                           __m512i *mn, float *mp, const wgroup *pend, const int pf) {
     const int64_t n32 = n & ~(int64_t)31;
     const size_t es = gdt == AM_DTYPE_FLOAT32 ? 4 : 2;
-    const __m512i one16 = _mm512_set1_epi16(1), one32 = _mm512_set1_epi32(1);
-    const __m512i lim16 = _mm512_set1_epi16((short)(gdt == AM_DTYPE_BFLOAT16 ? 0x7f80 : 0x7c00));
-    const __m512i lim32 = _mm512_set1_epi32(0x7f800000);
     const uint8_t *bits = cnt ? pm->bits : NULL;
     __m256 acc[4];
     int64_t q0[4], mism[4], j;
@@ -300,18 +319,10 @@ AM_INLINE void stats_rows(const void *g, const int gdt, const int cnt, const int
             __m512i raw;
             ld32(g, gdt, (i + q) * C + j0 + j, &lo, &hi, &raw);
             if (cnt) {
-                uint32_t pos;
-                if (gdt == AM_DTYPE_FLOAT32) {
-                    const __m512i dl = _mm512_sub_epi32(_mm512_castps_si512(lo), one32);
-                    const __m512i dh = _mm512_sub_epi32(_mm512_castps_si512(hi), one32);
-                    pos = (uint32_t)_mm512_cmplt_epu32_mask(dl, lim32) |
-                          (uint32_t)_mm512_cmplt_epu32_mask(dh, lim32) << 16;
-                    *mn = _mm512_min_epu32(*mn, _mm512_min_epu32(dl, dh));
-                } else {
-                    const __m512i d = _mm512_sub_epi16(raw, one16);
-                    pos = (uint32_t)_mm512_cmplt_epu16_mask(d, lim16);
-                    *mn = _mm512_min_epu16(*mn, d);
-                }
+                const uint32_t pos =
+                    gdt == AM_DTYPE_FLOAT32
+                        ? pos_mask32(gdt, _mm512_castps_si512(lo), _mm512_castps_si512(hi), mn)
+                        : pos_mask32(gdt, raw, raw, mn);
                 mism[q] += __builtin_popcount(pos ^ am_bits32_at(bits, q0[q] + j));
             }
             lo = _mm512_mul_ps(lo, lo);
@@ -809,26 +820,16 @@ am_agree_mats_fn am_avx512_agree_mats(void) { return avx512_agree_mats; }
  * positive value (minpos_of). */
 AM_INLINE int64_t count_pos_body(const void *g, const int gdt, int64_t n, const uint8_t *bits,
                                  float *minpos) {
-    const __m512i one16 = _mm512_set1_epi16(1), one32 = _mm512_set1_epi32(1);
-    const __m512i lim16 = _mm512_set1_epi16((short)(gdt == AM_DTYPE_BFLOAT16 ? 0x7f80 : 0x7c00));
-    const __m512i lim32 = _mm512_set1_epi32(0x7f800000);
+    const size_t es = gdt == AM_DTYPE_FLOAT32 ? 4 : 2;
     __m512i mn = _mm512_set1_epi32(-1);
     int64_t e, mism = 0;
     for (e = 0; e + 32 <= n; e += 32) {
-        uint32_t pos, old;
-        if (gdt == AM_DTYPE_FLOAT32) {
-            const __m512i dl = _mm512_sub_epi32(_mm512_loadu_si512((const float *)g + e), one32);
-            const __m512i dh =
-                _mm512_sub_epi32(_mm512_loadu_si512((const float *)g + e + 16), one32);
-            pos = (uint32_t)_mm512_cmplt_epu32_mask(dl, lim32) |
-                  (uint32_t)_mm512_cmplt_epu32_mask(dh, lim32) << 16;
-            mn = _mm512_min_epu32(mn, _mm512_min_epu32(dl, dh));
-        } else {
-            const __m512i d =
-                _mm512_sub_epi16(_mm512_loadu_si512((const uint16_t *)g + e), one16);
-            pos = (uint32_t)_mm512_cmplt_epu16_mask(d, lim16);
-            mn = _mm512_min_epu16(mn, d);
-        }
+        const char *x = (const char *)g + (size_t)e * es;
+        const __m512i a = _mm512_loadu_si512((const void *)x);
+        const uint32_t pos =
+            pos_mask32(gdt, a,
+                       es == 4 ? _mm512_loadu_si512((const void *)(x + 64)) : a, &mn);
+        uint32_t old;
         memcpy(&old, bits + e / 8, 4);
         mism += __builtin_popcount(pos ^ old);
     }

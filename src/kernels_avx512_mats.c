@@ -56,26 +56,23 @@ static const int32_t inter_idx[3][2][16] __attribute__((aligned(64))) = {
     {AM_ROW16(AM_I1, 2), AM_ROW16(AM_I2, 2)},
 };
 
-/* out[j] lane l = (a[0], a[1], a[2]) as 48 floats, position 3l + j. */
-AM_INLINE void deint3(const __m512 *a, __m512 *out) {
-    int j;
-    for (j = 0; j < 3; j++) {
-        const __m512i i1 = _mm512_load_si512((const void *)deint_idx[j][0]),
-                      i2 = _mm512_load_si512((const void *)deint_idx[j][1]);
-        out[j] = _mm512_permutex2var_ps(_mm512_permutex2var_ps(a[0], i1, a[1]), i2, a[2]);
+/* Output vector o of three (o < 3), each lane picked from the 48 floats of
+ * a[0..2] by two two-source permutes with the index pair idx[o]. */
+AM_INLINE void perm48(const __m512 *a, const int32_t (*idx)[2][16], __m512 *out) {
+    int o;
+    for (o = 0; o < 3; o++) {
+        const __m512i i1 = _mm512_load_si512((const void *)idx[o][0]),
+                      i2 = _mm512_load_si512((const void *)idx[o][1]);
+        out[o] = _mm512_permutex2var_ps(_mm512_permutex2var_ps(a[0], i1, a[1]), i2, a[2]);
     }
 }
 
+/* out[j] lane l = (a[0], a[1], a[2]) as 48 floats, position 3l + j. */
+AM_INLINE void deint3(const __m512 *a, __m512 *out) { perm48(a, deint_idx, out); }
+
 /* The inverse of deint3: out as 48 floats, position p = lane p / 3 of
  * v[p % 3]. */
-AM_INLINE void inter3(const __m512 *v, __m512 *out) {
-    int K;
-    for (K = 0; K < 3; K++) {
-        const __m512i i1 = _mm512_load_si512((const void *)inter_idx[K][0]),
-                      i2 = _mm512_load_si512((const void *)inter_idx[K][1]);
-        out[K] = _mm512_permutex2var_ps(_mm512_permutex2var_ps(v[0], i1, v[1]), i2, v[2]);
-    }
-}
+AM_INLINE void inter3(const __m512 *v, __m512 *out) { perm48(v, inter_idx, out); }
 
 /* v[x] lane m = a[m*N + x], x < N (N = 1 or 3): the rows (or columns) of
  * 16 matrices in lane order; raw gets the 16*N floats as loaded. */

@@ -299,7 +299,6 @@ static am_status run_stats_moments_mats(upd *u) {
     const am_geom *g = &u->g;
     u->mats_sweep = 1;
     u->h->nonfinite = 0;
-    u->h->u2_sum = 0.0;
     u->h->numel = g->numel;
     u->h->counted = 0; /* finish counts (count_pos, or its sweep) */
     u->h->wsummed = 0;

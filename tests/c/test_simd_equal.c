@@ -704,14 +704,15 @@ static void test_counted_agreement_underflow(void **unused) {
     free(ws);
 }
 
-/* The same for many small matrices, whose agreement am_update counts while
- * it sums u^2 (stats_u2_mats: the sign of u, not of u / scale). Shape
+/* The same for many small matrices, whose agreement am_update counts from
+ * the sign of g (count_pos) when a bound shows it is the sign of u / scale,
+ * and otherwise by the exact sweep. Shape
  * (2, 9, 2, 3): 18 matrices [[1e15, 1, 1], [1e-32, 1, 1]], every old bit 1.
  * Each matrix's u at (1, 0) is about 1e-32 * rf (5e14) * cf (4.5e-14) =
  * 2.2e-31 and the clip scale about 1e16, so u / scale underflows to 0: that
- * bit becomes 0 and 5 of 6 elements agree. Counting (u > 0) would say 6 of
- * 6. Scalar and best kernels, am_update and the three phases (which sweep)
- * must give the same bits. */
+ * bit becomes 0 and 5 of 6 elements agree. Counting (g > 0) without the
+ * bound would say 6 of 6. Scalar and best kernels, am_update and the three
+ * phases (which sweep) must give the same bits. */
 static void test_counted_mats_underflow(void **unused) {
     am_shape sh = {4, {2, 9, 2, 3}};
     am_hparams hp = am_hparams_default();
