@@ -14,6 +14,15 @@
  * de-interleave of 48 floats is 2 permutes per output vector. The per-
  * matrix rows and columns (3 floats each) go in and out the same way.
  *
+ * From memory (a large weight, or caches flushed between updates) the
+ * sweep waits on its loads: each run prefetches the elements and moments
+ * of the run AM_SU_AHEAD runs on, and the old moments kept aside for a
+ * skipped update (orow, ocol: read only then) are written with streaming
+ * stores, which neither read those lines first nor push anything out of
+ * the caches. Measured, 256x256x3x3 and 1280x1280x3x3 float32 (this and
+ * the previous version loaded side by side, alternating): 0.92-0.95 of
+ * the time at 1 and 2 threads, from memory and in cache (docs/PERFORMANCE.md).
+ *
  * Sums of squares start from +0 in the reference (acc[] = {0}); x + 0 == x
  * for every x >= +0 and every NaN, so those additions of zero are left out
  * here (a sum of squares is never -0).
@@ -25,10 +34,12 @@
 #if defined(__x86_64__) && defined(__AVX512F__) && defined(__AVX512BW__)
 
 #include <immintrin.h>
+#include <stdint.h>
 
 #include "avx512_load.h"
 
 #define AM_INLINE static inline __attribute__((always_inline))
+#define AM_SU_AHEAD 16 /* runs of 16 matrices ahead (4, 8, 16 tried: 16 best) */
 
 /* Lane l of output j of a stride-3 de-interleave of 48 floats (A, B, D):
  * D1 picks position 3l + j from (A, B) when it is there, D2 keeps that
@@ -124,24 +135,48 @@ AM_INLINE __m512 rowsum(const __m512 *a, const int N) {
     return N == 1 ? a[0] : _mm512_add_ps(_mm512_add_ps(a[0], a[2]), a[1]);
 }
 
-/* stats_u2_8 of kernels_avx2_mats.c for the 16 N x N matrices b..b+15. */
+/* The elements and moments of the run of 16 N x N matrices from b: into
+ * the caches (a prefetch never faults, past the end included). */
+AM_INLINE void prefetch_run(const void *g, const int gdt, const int N, int64_t b,
+                            const float *row, const float *col) {
+    const uintptr_t es = gdt == AM_DTYPE_FLOAT32 ? 4 : 2, gb = (uintptr_t)(16 * N * N) * es;
+    /* addresses as integers: they may lie past the arrays' ends */
+    const uintptr_t gp = (uintptr_t)g + (uintptr_t)(b * N * N) * es;
+    const uintptr_t rp = (uintptr_t)row + (uintptr_t)(b * N) * 4,
+                    cp = (uintptr_t)col + (uintptr_t)(b * N) * 4;
+    uintptr_t o;
+    for (o = 0; o < gb; o += 64) _mm_prefetch((const char *)(gp + o), _MM_HINT_T0);
+    for (o = 0; o < (uintptr_t)(64 * N); o += 64) {
+        _mm_prefetch((const char *)(rp + o), _MM_HINT_T0);
+        _mm_prefetch((const char *)(cp + o), _MM_HINT_T0);
+    }
+}
+
+/* stats_u2_8 of kernels_avx2_mats.c for the 16 N x N matrices b..b+15;
+ * nt: orow + b*N and ocol + b*N are 64-byte aligned (streaming stores). */
 AM_INLINE void su16(const void *g, const int gdt, const int N, int64_t b, const float *row,
                     const float *col, const am_consts *k, float *rs, float *cs, float *nr,
                     float *nc, float *rf, float *cf, float *rmean, double *out, __m512 *mr,
-                    __m512 *mc, float *orow, float *ocol) {
+                    __m512 *mc, float *orow, float *ocol, const int nt) {
     const __m512 inv = _mm512_set1_ps(am_inv_count(N)), eps = _mm512_set1_ps(k->eps);
     const __m512 b2 = _mm512_set1_ps(k->beta2), omb = _mm512_set1_ps(k->one_m_beta2);
     __m512 t[9], sq[9], rows[3], cols[3], rawr[3], rawc[3], v[3], oc[3], rfv[3], cfv[3], s,
         mean;
     __m512d lo = _mm512_setzero_pd(), hi = lo; /* set by row 0 */
     int i, j;
+    prefetch_run(g, gdt, N, b + 16 * AM_SU_AHEAD, row, col);
     /* the old moments first: nr may be row and nc col */
     get_rows(row + b * N, N, rawr, v);
     get_rows(col + b * N, N, rawc, oc);
     if (orow)
         for (i = 0; i < N; i++) {
-            _mm512_storeu_ps(orow + b * N + 16 * i, rawr[i]);
-            _mm512_storeu_ps(ocol + b * N + 16 * i, rawc[i]);
+            if (nt) {
+                _mm512_stream_ps(orow + b * N + 16 * i, rawr[i]);
+                _mm512_stream_ps(ocol + b * N + 16 * i, rawc[i]);
+            } else {
+                _mm512_storeu_ps(orow + b * N + 16 * i, rawr[i]);
+                _mm512_storeu_ps(ocol + b * N + 16 * i, rawc[i]);
+            }
         }
     load_t(g, gdt, N, b, t);
     /* sums_v: rows over j (lane accumulators), columns over i ascending */
@@ -208,11 +243,13 @@ static void avx512_stats_u2_mats(const void *g, int gdt, int64_t R, int64_t C, i
     __m512 mr = _mm512_set1_ps(INFINITY), mc = mr;
     float lr[16], lc[16];
     int l;
+    /* a run is 64 * R bytes of moments: aligned at b0, aligned at every run */
+    const int nt = orow && !(((uintptr_t)(orow + b0 * R) | (uintptr_t)(ocol + b0 * C)) & 63);
     if (R == C && (R == 1 || R == 3)) {
 #define AM_SU_LOOP(GD, N)                                                                  \
     for (; b + 16 <= b1; b += 16)                                                          \
         su16(g, GD, N, b, row, col, k, rs, cs, nr, nc, rf, cf, rmean, out + (b - b0), &mr, \
-             &mc, orow, ocol)
+             &mc, orow, ocol, nt)
 #define AM_SU_DT(N)                                                                        \
     switch (gdt) {                                                                         \
     case AM_DTYPE_FLOAT32: AM_SU_LOOP(AM_DTYPE_FLOAT32, N); break;                         \
@@ -227,6 +264,8 @@ static void avx512_stats_u2_mats(const void *g, int gdt, int64_t R, int64_t C, i
 #undef AM_SU_LOOP
 #undef AM_SU_DT
     }
+    /* streaming stores are weakly ordered: done before this task is */
+    if (nt) _mm_sfence();
     _mm512_storeu_ps(lr, mr);
     _mm512_storeu_ps(lc, mc);
     _mm256_zeroupper(); /* before other code (simd.h, AM_CLEAN_RETURN) */

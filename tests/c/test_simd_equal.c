@@ -437,15 +437,24 @@ static void check_fused_mats(const am_kernels *a, const am_kernels *b, int64_t R
                                    o[w][2], o[w][3], o[w][4], o[w][5], o[w][6], u[w],
                                    fmin[w], NULL, NULL);
     assert_memory_equal(fmin[0], fmin[1], sizeof fmin[0]);
-    for (w = 0; w < 2; w++) { /* in place, the old moments kept aside, no sums or means */
-        float *rowc = xmalloc(fr), *colc = xmalloc(fc), *orow = xmalloc(fr), *ocol = xmalloc(fc);
+    /* in place, the old moments kept aside, no sums or means; w / 2 == 0:
+     * orow + b0 * R and ocol + b0 * C 64-byte aligned (the AVX-512 sweep's
+     * streaming stores), 1: 4 bytes past that (its plain stores) */
+    for (w = 0; w < 4; w++) {
+        float *rowc = xmalloc(fr), *colc = xmalloc(fc);
+        float *obase = aligned_alloc(64, (fr + 191) / 64 * 64),
+              *cbase = aligned_alloc(64, (fc + 191) / 64 * 64);
+        float *orow = obase + (16 - b0 * R % 16) % 16 + w / 2,
+              *ocol = cbase + (16 - b0 * C % 16) % 16 + w / 2;
         float *x[5], fm[2];
         double *ux = xmalloc(8 * (size_t)B);
+        assert_non_null(obase);
+        assert_non_null(cbase);
         memcpy(rowc, row, fr);
         memcpy(colc, col, fc);
         for (v = 0; v < 5; v++) x[v] = xmalloc(v == 4 ? 4 * (size_t)B : v % 2 ? fc : fr);
-        (w ? b : a)->stats_u2_mats(g, gdt, R, C, b0, B, rowc, colc, &k, NULL, NULL, rowc,
-                                   colc, x[2], x[3], NULL, ux, fm, orow, ocol);
+        (w % 2 ? b : a)->stats_u2_mats(g, gdt, R, C, b0, B, rowc, colc, &k, NULL, NULL, rowc,
+                                       colc, x[2], x[3], NULL, ux, fm, orow, ocol);
         assert_memory_equal(rowc, row, 4 * (size_t)(b0 * R)); /* before b0: untouched */
         assert_memory_equal(colc, col, 4 * (size_t)(b0 * C));
         assert_memory_equal(rowc + b0 * R, o[0][2] + b0 * R, 4 * (size_t)((B - b0) * R));
@@ -456,7 +465,7 @@ static void check_fused_mats(const am_kernels *a, const am_kernels *b, int64_t R
         assert_memory_equal(x[3] + b0 * C, o[0][5] + b0 * C, 4 * (size_t)((B - b0) * C));
         assert_memory_equal(ux, u[0], 8 * (size_t)(B - b0));
         assert_memory_equal(fm, fmin[0], sizeof fm);
-        free(rowc); free(colc); free(orow); free(ocol); free(ux);
+        free(rowc); free(colc); free(obase); free(cbase); free(ux);
         for (v = 0; v < 5; v++) free(x[v]);
     }
     for (i = b0 * R; i < B * R; i++) assert_true(fmin[0][0] <= o[0][4][i]);
