@@ -19,9 +19,10 @@
  * of the run AM_SU_AHEAD runs on, and the old moments kept aside for a
  * skipped update (orow, ocol: read only then) are written with streaming
  * stores, which neither read those lines first nor push anything out of
- * the caches. Measured, 256x256x3x3 and 1280x1280x3x3 float32 (this and
- * the previous version loaded side by side, alternating): 0.92-0.95 of
- * the time at 1 and 2 threads, from memory and in cache (docs/PERFORMANCE.md).
+ * the caches. Measured (this and the previous version loaded side by side,
+ * alternating), 1 and 2 threads, from memory and in cache: 256x256x3x3 and
+ * 1280x1280x3x3 float32 0.92-0.95 of the time, 512x512x1x1 0.87-0.91
+ * (docs/PERFORMANCE.md).
  *
  * Sums of squares start from +0 in the reference (acc[] = {0}); x + 0 == x
  * for every x >= +0 and every NaN, so those additions of zero are left out
