@@ -286,6 +286,22 @@ AM_HD double am_sum_tiles(const double *v, int64_t n) {
     return total;
 }
 
+/* v[0..n-1] added in order from 0.0: one group of am_sum_tiles when n <=
+ * AM_SUM_GROUP. */
+AM_HD double am_sum_group(const double *v, int64_t n) {
+    double a = 0.0;
+    int64_t i;
+    for (i = 0; i < n; i++) a += v[i];
+    return a;
+}
+
+/* am_sum_tiles of n tiles from its ceil(n / AM_SUM_GROUP) group sums
+ * (am_sum_group of each group in tile order): the same bits, as that is
+ * how it combines them, in order from 0.0. */
+AM_HD double am_sum_groups(const double *s, int64_t ngroups) {
+    return am_sum_group(s, ngroups);
+}
+
 /* One unfactored element's term of the sum of u*u (SPEC 3.2), u = rsqrt(v +
  * eps) * x: x * (x / (v + eps)), one division where u * u takes a square
  * root and two (the 1-D stats pass is bound by the divider), and within an

@@ -157,14 +157,16 @@ static void stats_task(void *ctx, int64_t t) {
 }
 
 /* Many small matrices (R*C <= AM_MATS_MAX_ELEMS, each one tile): a task
- * takes a run of whole matrices, a multiple of 8 of about AM_FLAT_CHUNK
- * elements, through the batched kernel slots. Each matrix's sums are those
- * of its own tile, so the grouping changes no bit. */
+ * takes a run of whole matrices, a multiple of AM_SUM_GROUP (so of the
+ * kernels' 8 and 16) of about AM_FLAT_CHUNK elements, through the batched
+ * kernel slots. Each matrix's sums are those of its own tile, so the
+ * grouping changes no bit; am_update's sweep sums its tasks' groups of
+ * tiles itself (stats_u2_mats_task). */
 static int batched(const am_geom *g) { return g->batched; }
 
 static int64_t mats_per_task(const am_geom *g) {
-    int64_t n = AM_FLAT_CHUNK / (g->R * g->C) / 8 * 8;
-    return n < 8 ? 8 : n;
+    int64_t n = AM_FLAT_CHUNK / (g->R * g->C) / AM_SUM_GROUP * AM_SUM_GROUP;
+    return n < AM_SUM_GROUP ? AM_SUM_GROUP : n;
 }
 
 static int64_t mat_tasks(const am_geom *g) {
@@ -205,23 +207,37 @@ static void moments_u2_mats_task(void *ctx, int64_t t) {
 }
 
 /* am_update's batched path: the three slots above in one sweep per run of
- * matrices (stats_u2_mats), same bits. */
+ * matrices (stats_u2_mats), same bits. The per-matrix sums of u^2 go to a
+ * buffer on the stack, AM_SWEEP_MATS matrices at a time, and only their
+ * group sums (am_sum_group) to the workspace, group k at tile_u2[k]: 1/64
+ * of the bytes, and the groups summed by the threads. */
+#define AM_SWEEP_MATS (8 * AM_SUM_GROUP)
 static void stats_u2_mats_task(void *ctx, int64_t t) {
     upd *u = (upd *)ctx;
     const am_geom *g = &u->g;
-    int64_t b0, b1;
+    double u2[AM_SWEEP_MATS];
+    float *fmin = WS(u, off_tile_minpos, float) + 2 * t; /* 2 * tasks <= B */
+    int64_t b0, b1, c0, k;
     mats_range(g, t, &b0, &b1);
-    /* the new moments over the old in the state (am_update's state is
-     * writable: u->wstate), the old ones into new_row/new_col; the sums of
-     * g^2 and the row means are not kept (NULL): nothing reads them */
-    u->kt->stats_u2_mats(u->grad->data, u->grad->dtype, g->R, g->C, b0, b1,
-                         u->wstate->row, u->wstate->col, &u->k, NULL, NULL,
-                         u->wstate->row, u->wstate->col,
-                         WS(u, off_rf, float), WS(u, off_cf, float), NULL,
-                         WS(u, off_tile_u2, double) + b0,
-                         /* the task's smallest rf and cf (2 * tasks <= B) */
-                         WS(u, off_tile_minpos, float) + 2 * t,
-                         WS(u, off_new_row, float), WS(u, off_new_col, float));
+    fmin[0] = fmin[1] = INFINITY;
+    for (c0 = b0; c0 < b1; c0 += AM_SWEEP_MATS) {
+        const int64_t c1 = c0 + AM_SWEEP_MATS < b1 ? c0 + AM_SWEEP_MATS : b1;
+        float fm[2];
+        /* the new moments over the old in the state (am_update's state is
+         * writable: u->wstate), the old ones into new_row/new_col; the sums
+         * of g^2 and the row means are not kept (NULL): nothing reads them */
+        u->kt->stats_u2_mats(u->grad->data, u->grad->dtype, g->R, g->C, c0, c1,
+                             u->wstate->row, u->wstate->col, &u->k, NULL, NULL,
+                             u->wstate->row, u->wstate->col, WS(u, off_rf, float),
+                             WS(u, off_cf, float), NULL, u2, fm,
+                             WS(u, off_new_row, float), WS(u, off_new_col, float));
+        /* the smallest rf and cf of the task (a NaN passed over, as there) */
+        if (fm[0] < fmin[0]) fmin[0] = fm[0];
+        if (fm[1] < fmin[1]) fmin[1] = fm[1];
+        for (k = c0; k < c1; k += AM_SUM_GROUP) /* c0: a multiple of AM_SUM_GROUP */
+            WS(u, off_tile_u2, double)[k / AM_SUM_GROUP] = am_sum_group(
+                u2 + (k - c0), c1 - k < AM_SUM_GROUP ? c1 - k : AM_SUM_GROUP);
+    }
 }
 
 static void flat_u2_task(void *ctx, int64_t t) {
@@ -304,7 +320,8 @@ static am_status run_stats_moments_mats(upd *u) {
     u->h->wsummed = 0;
     am_parallel_for(mat_tasks(g), (double)mats_per_task(g) * (double)(g->R * g->C) * 8.0,
                     stats_u2_mats_task, u);
-    u->h->u2_sum = am_sum_tiles(WS(u, off_tile_u2, double), g->ntiles);
+    u->h->u2_sum = am_sum_groups(WS(u, off_tile_u2, double),
+                                 (g->ntiles + AM_SUM_GROUP - 1) / AM_SUM_GROUP);
     /* A non-finite g makes the sum of u^2 NaN: its row's sum of squares,
      * new row moment and row mean are non-finite, so its row factor is
      * NaN (inf / inf, NaN / x). Rare path: tell it from an overflow. */

@@ -22,7 +22,11 @@ static void test_phases_equal_update(void **unused) {
     static const sc shapes[] = {{0, {0}}, {1, {37}}, {2, {9, 70}}, {3, {2, 65, 3}}, {4, {3, 1, 4, 5}},
                                 /* many small matrices: runs of 8 and a rest,
                                  * lr-rows of 7 and of 1 matrices */
-                                {4, {5, 7, 3, 3}}, {3, {20, 2, 5}}};
+                                {4, {5, 7, 3, 3}}, {3, {20, 2, 5}},
+                                /* more than 64 groups of 64 matrices (and a
+                                 * partial one): am_update's sweep sums them
+                                 * in groups, the phases tile by tile */
+                                {4, {67, 65, 3, 3}}, {4, {4161, 1, 1, 1}}};
     uint64_t rs = t_seed() ^ 0xabcu;
     size_t c;
     int a, b, s;
@@ -61,6 +65,13 @@ static void test_phases_equal_update(void **unused) {
                     }
                     assert_int_equal(f1.st.step, f2.st.step);
                     assert_memory_equal(&r1, &r2, sizeof r1);
+                    { /* the same sum of u*u to the last bit (a float clip
+                       * scale hides most differences of the double sum) */
+                        am_workspace_view v1, v2;
+                        assert_int_equal(am_workspace_view_get(&sh, f1.ws, f1.ws_bytes, &v1), AM_OK);
+                        assert_int_equal(am_workspace_view_get(&sh, f2.ws, f2.ws_bytes, &v2), AM_OK);
+                        assert_memory_equal(v1.u2_sum, v2.u2_sum, sizeof *v1.u2_sum);
+                    }
                 }
                 t_fix_free(&f1);
                 t_fix_free(&f2);
@@ -68,6 +79,57 @@ static void test_phases_equal_update(void **unused) {
                 free(p2);
                 free(g);
             }
+}
+
+/* am_update's sweep of many small matrices sums its per-matrix sums of
+ * u*u in groups of AM_SUM_GROUP (64), the phases tile by tile with
+ * am_sum_tiles: the same sum to the last bit. With eps = 1 (u*u about
+ * 1000 g*g for small g) and each matrix's gradient in one binade, rising
+ * along each group and from group to group, the per-matrix sums span about
+ * 2^100 and their order decides the double additions' rounding: summing a
+ * group, or the groups, in reverse order fails here. */
+static void test_phases_sum_groups(void **unused) {
+    const int64_t d[4] = {67, 65, 3, 3};
+    am_shape sh = t_shape(4, d);
+    const int64_t n = t_numel(&sh), B = 67 * 65;
+    float *p1 = t_calloc(n * 4), *p2 = t_calloc(n * 4), *g = t_calloc(n * 4);
+    am_tensor t1 = t_tensor(p1, AM_DTYPE_FLOAT32, &sh), t2 = t_tensor(p2, AM_DTYPE_FLOAT32, &sh);
+    am_tensor gt = t_tensor(g, AM_DTYPE_FLOAT32, &sh);
+    am_hparams hp = am_hparams_default();
+    am_rng_key key = {7, 1};
+    am_workspace_view v1, v2;
+    uint64_t rs = t_seed() ^ 0x5a2u;
+    t_fix f1, f2;
+    int64_t b, i;
+    int s;
+    (void)unused;
+    hp.eps = 1.0f;
+    t_fix_init(&f1, &sh, 1e-3);
+    t_fix_init(&f2, &sh, 1e-3);
+    for (i = 0; i < n; i++) t_store_random(p1, AM_DTYPE_FLOAT32, i, &rs, -3, 1);
+    memcpy(p2, p1, (size_t)n * 4);
+    for (s = 0; s < 2; s++) {
+        for (b = 0; b < B; b++) {
+            /* rising within each group of 64 (summed in order, the small
+             * ones add up before the large ones come), and from group to
+             * group */
+            const int e = -45 + (int)(b % 64) * 40 / 64 + (int)(b / 64 % 10);
+            for (i = 9 * b; i < 9 * b + 9; i++) t_store_random(g, AM_DTYPE_FLOAT32, i, &rs, e, e + 1);
+        }
+        assert_int_equal(am_update(&t1, &gt, &f1.st, &hp, key, f1.ws, f1.ws_bytes, NULL), AM_OK);
+        assert_int_equal(am_update_stats(&t2, &gt, &f2.st, &hp, f2.ws, f2.ws_bytes), AM_OK);
+        assert_int_equal(am_update_moments(&t2, &gt, &f2.st, &hp, f2.ws, f2.ws_bytes), AM_OK);
+        assert_int_equal(am_update_finish(&t2, &gt, &f2.st, &hp, key, f2.ws, f2.ws_bytes, NULL), AM_OK);
+        assert_int_equal(am_workspace_view_get(&sh, f1.ws, f1.ws_bytes, &v1), AM_OK);
+        assert_int_equal(am_workspace_view_get(&sh, f2.ws, f2.ws_bytes, &v2), AM_OK);
+        assert_memory_equal(v1.u2_sum, v2.u2_sum, sizeof *v1.u2_sum);
+        assert_memory_equal(p1, p2, (size_t)n * 4);
+    }
+    t_fix_free(&f1);
+    t_fix_free(&f2);
+    free(p1);
+    free(p2);
+    free(g);
 }
 
 /* The view after each phase, against plain double sums. */
@@ -267,6 +329,7 @@ static void test_sharded_protocol(void **unused) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_phases_equal_update),
+        cmocka_unit_test(test_phases_sum_groups),
         cmocka_unit_test(test_view_contents),
         cmocka_unit_test(test_sharded_protocol),
         cmocka_unit_test(test_rows_changed_between_phases),
