@@ -6,6 +6,8 @@
  * and POPCNT, and the OS saves the ymm registers (OSXSAVE + XGETBV); the
  * scalar reference otherwise. AUTOMAGIC_FORCE_SCALAR=1 keeps the reference;
  * AUTOMAGIC_DEBUG=1 logs the chosen set (and why) through the log callback.
+ * Software prefetch in the streaming kernels (am_sw_prefetch, simd.h): off
+ * on AMD CPUs, on elsewhere; AUTOMAGIC_PREFETCH=0|1 overrides.
  * FMA is required only as the marker of the Haswell-class feature set the
  * kernels are tuned for; the kernels themselves never fuse (SPEC 5).
  *
@@ -33,6 +35,7 @@
 static double g_par_min_bytes = AM_PAR_MIN_BYTES;
 
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+static void choose(void);
 static const am_kernels *g_best;            /* best the CPU supports */
 static const am_kernels *_Atomic g_current; /* in use */
 static atomic_int g_num_threads = 1;
@@ -68,12 +71,31 @@ static int detect_avx2(void) { return 0; }
 static int detect_avx512(void) { return 0; }
 #endif
 
-static int g_has_avx2, g_has_avx512;
+static int g_has_avx2, g_has_avx512, g_is_amd;
 static pthread_once_t g_cpu_once = PTHREAD_ONCE_INIT;
+static atomic_int g_sw_prefetch = 1; /* set by choose() */
+
+#if defined(__x86_64__) || defined(__i386__)
+static int detect_amd(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return 0;
+    return b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u; /* "AuthenticAMD" */
+}
+#else
+static int detect_amd(void) { return 0; }
+#endif
 
 static void detect(void) {
     g_has_avx2 = detect_avx2();
     g_has_avx512 = detect_avx512();
+    g_is_amd = detect_amd();
+}
+
+int am_sw_prefetch(void) { return atomic_load_explicit(&g_sw_prefetch, memory_order_relaxed); }
+
+void am_set_sw_prefetch(int on) {
+    pthread_once(&g_once, choose);
+    atomic_store(&g_sw_prefetch, on != 0);
 }
 
 int am_cpu_has_avx512(void) {
@@ -85,9 +107,11 @@ static void choose(void) {
     const char *force = getenv("AUTOMAGIC_FORCE_SCALAR");
     const char *dbg = getenv("AUTOMAGIC_DEBUG");
     const char *pmb = getenv("AUTOMAGIC_PAR_MIN_BYTES");
+    const char *pf = getenv("AUTOMAGIC_PREFETCH");
     const char *why = "no optimised kernels for this CPU";
     pthread_once(&g_cpu_once, detect);
     if (pmb && pmb[0]) g_par_min_bytes = atof(pmb);
+    atomic_store(&g_sw_prefetch, pf && (pf[0] == '0' || pf[0] == '1') ? pf[0] == '1' : !g_is_amd);
     g_best = &am_kernels_ref;
     if (am_kernels_avx2() == NULL) why = "library built without AVX2 kernels";
     else if (g_has_avx2) {
@@ -104,8 +128,11 @@ static void choose(void) {
         why = "AUTOMAGIC_FORCE_SCALAR=1";
     }
     if (dbg && dbg[0] == '1')
-        am_log(AM_LOG_INFO, "automagic: using %s kernels (%s)",
-               atomic_load(&g_current)->name, why);
+        am_log(AM_LOG_INFO, "automagic: using %s kernels (%s); software prefetch %s (%s)",
+               atomic_load(&g_current)->name, why, atomic_load(&g_sw_prefetch) ? "on" : "off",
+               pf && (pf[0] == '0' || pf[0] == '1') ? "AUTOMAGIC_PREFETCH"
+               : g_is_amd                           ? "AMD CPU"
+                                                    : "not an AMD CPU");
 }
 
 int am_cpu_has_avx2(void) {

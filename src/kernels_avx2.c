@@ -515,9 +515,10 @@ AM_INLINE double u2_flat_body(const void *g, const int gdt, const float *sq,
     float a[AM_LANES];
     int64_t e = e0;
     int overflow;
+    const int pf = am_sw_prefetch();
     for (; e + 8 <= e1; e += 8) {
         const __m256 x = am_ld8(g, gdt, e);
-        if ((e & 15) == 0) { /* one line of sq per two vectors */
+        if (pf && (e & 15) == 0) { /* one line of sq per two vectors */
             _mm_prefetch((const char *)(sq + e + AM_FLAT_PREFETCH), _MM_HINT_T0);
             _mm_prefetch((const char *)g + (e + AM_FLAT_PREFETCH) * esize(gdt), _MM_HINT_T0);
         }
@@ -747,6 +748,7 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
     const __m256 wdv = _mm256_set1_ps(k->wd);
     const int has_wd = k->wd != 0.0f, unscaled = inv == 1.0f;
     const int64_t nv = C & ~(int64_t)7, n64 = C & ~(int64_t)63;
+    const int pf = am_sw_prefetch();
     bitw bw = {pol_row, 0, 0, 0};
     rngwin w;
     int64_t r, j;
@@ -768,11 +770,12 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
              * that costs time) the same columns of the next matrix row: two
              * more streams in flight, which one core needs to read memory at
              * full speed (measured, 4096x4096 apply 14.0 -> 10.8 ms at 1
-             * thread, 8.2 -> 6.5 ms at 2; docs/PERFORMANCE.md). */
-            if (pdt != AM_DTYPE_FLOAT32) {
+             * thread, 8.2 -> 6.5 ms at 2; docs/PERFORMANCE.md). None
+             * where the hardware prefetchers keep up (am_sw_prefetch). */
+            if (pf && pdt != AM_DTYPE_FLOAT32) {
                 _mm_prefetch((const char *)p + (base + j + AM_PREFETCH) * (int64_t)esize(pdt), _MM_HINT_T0);
                 _mm_prefetch((const char *)g + (base + j + AM_PREFETCH) * (int64_t)esize(gdt), _MM_HINT_T0);
-            } else {
+            } else if (pf) {
                 const char *np = (const char *)p + (base + C + j) * 4;
                 const char *ng = (const char *)g + (base + C + j) * (int64_t)esize(gdt);
                 int l;
@@ -971,7 +974,8 @@ static void avx512x_apply_rows(void *p, int pdt, const void *g, int gdt,
                                uint32_t param_id, int64_t step, uint8_t *pol_row) {
     /* every callee returns with vzeroupper (AM_CLEAN_RETURN, simd.h) */
     if (C >= AM_SMALL_C) {
-        if (pdt != AM_DTYPE_FLOAT32)
+        /* float32 too when software prefetch is off (am_sw_prefetch) */
+        if (pdt != AM_DTYPE_FLOAT32 || !am_sw_prefetch())
             g_apply16(p, pdt, g, gdt, R, C, r0, r1, rf, cf, inv, lr, k, seed, param_id,
                       step, pol_row);
         else

@@ -2,7 +2,8 @@
  * kernels_avx512.c — the passes that are compute-bound, with AVX-512F/BW,
  * 16 elements per vector: the factored apply (apply_rows) of
  * bfloat16/float16 parameters, whose stochastic rounding dominates it
- * (float32 parameters are memory-bound there and keep the AVX2 kernels),
+ * (float32 parameters too where software prefetch is off, see
+ * am_sw_prefetch in simd.h; elsewhere they keep the AVX2 kernels),
  * the unfactored finish (finish_flat) of every dtype (its square roots and
  * divisions, and the rounding of 16-bit ones), and the apply and
  * agreement sweep of small matrices (C < 16, R*C <= 64: convolution
@@ -464,6 +465,7 @@ AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
     const __m512 iv = _mm512_set1_ps(inv), lrv = _mm512_set1_ps(lr),
                  wdv = _mm512_set1_ps(k->wd);
     const float wdf = k->wd;
+    const int pf = am_sw_prefetch(), es = pdt == AM_DTYPE_FLOAT32 ? 4 : 2;
     bitw bw = {pol_row, 0, 0, 0};
     int64_t r, j;
     for (r = r0; r < r1; r++) {
@@ -476,12 +478,16 @@ AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
             scaled, wd, w)
         for (j = 0; j < n64; j += 64) {
             uint64_t bits;
-            rng_need(w, base + j, 64);
-            w->span0 = base + j;
-            _mm_prefetch((const char *)p + (base + j + AM_PREFETCH) * 2, _MM_HINT_T0);
-            _mm_prefetch((const char *)g + (base + j + AM_PREFETCH) *
-                                               (gdt == AM_DTYPE_FLOAT32 ? 4 : 2),
-                         _MM_HINT_T0);
+            if (pdt != AM_DTYPE_FLOAT32) { /* float32 is stored unrounded */
+                rng_need(w, base + j, 64);
+                w->span0 = base + j;
+            }
+            if (pf) { /* am_sw_prefetch (simd.h) */
+                _mm_prefetch((const char *)p + (base + j + AM_PREFETCH) * es, _MM_HINT_T0);
+                _mm_prefetch((const char *)g + (base + j + AM_PREFETCH) *
+                                                   (gdt == AM_DTYPE_FLOAT32 ? 4 : 2),
+                             _MM_HINT_T0);
+            }
             bits = (uint64_t)AM_APPLY16(j) | (uint64_t)AM_APPLY16(j + 16) << 16 |
                    (uint64_t)AM_APPLY16(j + 32) << 32 | (uint64_t)AM_APPLY16(j + 48) << 48;
             if (pol_row) bw_put64(&bw, bits);
@@ -489,8 +495,10 @@ AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
         }
         for (; j < n16; j += 16) {
             unsigned bits;
-            rng_need(w, base + j, 16);
-            w->span0 = base + j;
+            if (pdt != AM_DTYPE_FLOAT32) {
+                rng_need(w, base + j, 16);
+                w->span0 = base + j;
+            }
             bits = AM_APPLY16(j);
             if (pol_row) bw_put(&bw, bits, 16);
             if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) f16_fixup((uint16_t *)p, w);
@@ -523,18 +531,22 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
     apply_body(p, PD, g, GD, R, C, r0, r1, rf, cf, inv, lr, k, seed,       \
                param_id, step, pol_row)
 
-/* pdt must be bfloat16 or float16 and C >= 16. */
+/* C >= 16, any dtypes (kernels_avx2.c sends float32 parameters here only
+ * when software prefetch is off: am_sw_prefetch, simd.h). */
 static void avx512_apply_rows(void *p, int pdt, const void *g, int gdt,
                               int64_t R, int64_t C, int64_t r0, int64_t r1,
                               const float *rf, const float *cf, float inv,
                               float lr, const am_consts *k, uint64_t seed,
                               uint32_t param_id, int64_t step, uint8_t *pol_row) {
-    switch ((pdt - 1) * 3 + gdt) {
-    case 0: AM_512_CASE(1, 0); break;
-    case 1: AM_512_CASE(1, 1); break;
-    case 2: AM_512_CASE(1, 2); break;
-    case 3: AM_512_CASE(2, 0); break;
-    case 4: AM_512_CASE(2, 1); break;
+    switch (pdt * 3 + gdt) {
+    case 0: AM_512_CASE(0, 0); break;
+    case 1: AM_512_CASE(0, 1); break;
+    case 2: AM_512_CASE(0, 2); break;
+    case 3: AM_512_CASE(1, 0); break;
+    case 4: AM_512_CASE(1, 1); break;
+    case 5: AM_512_CASE(1, 2); break;
+    case 6: AM_512_CASE(2, 0); break;
+    case 7: AM_512_CASE(2, 1); break;
     default: AM_512_CASE(2, 2); break;
     }
     _mm256_zeroupper(); /* see AM_CLEAN_RETURN (simd.h) */
@@ -890,6 +902,7 @@ AM_INLINE int64_t flat_mode(void *p, const int pdt, const void *g, const int gdt
     const __m512 lo = _mm512_set1_ps(k->min_lr), hi = _mm512_set1_ps(k->max_lr);
     const __m512 b2 = _mm512_set1_ps(k->beta2), omb2 = _mm512_set1_ps(k->one_m_beta2);
     const __m512 eps = _mm512_set1_ps(k->eps), one = _mm512_set1_ps(1.0f);
+    const int pf = am_sw_prefetch();
     int64_t e = e0, matches = 0;
     /* e0 % 8 == 0: every vector owns two whole polarity bytes */
     for (; e + 16 <= e1; e += 16) {
@@ -899,10 +912,12 @@ AM_INLINE int64_t flat_mode(void *p, const int pdt, const void *g, const int gdt
         __m512 u = _mm512_mul_ps(_mm512_div_ps(one, _mm512_sqrt_ps(_mm512_add_ps(v, eps))), x);
         __m512 lrv = _mm512_loadu_ps(lr + e), pv, t;
         uint16_t pb, mb, old;
-        _mm_prefetch((const char *)(sq + e + AM_FLAT_PREFETCH), _MM_HINT_T0);
-        _mm_prefetch((const char *)(lr + e + AM_FLAT_PREFETCH), _MM_HINT_T0);
-        _mm_prefetch((const char *)p + (e + AM_FLAT_PREFETCH) * (pdt == AM_DTYPE_FLOAT32 ? 4 : 2), _MM_HINT_T0);
-        _mm_prefetch((const char *)g + (e + AM_FLAT_PREFETCH) * (gdt == AM_DTYPE_FLOAT32 ? 4 : 2), _MM_HINT_T0);
+        if (pf) { /* am_sw_prefetch (simd.h) */
+            _mm_prefetch((const char *)(sq + e + AM_FLAT_PREFETCH), _MM_HINT_T0);
+            _mm_prefetch((const char *)(lr + e + AM_FLAT_PREFETCH), _MM_HINT_T0);
+            _mm_prefetch((const char *)p + (e + AM_FLAT_PREFETCH) * (pdt == AM_DTYPE_FLOAT32 ? 4 : 2), _MM_HINT_T0);
+            _mm_prefetch((const char *)g + (e + AM_FLAT_PREFETCH) * (gdt == AM_DTYPE_FLOAT32 ? 4 : 2), _MM_HINT_T0);
+        }
         if (pdt != AM_DTYPE_FLOAT32) { /* float32 is stored unrounded */
             rng_need(w, e, 16);
             w->span0 = e;

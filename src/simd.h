@@ -246,6 +246,20 @@ int am_cpu_has_avx512(void);
  * enabled (cpuid + xgetbv); checked once, thread-safe. */
 int am_cpu_has_avx2(void);
 
+/* 1 when the streaming kernels issue software prefetches (the process's
+ * choice, made with the kernel set): on CPUs where one core's hardware
+ * prefetchers leave memory idle (the Intel machines of earlier sessions:
+ * a 4096x4096 float32 apply 14.0 -> 10.8 ms with them), not on AMD, whose
+ * prefetchers keep up and where the extra loads cost time (Zen 4, measured:
+ * the same apply 9.0 -> 7.7 ms without them, and 5.9 ms in AVX-512, which
+ * runs float32 parameters' apply only when this is 0). AUTOMAGIC_PREFETCH=0
+ * or 1 overrides the default (not AMD: 1; AMD: 0). Either way, same bits. */
+int am_sw_prefetch(void);
+
+/* For tests and benchmarks: sets am_sw_prefetch() (not thread-safe with
+ * respect to updates running at the same time). */
+void am_set_sw_prefetch(int on);
+
 /* For tests and benchmarks: 1 selects the scalar reference, 0 the best set
  * the CPU supports (the default, unless AUTOMAGIC_FORCE_SCALAR=1). Not
  * thread-safe with respect to updates running at the same time. */

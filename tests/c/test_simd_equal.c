@@ -2,8 +2,8 @@
  * for every thread count.
  *
  * 1. Kernel slots, one by one: the AVX2 table against am_kernels_ref on
- *    awkward sizes, offsets and every dtype pair (skipped, saying so, when the
- *    CPU or the build has no AVX2).
+ *    awkward sizes, offsets and every dtype pair, with software prefetch
+ *    on and off (skipped, saying so, when the CPU or the build has no AVX2).
  * 2. Whole updates (3 steps) through am_update: scalar on 1 thread is the
  *    baseline; the best kernels on 1, 2 and 3 threads and the scalar kernels
  *    on 3 threads must reproduce parameter, lr, polarity, second moments and
@@ -317,16 +317,23 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
 static void test_slots(void **unused) {
     const am_kernels *simd = am_kernels_avx2();
     uint64_t s = g_seed;
-    int si, gdt, pdt;
+    const int pf0 = am_sw_prefetch();
+    int si, gdt, pdt, pf;
     (void)unused;
     if (!simd || !am_cpu_has_avx2()) {
         print_message("SKIPPED: no AVX2 kernels on this build/CPU; nothing to compare\n");
         skip();
     }
-    for (si = 0; si < NSIZES; si++)
-        for (gdt = 0; gdt < 3; gdt++)
-            for (pdt = 0; pdt < 3; pdt++)
-                check_slots(&am_kernels_ref, simd, SIZES[si], gdt, pdt, &s);
+    /* with and without software prefetch (am_sw_prefetch): on an AVX-512
+     * CPU, float32 parameters' apply runs in AVX-512 without it */
+    for (pf = 1; pf >= 0; pf--) {
+        am_set_sw_prefetch(pf);
+        for (si = 0; si < NSIZES; si++)
+            for (gdt = 0; gdt < 3; gdt++)
+                for (pdt = 0; pdt < 3; pdt++)
+                    check_slots(&am_kernels_ref, simd, SIZES[si], gdt, pdt, &s);
+    }
+    am_set_sw_prefetch(pf0);
     /* On a CPU with AVX-512 the set in use has AVX-512 parts: the plain
      * AVX2 set (what CPUs without it run) is checked too. */
     if (simd != am_kernels_avx2_plain()) {
