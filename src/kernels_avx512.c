@@ -291,7 +291,10 @@ AM_INLINE uint32_t pos_mask32(const int gdt, __m512i a, __m512i b, __m512i *mn) 
  * group); they are prefetched as these are read: twice the streams in
  * flight, which one core needs to read memory at full speed here
  * (measured: the stats of a 4096x4096 float32 update at 2 threads 4.5 ->
- * 3.4 ms, bfloat16 3.2 -> 2.9 ms). */
+ * 3.4 ms, bfloat16 3.2 -> 2.9 ms). pf 1: into L1 (as measured there, an
+ * Intel machine); 2: into L2 only, where am_sw_prefetch is off (Zen 4,
+ * twelfth session: into L1 no faster than none; into L2 the float32 stats
+ * 4.9 -> 3.6-4.2 ms at 1 thread, 2.8-3.2 -> 2.0-2.6 ms at 2). */
 AM_INLINE void stats_rows(const void *g, const int gdt, const int cnt, const int nr,
                           int64_t C, int64_t i, int64_t j0, int64_t n, float *rowpart,
                           float *colpart, const am_polmap *pm, int32_t *rowmatch,
@@ -309,11 +312,17 @@ AM_INLINE void stats_rows(const void *g, const int gdt, const int cnt, const int
     }
     for (j = 0; j < n32; j += 32) {
         __m512 clo = _mm512_loadu_ps(colpart + j), chi = _mm512_loadu_ps(colpart + j + 16);
-        if (pf) /* the next group's rows (stats_body) */
+        if (pf == 1) /* the next group's rows (stats_body) */
             for (q = 0; q < 4; q++) {
                 const char *nx = (const char *)g + (size_t)((i + 4 + q) * C + j0 + j) * es;
                 _mm_prefetch(nx, _MM_HINT_T0);
                 if (es == 4) _mm_prefetch(nx + 64, _MM_HINT_T0);
+            }
+        else if (pf == 2) /* the same into L2 only (am_sw_prefetch off) */
+            for (q = 0; q < 4; q++) {
+                const char *nx = (const char *)g + (size_t)((i + 4 + q) * C + j0 + j) * es;
+                _mm_prefetch(nx, _MM_HINT_T1);
+                if (es == 4) _mm_prefetch(nx + 64, _MM_HINT_T1);
             }
         for (q = 0; q < nr; q++) {
             __m512 lo, hi;
@@ -381,6 +390,7 @@ AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C
     float mp = INFINITY;
     int64_t i, j;
     int q, pending = 0; /* wg's W sums wait for the next group's stats */
+    const int pfmode = am_sw_prefetch() ? 1 : 2; /* stats_rows' pf */
     wgroup wg;
     for (j = 0; j < n; j++) colpart[j] = 0.0f;
     if (ws) {
@@ -390,7 +400,7 @@ AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C
     for (i = i0; i + 4 <= i1; i += 4) {
         stats_rows(g, gdt, cnt, 4, C, i, j0, n, rowpart + (i - i0), colpart, pm,
                    cnt ? rowmatch + (i - i0) : NULL, &mn, &mp, pending ? &wg : NULL,
-                   i + 8 <= i1);
+                   i + 8 <= i1 ? pfmode : 0);
         if (ws) {
             for (q = 0; q < 4; q++) {
                 wg.w[q] = am_wsum_weight(ws, i + q, rowpart[i + q - i0]);
