@@ -57,6 +57,23 @@ def gpt2_small_shapes():
     return out
 
 
+def cpu_model():
+    """The CPU's name, vendor, family and model as /proc/cpuinfo gives them
+    (kernel tuning differs by vendor: docs/PERFORMANCE.md); "" elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = {}
+            for line in f:
+                if not line.strip():
+                    break
+                k, _, v = line.partition(":")
+                info[k.strip()] = v.strip()
+    except OSError:
+        return ""
+    return "%s (%s, family %s, model %s)" % (info.get("model name", "?"), info.get("vendor_id", "?"),
+                                              info.get("cpu family", "?"), info.get("model", "?"))
+
+
 def numel(shape):
     n = 1
     for s in shape:
@@ -281,6 +298,7 @@ def main():
     shapes = QUICK_SHAPES if args.quick else SHAPES
     min_time, reps = (0.0, 1) if args.quick else (0.5, 3)
     result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                          "cpu_model": cpu_model(),
                           "torch": torch.__version__, "python": platform.python_version(),
                           "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())},
               "kernels": [], "torch": [], "gpt2": None, "threshold": []}
@@ -470,8 +488,9 @@ def print_tables(result):
 def markdown(result):
     """The tables of print_tables as Markdown (for docs/PERFORMANCE.md)."""
     m = result["machine"]
-    out = ["Measured %s UTC on %s, %d CPUs, torch %s.\n" % (
-        m["date_utc"], m["platform"], m["cpus"], m["torch"])]
+    out = ["Measured %s UTC on %s, %d CPUs%s, torch %s.\n" % (
+        m["date_utc"], m["platform"], m["cpus"],
+        " (%s)" % m["cpu_model"] if m.get("cpu_model") else "", m["torch"])]
     out.append("| shape | dtype | thr | kernels | ns/elem | CPU ns/elem | GB/s (model) | "
                "triad GB/s | of bound |")
     out.append("|---|---|---|---|---|---|---|---|---|")

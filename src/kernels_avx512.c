@@ -292,7 +292,7 @@ AM_INLINE uint32_t pos_mask32(const int gdt, __m512i a, __m512i b, __m512i *mn) 
  * flight, which one core needs to read memory at full speed here
  * (measured: the stats of a 4096x4096 float32 update at 2 threads 4.5 ->
  * 3.4 ms, bfloat16 3.2 -> 2.9 ms). pf 1: into L1 (as measured there, an
- * Intel machine); 2: into L2 only, where am_sw_prefetch is off (Zen 4,
+ * earlier session's machine); 2: into L2 only, where am_sw_prefetch is off (Zen 4,
  * twelfth session: into L1 no faster than none; into L2 the float32 stats
  * 4.9 -> 3.6-4.2 ms at 1 thread, 2.8-3.2 -> 2.0-2.6 ms at 2). */
 AM_INLINE void stats_rows(const void *g, const int gdt, const int cnt, const int nr,

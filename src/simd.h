@@ -247,13 +247,14 @@ int am_cpu_has_avx512(void);
 int am_cpu_has_avx2(void);
 
 /* 1 when the streaming kernels issue software prefetches (the process's
- * choice, made with the kernel set): on CPUs where one core's hardware
- * prefetchers leave memory idle (the Intel machines of earlier sessions:
- * a 4096x4096 float32 apply 14.0 -> 10.8 ms with them), not on AMD, whose
- * prefetchers keep up and where the extra loads cost time (Zen 4, measured:
- * the same apply 9.0 -> 7.7 ms without them, and 5.9 ms in AVX-512, which
- * runs float32 parameters' apply only when this is 0). AUTOMAGIC_PREFETCH=0
- * or 1 overrides the default (not AMD: 1; AMD: 0). Either way, same bits. */
+ * choice, made with the kernel set). On by default: on the machines of
+ * earlier sessions (about 2 GHz, their make not recorded) one core's
+ * hardware prefetchers left memory idle, and a 4096x4096 float32 apply
+ * went 14.0 -> 10.8 ms with them. Off on AMD CPUs: on Zen 4 (twelfth
+ * session) they cost time, the same apply 9.0 -> 7.7 ms without them and
+ * 5.9 ms in AVX-512, which runs float32 parameters' apply only when this
+ * is 0 (other AMD families follow Zen 4 unmeasured). AUTOMAGIC_PREFETCH=0
+ * or 1 overrides the default. Either way, the same bits. */
 int am_sw_prefetch(void);
 
 /* For tests and benchmarks: sets am_sw_prefetch() (not thread-safe with
