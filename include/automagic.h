@@ -266,6 +266,46 @@ AM_API am_status am_update(const am_tensor *param, const am_tensor *grad,
                            am_rng_key key, void *workspace,
                            size_t workspace_bytes, am_report *report);
 
+/* One parameter's update in am_update_batch: the arguments of am_update,
+ * and its status on return. */
+typedef struct am_batch_item {
+    const am_tensor *param;
+    const am_tensor *grad;
+    am_state *state;
+    const am_hparams *hp;
+    am_rng_key key;
+    am_report *report; /* may be NULL */
+    am_status status;  /* out: what am_update returned for this item */
+} am_batch_item;
+
+/* The workspace am_update_batch needs for these items when it runs on
+ * nthreads threads (am_get_num_threads() at the call): in *bytes.
+ * Returns AM_OK, or the first item's argument error as am_update_batch
+ * would (AM_ERR_NULL_POINTER for items or bytes NULL with n > 0,
+ * AM_ERR_INVALID_ARGUMENT for n < 0 or nthreads < 1). */
+AM_API am_status am_update_batch_workspace(const am_batch_item *items, int64_t n,
+                                           int nthreads, size_t *bytes);
+
+/* The updates of n parameters, with the result of am_update on each item
+ * in turn (the same bits), faster on several threads: whole parameters go
+ * to separate threads (each update on one thread), so that one thread's
+ * pass that only reads the gradient overlaps another's apply, which reads
+ * and writes; a parameter larger than a 2 * threads-th of the total runs
+ * first, on every thread. The split depends only on the items' sizes and
+ * the thread count, never on timing.
+ *
+ * Every item is checked before anything is updated: an argument error in
+ * any item (what am_update would return), two items whose parameters or
+ * states share memory (AM_ERR_INVALID_ARGUMENT), or a workspace smaller
+ * than am_update_batch_workspace says (AM_ERR_BUFFER_SIZE) return that
+ * error with nothing modified but the items' status fields (the failing
+ * item's holds the error, the others AM_ERR_INVALID_ARGUMENT: not run).
+ * Otherwise every item is updated and its status set (AM_OK, or a skip
+ * for a non-finite gradient, which leaves that item as it was), and the
+ * call returns AM_OK. Gradients may share memory (they are only read). */
+AM_API am_status am_update_batch(am_batch_item *items, int64_t n, void *workspace,
+                                 size_t workspace_bytes);
+
 /* The phases of am_update, for data-parallel engines that shard a parameter
  * and must reduce the small vectors across processes between phases. Each
  * takes the same arguments as am_update and the same workspace, untouched by

@@ -58,7 +58,7 @@ for step in $STEPS; do
       RUN="setarch $(uname -m) -R"
     fi
     TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/scripts/tsan.supp" \
-      $RUN ctest --test-dir build/tsan --output-on-failure -j"$JOBS" -R thread
+      $RUN ctest --test-dir build/tsan --output-on-failure -j"$JOBS" -R 'thread|batch'
     ;;
   *)
     echo "unknown step $step (asan, valgrind, tsan)"

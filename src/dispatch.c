@@ -165,12 +165,21 @@ am_status am_set_num_threads(int n) {
 
 int am_get_num_threads(void) { return atomic_load(&g_num_threads); }
 
+static _Thread_local int g_thread_serial;
+
+int am_set_thread_serial(int on) {
+    const int was = g_thread_serial;
+    g_thread_serial = on;
+    return was;
+}
+
 void am_parallel_for(int64_t ntasks, double cost_per_task, am_task_fn fn,
                      void *ctx) {
     int64_t t;
     int n = atomic_load(&g_num_threads);
     pthread_once(&g_once, choose);
-    if (n > 1 && ntasks > 1 && cost_per_task * (double)ntasks >= g_par_min_bytes) {
+    if (n > 1 && ntasks > 1 && !g_thread_serial &&
+        cost_per_task * (double)ntasks >= g_par_min_bytes) {
         if (n > ntasks) n = (int)ntasks;
         if (am_pool_run(n, ntasks, fn, ctx)) return;
     }

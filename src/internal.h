@@ -354,6 +354,18 @@ typedef void (*am_task_fn)(void *ctx, int64_t task);
 void am_parallel_for(int64_t ntasks, double cost_per_task, am_task_fn fn,
                      void *ctx);
 
+/* 1 makes every am_parallel_for of the calling thread run serially until
+ * it is set back to 0 (am_update_batch's tasks, each one update on one
+ * thread). Returns the previous setting. */
+int am_set_thread_serial(int on);
+
+/* am_update's argument checks without the workspace: AM_OK and the
+ * workspace size in *workspace_bytes, or the error am_update would
+ * return (with its message). Modifies nothing. */
+am_status am_update_check(const am_tensor *param, const am_tensor *grad,
+                          const am_state *state, const am_hparams *hp,
+                          int64_t *workspace_bytes);
+
 /* Derived float32 constants of hp. */
 am_consts am_consts_from(const am_hparams *hp);
 

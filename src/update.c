@@ -60,10 +60,9 @@ static am_status check_state(const am_geom *g, const am_state *s) {
     return AM_OK;
 }
 
-/* Every argument check of every phase; fills u. Modifies nothing. */
-static am_status prepare(upd *u, const am_tensor *param, const am_tensor *grad,
-                         const am_state *state, const am_hparams *hp,
-                         void *workspace, size_t workspace_bytes) {
+/* Every argument check but the workspace's; fills u->g. Modifies nothing. */
+static am_status validate(upd *u, const am_tensor *param, const am_tensor *grad,
+                          const am_state *state, const am_hparams *hp) {
     int32_t d;
     AM_RETURN_IF(!param, AM_ERR_NULL_POINTER, "param is NULL");
     AM_RETURN_IF(!grad, AM_ERR_NULL_POINTER, "grad is NULL");
@@ -89,6 +88,24 @@ static am_status prepare(upd *u, const am_tensor *param, const am_tensor *grad,
         AM_RETURN_IF(!param->data, AM_ERR_NULL_POINTER, "param data is NULL");
         AM_RETURN_IF(!grad->data, AM_ERR_NULL_POINTER, "grad data is NULL");
     }
+    return AM_OK;
+}
+
+am_status am_update_check(const am_tensor *param, const am_tensor *grad,
+                          const am_state *state, const am_hparams *hp,
+                          int64_t *workspace_bytes) {
+    upd u;
+    memset(&u, 0, sizeof u);
+    AM_CHECK(validate(&u, param, grad, state, hp));
+    *workspace_bytes = u.g.sizes.workspace_bytes;
+    return AM_OK;
+}
+
+/* Every argument check of every phase; fills u. Modifies nothing. */
+static am_status prepare(upd *u, const am_tensor *param, const am_tensor *grad,
+                         const am_state *state, const am_hparams *hp,
+                         void *workspace, size_t workspace_bytes) {
+    AM_CHECK(validate(u, param, grad, state, hp));
     AM_RETURN_IF(!workspace, AM_ERR_NULL_POINTER, "workspace is NULL");
     u->ws = am_ws_base(&u->g, workspace, workspace_bytes);
     AM_RETURN_IF(!u->ws, AM_ERR_BUFFER_SIZE,

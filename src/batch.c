@@ -1,0 +1,250 @@
+/*
+ * batch.c — am_update_batch: the updates of many parameters in one call,
+ * whole parameters spread over the threads.
+ *
+ * Why: an update reads the gradient once in a pass of its own (the stats
+ * pass: the clip needs the factored moments of the whole tensor before any
+ * element can move) and then reads it again with the parameter, which it
+ * writes. am_update splits each pass of one tensor over every thread, so
+ * all cores run the read-only pass at the same time. On the twelfth
+ * session's machine (AMD EPYC, Zen 4) memory gives a read-only stream much
+ * less than one that also writes (docs/PERFORMANCE.md); with whole
+ * parameters on separate threads the passes of different tensors overlap.
+ *
+ * The split is a function of the items' sizes and the thread count only:
+ * a parameter larger than total / (2 * threads) elements ("big") runs
+ * first, in item order, with every thread (one tensor that large would
+ * leave the other threads idle); the others are assigned largest first,
+ * each to the thread with the least work so far (ties: the lowest thread),
+ * and each thread runs its parameters in that order, one thread per
+ * update. Updates of different parameters are independent and an update's
+ * bits do not depend on its thread count, so the result is am_update on
+ * each item in turn, bit for bit (test_batch.c).
+ *
+ * Workspace (am_update_batch_workspace): the schedule (16 bytes per item),
+ * then one slot per thread, each the largest item's am_update workspace.
+ */
+#include "internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct sched_entry {
+    int64_t numel; /* sort key */
+    int64_t item;
+    int64_t group; /* thread, or -1 for a big item */
+} sched_entry;
+
+typedef struct batch {
+    am_batch_item *items;
+    sched_entry *sched;
+    int64_t n;
+    unsigned char *slots;
+    size_t slot_bytes;
+} batch;
+
+static size_t round64(size_t x) { return (x + 63u) & ~(size_t)63u; }
+
+static int slot_count(int64_t n, int nthreads) {
+    return n < (int64_t)nthreads ? (n > 0 ? (int)n : 1) : nthreads;
+}
+
+/* Checks item i as am_update would (no workspace); its sizes in *sz. */
+static am_status check_item(const am_batch_item *it, int64_t i, am_state_sizes *sz) {
+    int64_t ws = 0;
+    am_status s;
+    AM_RETURN_IF(!it->param, AM_ERR_NULL_POINTER, "am_update_batch: item %lld: param is NULL",
+                 (long long)i);
+    /* on an error, am_update's message (the item's status says which) */
+    s = am_update_check(it->param, it->grad, it->state, it->hp, &ws);
+    return s != AM_OK ? s : am_state_get_sizes(&it->param->shape, sz);
+}
+
+/* A byte range of a parameter or of its state, for the overlap check. */
+typedef struct span {
+    uintptr_t lo, hi;
+    int64_t item;
+} span;
+
+static int cmp_span(const void *a, const void *b) {
+    const span *x = (const span *)a, *y = (const span *)b;
+    return (x->lo > y->lo) - (x->lo < y->lo);
+}
+
+static void add_span(span *sp, int *k, const void *p, int64_t bytes, int64_t item) {
+    if (p && bytes > 0) {
+        sp[*k].lo = (uintptr_t)p;
+        sp[*k].hi = (uintptr_t)p + (uintptr_t)bytes;
+        sp[*k].item = item;
+        (*k)++;
+    }
+}
+
+/* AM_ERR_INVALID_ARGUMENT when two items' parameters or states share
+ * memory (updated at the same time they would race; in turn, one would
+ * see the other's result). */
+static am_status check_overlap(const am_batch_item *items, int64_t n) {
+    enum { PER_ITEM = 6 };
+    span *sp;
+    int64_t i;
+    int k = 0, j;
+    if (n < 2) return AM_OK;
+    AM_RETURN_IF(n > (int64_t)(0x7fffffff / PER_ITEM), AM_ERR_INVALID_ARGUMENT,
+                 "am_update_batch: n = %lld items is too many", (long long)n);
+    sp = (span *)malloc(sizeof(span) * (size_t)(n * PER_ITEM));
+    AM_RETURN_IF(!sp, AM_ERR_OUT_OF_MEMORY, "am_update_batch: no memory for %lld items",
+                 (long long)n);
+    for (i = 0; i < n; i++) {
+        const am_batch_item *it = &items[i];
+        am_state_sizes sz;
+        if (am_state_get_sizes(&it->param->shape, &sz) != AM_OK || sz.numel == 0) continue;
+        add_span(sp, &k, it->param->data, sz.numel * (int64_t)am_dtype_size(it->param->dtype), i);
+        add_span(sp, &k, it->state->lr, 4 * sz.lr_count, i);
+        add_span(sp, &k, it->state->polarity, sz.polarity_bytes, i);
+        add_span(sp, &k, it->state->row, 4 * sz.row_count, i);
+        add_span(sp, &k, it->state->col, 4 * sz.col_count, i);
+        add_span(sp, &k, it->state->sq, 4 * sz.sq_count, i);
+    }
+    qsort(sp, (size_t)k, sizeof(span), cmp_span);
+    for (j = 1; j < k; j++)
+        if (sp[j].lo < sp[j - 1].hi && sp[j].item != sp[j - 1].item) {
+            const int64_t a = sp[j - 1].item, b = sp[j].item;
+            free(sp);
+            AM_RETURN_IF(1, AM_ERR_INVALID_ARGUMENT,
+                         "am_update_batch: items %lld and %lld share memory (a parameter "
+                         "or a state buffer)",
+                         (long long)(a < b ? a : b), (long long)(a < b ? b : a));
+        }
+    free(sp);
+    return AM_OK;
+}
+
+/* Checks every item; the largest workspace of one update in *max_ws. */
+static am_status check_all(const am_batch_item *items, int64_t n, int64_t *max_ws,
+                           int64_t *err_item) {
+    int64_t i;
+    *max_ws = 0;
+    for (i = 0; i < n; i++) {
+        am_state_sizes sz;
+        const am_status s = check_item(&items[i], i, &sz);
+        if (s != AM_OK) {
+            *err_item = i;
+            return s;
+        }
+        if (sz.workspace_bytes > *max_ws) *max_ws = sz.workspace_bytes;
+    }
+    *err_item = -1;
+    return AM_OK;
+}
+
+static size_t batch_bytes(int64_t n, int nthreads, int64_t max_ws) {
+    return round64(sizeof(sched_entry) * (size_t)(n > 0 ? n : 0)) +
+           (size_t)slot_count(n, nthreads) * round64((size_t)max_ws) + 64u;
+}
+
+am_status am_update_batch_workspace(const am_batch_item *items, int64_t n, int nthreads,
+                                    size_t *bytes) {
+    int64_t max_ws, err;
+    AM_RETURN_IF(!bytes, AM_ERR_NULL_POINTER, "am_update_batch_workspace: bytes is NULL");
+    AM_RETURN_IF(n < 0, AM_ERR_INVALID_ARGUMENT, "am_update_batch_workspace: n = %lld < 0",
+                 (long long)n);
+    AM_RETURN_IF(nthreads < 1, AM_ERR_INVALID_ARGUMENT,
+                 "am_update_batch_workspace: nthreads = %d < 1", nthreads);
+    AM_RETURN_IF(n > 0 && !items, AM_ERR_NULL_POINTER,
+                 "am_update_batch_workspace: items is NULL");
+    AM_CHECK(check_all(items, n, &max_ws, &err));
+    *bytes = batch_bytes(n, nthreads, max_ws);
+    return AM_OK;
+}
+
+static int cmp_sched(const void *a, const void *b) {
+    const sched_entry *x = (const sched_entry *)a, *y = (const sched_entry *)b;
+    if (x->numel != y->numel) return x->numel < y->numel ? 1 : -1; /* larger first */
+    return (x->item > y->item) - (x->item < y->item);
+}
+
+static void run_item(am_batch_item *it, void *slot, size_t slot_bytes) {
+    it->status = am_update(it->param, it->grad, it->state, it->hp, it->key, slot, slot_bytes,
+                           it->report);
+}
+
+/* Thread t's parameters, one update at a time on this thread. */
+static void batch_task(void *ctx, int64_t t) {
+    batch *b = (batch *)ctx;
+    unsigned char *slot = b->slots + (size_t)t * b->slot_bytes;
+    int64_t k;
+    const int was = am_set_thread_serial(1);
+    for (k = 0; k < b->n; k++)
+        if (b->sched[k].group == t) run_item(&b->items[b->sched[k].item], slot, b->slot_bytes);
+    am_set_thread_serial(was);
+}
+
+am_status am_update_batch(am_batch_item *items, int64_t n, void *workspace,
+                          size_t workspace_bytes) {
+    const int nthreads = am_get_num_threads();
+    int64_t max_ws, err, i, total = 0;
+    int T, t;
+    size_t need;
+    batch b;
+    double load[256];
+    am_status s;
+    AM_RETURN_IF(n < 0, AM_ERR_INVALID_ARGUMENT, "am_update_batch: n = %lld < 0", (long long)n);
+    if (n == 0) return AM_OK;
+    AM_RETURN_IF(!items, AM_ERR_NULL_POINTER, "am_update_batch: items is NULL");
+    for (i = 0; i < n; i++) items[i].status = AM_ERR_INVALID_ARGUMENT; /* not run */
+    s = check_all(items, n, &max_ws, &err);
+    if (s == AM_OK) s = check_overlap(items, n);
+    if (s != AM_OK) {
+        if (err >= 0) items[err].status = s;
+        return s;
+    }
+    need = batch_bytes(n, nthreads, max_ws);
+    AM_RETURN_IF(!workspace, AM_ERR_NULL_POINTER, "am_update_batch: workspace is NULL");
+    AM_RETURN_IF(workspace_bytes < need, AM_ERR_BUFFER_SIZE,
+                 "am_update_batch: workspace: %zu bytes given, %zu needed at %d threads "
+                 "(am_update_batch_workspace)",
+                 workspace_bytes, need, nthreads);
+    b.items = items;
+    b.n = n;
+    b.sched = (sched_entry *)(((uintptr_t)workspace + 63u) & ~(uintptr_t)63u);
+    b.slots = (unsigned char *)b.sched + round64(sizeof(sched_entry) * (size_t)n);
+    b.slot_bytes = round64((size_t)max_ws);
+    T = slot_count(n, nthreads);
+    if (T > (int)(sizeof load / sizeof load[0])) T = (int)(sizeof load / sizeof load[0]);
+    if (T == 1) { /* in turn, each update on every thread */
+        for (i = 0; i < n; i++) run_item(&items[i], b.slots, b.slot_bytes);
+        return AM_OK;
+    }
+    for (i = 0; i < n; i++) {
+        am_state_sizes sz;
+        am_state_get_sizes(&items[i].param->shape, &sz); /* checked above */
+        b.sched[i].numel = sz.numel;
+        b.sched[i].item = i;
+        total += sz.numel;
+    }
+    qsort(b.sched, (size_t)n, sizeof(sched_entry), cmp_sched);
+    for (t = 0; t < T; t++) load[t] = 0.0;
+    for (i = 0; i < n; i++) {
+        sched_entry *e = &b.sched[i];
+        int best = 0;
+        if ((double)e->numel * 2.0 * (double)T > (double)total) {
+            e->group = -1;
+            continue;
+        }
+        for (t = 1; t < T; t++)
+            if (load[t] < load[best]) best = t;
+        e->group = best;
+        load[best] += (double)e->numel;
+    }
+    for (i = 0; i < n; i++) /* big ones first, in item order, on every thread */
+        if (b.sched[i].group < 0) {
+            int64_t k, first = -1;
+            for (k = 0; k < n; k++) /* the lowest item index among the big ones left */
+                if (b.sched[k].group == -1 && (first < 0 || b.sched[k].item < b.sched[first].item))
+                    first = k;
+            run_item(&items[b.sched[first].item], b.slots, b.slot_bytes);
+            b.sched[first].group = -2; /* done */
+        }
+    am_parallel_for(T, 12.0 * (double)total / (double)T, batch_task, &b);
+    return AM_OK;
+}

@@ -1,0 +1,278 @@
+/* test_batch.c — am_update_batch gives am_update's bits on each item in turn.
+ *
+ * 1. A GPT-like list of parameters (one big matrix that runs on every
+ *    thread, matrices, 3x3 weights, 1-D and 0-D tensors, an empty one), in
+ *    every dtype, three steps, on 1, 2, 3 and 4 threads: parameters, states,
+ *    reports and statuses equal to am_update called in turn on 1 thread.
+ * 2. A non-finite gradient skips its item only (status, item unchanged).
+ * 3. Errors: an invalid item, two items sharing a parameter or a state
+ *    buffer, a workspace too small: the error, the item's status, a log
+ *    message, and nothing modified.
+ * Randomised data; AM_TEST_SEED replays it. */
+#include "test_common.h"
+
+T_ERROR_LOG_FIXTURE()
+
+enum { NP = 12 };
+
+typedef struct set {
+    am_shape shape[NP];
+    am_dtype pdt[NP], gdt[NP];
+    t_fix fix[NP];
+    void *p[NP], *g[NP];
+    am_tensor pt[NP], gt[NP];
+    am_report rep[NP];
+    am_status st[NP];
+    am_hparams hp;
+    int n;
+} set;
+
+/* item 0 is more than total / (2 * threads) elements at 2 to 4 threads */
+static const struct {
+    int32_t ndim;
+    int64_t dims[4];
+} SHAPES[NP] = {
+    {2, {300, 520}}, {2, {96, 130}}, {2, {130, 96}}, {4, {17, 9, 3, 3}},
+    {2, {64, 33}},   {1, {777}},     {1, {4096}},    {0, {0}},
+    {2, {1, 1000}},  {3, {5, 7, 9}}, {1, {0}},       {2, {40, 40}},
+};
+
+static size_t esz(am_dtype d) { return am_dtype_size(d); }
+
+static void set_init(set *s, uint64_t seed, am_dtype pd, am_dtype gd) {
+    int i;
+    int64_t e;
+    uint64_t r = seed;
+    memset(s, 0, sizeof *s);
+    s->n = NP;
+    s->hp = am_hparams_default();
+    s->hp.weight_decay = 0.01;
+    for (i = 0; i < NP; i++) {
+        int64_t n;
+        s->shape[i] = t_shape(SHAPES[i].ndim, SHAPES[i].dims);
+        s->pdt[i] = i % 3 == 0 ? pd : (am_dtype)((pd + i) % 3);
+        s->gdt[i] = i % 2 == 0 ? gd : s->pdt[i];
+        t_fix_init(&s->fix[i], &s->shape[i], 1e-4);
+        n = s->fix[i].sz.numel;
+        s->p[i] = t_calloc(n * (int64_t)esz(s->pdt[i]));
+        s->g[i] = t_calloc(n * (int64_t)esz(s->gdt[i]));
+        for (e = 0; e < n; e++) {
+            t_store_random(s->p[i], s->pdt[i], e, &r, -6, 0);
+            t_store_random(s->g[i], s->gdt[i], e, &r, -12, -4);
+        }
+        s->pt[i] = t_tensor(s->p[i], s->pdt[i], &s->shape[i]);
+        s->gt[i] = t_tensor(s->g[i], s->gdt[i], &s->shape[i]);
+    }
+}
+
+static void set_free(set *s) {
+    int i;
+    for (i = 0; i < NP; i++) {
+        t_fix_free(&s->fix[i]);
+        free(s->p[i]);
+        free(s->g[i]);
+    }
+}
+
+static am_rng_key key_of(int i) {
+    am_rng_key k;
+    memset(&k, 0, sizeof k);
+    k.seed = 0x1234u;
+    k.param_id = (uint32_t)(100 + i);
+    return k;
+}
+
+static void items_of(set *s, am_batch_item *it) {
+    int i;
+    for (i = 0; i < s->n; i++) {
+        memset(&it[i], 0, sizeof it[i]);
+        it[i].param = &s->pt[i];
+        it[i].grad = &s->gt[i];
+        it[i].state = &s->fix[i].st;
+        it[i].hp = &s->hp;
+        it[i].key = key_of(i);
+        it[i].report = &s->rep[i];
+    }
+}
+
+static void same_sets(const set *a, const set *b) {
+    int i;
+    for (i = 0; i < NP; i++) {
+        const am_state_sizes *z = &a->fix[i].sz;
+        if (z->numel)
+            assert_memory_equal(a->p[i], b->p[i], (size_t)z->numel * esz(a->pdt[i]));
+        assert_int_equal(a->fix[i].st.step, b->fix[i].st.step);
+        assert_memory_equal(a->fix[i].st.lr, b->fix[i].st.lr, (size_t)z->lr_count * 4);
+        assert_memory_equal(a->fix[i].st.polarity, b->fix[i].st.polarity,
+                            (size_t)z->polarity_bytes);
+        if (z->row_count) {
+            assert_memory_equal(a->fix[i].st.row, b->fix[i].st.row, (size_t)z->row_count * 4);
+            assert_memory_equal(a->fix[i].st.col, b->fix[i].st.col, (size_t)z->col_count * 4);
+        }
+        if (z->sq_count)
+            assert_memory_equal(a->fix[i].st.sq, b->fix[i].st.sq, (size_t)z->sq_count * 4);
+        assert_int_equal(a->st[i], b->st[i]);
+        assert_int_equal(a->rep[i].status, b->rep[i].status);
+        assert_memory_equal(&a->rep[i].clip_scale, &b->rep[i].clip_scale, sizeof(float));
+        assert_memory_equal(&a->rep[i].mean_agreement, &b->rep[i].mean_agreement,
+                            sizeof(float));
+    }
+}
+
+/* Three steps of each item in turn, on 1 thread (the baseline). */
+static void run_in_turn(set *s) {
+    int step, i;
+    am_set_num_threads(1);
+    for (step = 0; step < 3; step++)
+        for (i = 0; i < s->n; i++)
+            s->st[i] = am_update(&s->pt[i], &s->gt[i], &s->fix[i].st, &s->hp,
+                                 key_of(i),
+                                 s->fix[i].ws, s->fix[i].ws_bytes, &s->rep[i]);
+}
+
+static void run_batch(set *s, int threads) {
+    am_batch_item it[NP];
+    size_t bytes = 0;
+    void *ws;
+    int step, i;
+    am_set_num_threads(threads);
+    items_of(s, it);
+    assert_int_equal(am_update_batch_workspace(it, s->n, threads, &bytes), AM_OK);
+    ws = t_calloc((int64_t)bytes);
+    for (step = 0; step < 3; step++) {
+        assert_int_equal(am_update_batch(it, s->n, ws, bytes), AM_OK);
+        for (i = 0; i < s->n; i++) s->st[i] = it[i].status;
+    }
+    free(ws);
+    am_set_num_threads(1);
+}
+
+static void test_same_bits(void **unused) {
+    static const am_dtype dts[3] = {AM_DTYPE_FLOAT32, AM_DTYPE_BFLOAT16, AM_DTYPE_FLOAT16};
+    const uint64_t seed = t_seed();
+    int d, threads;
+    (void)unused;
+    for (d = 0; d < 3; d++)
+        for (threads = 1; threads <= 4; threads++) {
+            set *a = malloc(sizeof(set)), *b = malloc(sizeof(set));
+            int i;
+            assert_non_null(a);
+            assert_non_null(b);
+            set_init(a, seed + (uint64_t)d, dts[d], dts[(d + 1) % 3]);
+            set_init(b, seed + (uint64_t)d, dts[d], dts[(d + 1) % 3]);
+            run_in_turn(a);
+            run_batch(b, threads);
+            for (i = 0; i < NP; i++) assert_int_equal(a->st[i], AM_OK);
+            same_sets(a, b);
+            set_free(a);
+            set_free(b);
+            free(a);
+            free(b);
+        }
+}
+
+static void test_nonfinite_item(void **unused) {
+    set *a = malloc(sizeof(set)), *b = malloc(sizeof(set));
+    t_snap snap;
+    const int bad = 4;
+    (void)unused;
+    assert_non_null(a);
+    assert_non_null(b);
+    set_init(a, t_seed() + 7, AM_DTYPE_FLOAT32, AM_DTYPE_FLOAT32);
+    set_init(b, t_seed() + 7, AM_DTYPE_FLOAT32, AM_DTYPE_FLOAT32);
+    ((float *)a->g[bad])[5] = NAN; /* item 4's gradient is float32 */
+    ((float *)b->g[bad])[5] = NAN;
+    assert_int_equal(a->gdt[bad], AM_DTYPE_FLOAT32);
+    t_snap_take(&snap, &b->fix[bad], b->p[bad],
+                (size_t)b->fix[bad].sz.numel * esz(b->pdt[bad]), NULL, 0);
+    run_in_turn(a);
+    run_batch(b, 2);
+    assert_int_equal(b->st[bad], AM_SKIPPED_NONFINITE_GRAD);
+    t_snap_check(&snap, &b->fix[bad], b->p[bad], NULL);
+    assert_int_equal(b->st[0], AM_OK);
+    same_sets(a, b);
+    t_snap_free(&snap);
+    set_free(a);
+    set_free(b);
+    free(a);
+    free(b);
+}
+
+/* Everything of every item as before, and the statuses as documented. */
+static void expect_rejected(set *s, am_batch_item *it, void *ws, size_t bytes, am_status want,
+                            int culprit, const char *words) {
+    t_snap snap[NP];
+    int i;
+    for (i = 0; i < NP; i++)
+        t_snap_take(&snap[i], &s->fix[i], s->p[i],
+                    (size_t)s->fix[i].sz.numel * esz(s->pdt[i]), NULL, 0);
+    g_log.count = 0;
+    assert_int_equal(am_update_batch(it, s->n, ws, bytes), want);
+    assert_true(g_log.count > 0);
+    assert_non_null(strstr(g_log.msg, words));
+    for (i = 0; i < NP; i++) {
+        t_snap_check(&snap[i], &s->fix[i], s->p[i], NULL);
+        t_snap_free(&snap[i]);
+        assert_int_equal(it[i].status, i == culprit ? want : AM_ERR_INVALID_ARGUMENT);
+    }
+}
+
+static void test_errors(void **unused) {
+    set *s = malloc(sizeof(set));
+    am_batch_item it[NP];
+    size_t bytes = 0, small = 0;
+    void *ws;
+    am_tensor wrong;
+    am_state shared;
+    (void)unused;
+    assert_non_null(s);
+    set_init(s, t_seed() + 11, AM_DTYPE_BFLOAT16, AM_DTYPE_FLOAT32);
+    am_set_num_threads(2);
+    items_of(s, it);
+    assert_int_equal(am_update_batch_workspace(it, s->n, 2, &bytes), AM_OK);
+    assert_int_equal(am_update_batch_workspace(it, s->n, 1, &small), AM_OK);
+    assert_true(small < bytes);
+    ws = t_calloc((int64_t)bytes);
+    /* item 6: gradient of another shape */
+    wrong = s->gt[5];
+    it[6].grad = &wrong;
+    expect_rejected(s, it, ws, bytes, AM_ERR_INVALID_SHAPE, 6, "dims");
+    items_of(s, it);
+    /* items 2 and 9 share a state buffer */
+    shared = s->fix[9].st;
+    shared.lr = s->fix[2].st.lr;
+    it[9].state = &shared;
+    assert_true(s->fix[2].sz.lr_count >= s->fix[9].sz.lr_count);
+    expect_rejected(s, it, ws, bytes, AM_ERR_INVALID_ARGUMENT, -1, "items 2 and 9 share");
+    items_of(s, it);
+    /* the same parameter twice */
+    it[11].param = &s->pt[1];
+    it[11].grad = &s->gt[1];
+    it[11].state = &s->fix[1].st;
+    expect_rejected(s, it, ws, bytes, AM_ERR_INVALID_ARGUMENT, -1, "items 1 and 11 share");
+    items_of(s, it);
+    /* the workspace for 1 thread when 2 run */
+    expect_rejected(s, it, ws, small, AM_ERR_BUFFER_SIZE, -1, "needed at 2 threads");
+    /* NULL arguments */
+    assert_int_equal(am_update_batch(NULL, 3, ws, bytes), AM_ERR_NULL_POINTER);
+    assert_int_equal(am_update_batch(it, -1, ws, bytes), AM_ERR_INVALID_ARGUMENT);
+    assert_int_equal(am_update_batch(it, 0, NULL, 0), AM_OK);
+    assert_int_equal(am_update_batch_workspace(it, s->n, 0, &bytes), AM_ERR_INVALID_ARGUMENT);
+    assert_int_equal(am_update_batch_workspace(it, s->n, 2, NULL), AM_ERR_NULL_POINTER);
+    /* and, all arguments right, it runs */
+    assert_int_equal(am_update_batch(it, s->n, ws, bytes), AM_OK);
+    assert_int_equal(it[0].status, AM_OK);
+    am_set_num_threads(1);
+    free(ws);
+    set_free(s);
+    free(s);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_same_bits),
+        cmocka_unit_test(test_nonfinite_item),
+        cmocka_unit_test(test_errors),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
