@@ -62,6 +62,19 @@ class Report(ctypes.Structure):
     ]
 
 
+class BatchItem(ctypes.Structure):
+    """am_batch_item: one parameter's am_update arguments in am_update_batch."""
+    _fields_ = [
+        ("param", ctypes.c_void_p),
+        ("grad", ctypes.c_void_p),
+        ("state", ctypes.c_void_p),
+        ("hp", ctypes.c_void_p),
+        ("key", RngKey),
+        ("report", ctypes.c_void_p),
+        ("status", ctypes.c_int),
+    ]
+
+
 LOG_FN = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
 
 
@@ -91,6 +104,10 @@ lib.am_state_get_sizes.argtypes = [_P(Shape), _P(StateSizes)]
 lib.am_state_init.argtypes = [_P(Shape), _P(State), ctypes.c_double]
 lib.am_update.argtypes = [_P(Tensor), _P(Tensor), _P(State), _P(HParams), RngKey,
                           ctypes.c_void_p, ctypes.c_size_t, _P(Report)]
+lib.am_update_batch_workspace.argtypes = [_P(BatchItem), ctypes.c_int64, ctypes.c_int,
+                                          _P(ctypes.c_size_t)]
+lib.am_update_batch.argtypes = [_P(BatchItem), ctypes.c_int64, ctypes.c_void_p,
+                                ctypes.c_size_t]
 lib.am_set_num_threads.argtypes = [ctypes.c_int]
 lib.am_set_log_callback.argtypes = [LOG_FN, ctypes.c_void_p]
 

@@ -239,6 +239,10 @@ class Automagic3(torch.optim.Optimizer):
         self.nonfinite = nonfinite
         self.lr_schedule = lr_schedule
         self.nonfinite_skips = 0
+        # step() with more than one thread: every CPU parameter in one
+        # am_update_batch call (whole parameters on separate threads, the
+        # same bits; docs/PYTORCH.md "Threads"). False: one at a time.
+        self.batch_updates = True
         self._init_runtime()
         defaults = dict(lr=lr, min_lr=min_lr, max_lr=max_lr, lr_bump_rate=lr_bump_rate,
                         beta2=beta2, eps=eps, clip_threshold=clip_threshold,
@@ -476,6 +480,19 @@ class Automagic3(torch.optim.Optimizer):
         and hsig _hsig(group). step() calls it directly for each parameter
         after checking them all (the fixed cost per parameter is most of a
         small tensor's update)."""
+        call = self._prepare_call(p, group, scale, hsig)
+        plan, hp = call[1], call[4]
+        ws_ptr, ws_bytes = self._workspace(plan.workspace_bytes)
+        _lib.clear_message()
+        status = _lib.lib.am_update(plan.pt_ref, plan.gt_ref, plan.st_ref,
+                                    ctypes.byref(hp), plan.key, ws_ptr, ws_bytes,
+                                    plan.rep_ref)
+        self._finish_call(call, status)
+
+    def _prepare_call(self, p: torch.Tensor, group: dict, scale: float, hsig: tuple):
+        """The C views of p's update, pointed at its data: (p, plan, target,
+        grad, hp, lr_before, state, scale); grad and target must stay alive
+        until the update has run."""
         grad = p.grad
         state = self.state[p]
         if len(state) == 0:
@@ -486,27 +503,28 @@ class Automagic3(torch.optim.Optimizer):
         target = p if scale != 0.0 and p.is_contiguous() else p.contiguous().clone()
 
         plan = self._plan(p, state, group, hsig)
-        pt, gt, st, rep = plan.pt, plan.gt, plan.st, plan.rep
+        pt, gt, st = plan.pt, plan.gt, plan.st
         pt.data = target.data_ptr()
         gt.data = grad.data_ptr()
         gt.dtype = _DTYPES[grad.dtype]
         st.step = int(state["step"])
-        ws_ptr, ws_bytes = self._workspace(plan.workspace_bytes)
         if scale == 1.0 or scale == 0.0:
             hp, lr_before = plan.hp, None
         else:
             hp, lr_before = _scaled_hparams(group, state, scale)
-        _lib.clear_message()
-        status = _lib.lib.am_update(plan.pt_ref, plan.gt_ref, plan.st_ref,
-                                    ctypes.byref(hp), plan.key, ws_ptr, ws_bytes,
-                                    plan.rep_ref)
+        return (p, plan, target, grad, hp, lr_before, state, scale)
+
+    def _finish_call(self, call, status: int) -> None:
+        """After the update of _prepare_call's call returned status."""
+        p, plan, target, _, _, lr_before, state, scale = call
+        rep = plan.rep
         if lr_before is not None:
             if status == _lib.OK:
                 state["lr"].div_(scale)
             else:
                 state["lr"].copy_(lr_before)
         if status == _lib.OK:
-            state["step"] = st.step
+            state["step"] = plan.st.step
             if target is not p and scale != 0.0:
                 p.copy_(target)
             # The memory changed behind autograd's back: bump the version so
@@ -533,6 +551,43 @@ class Automagic3(torch.optim.Optimizer):
                             "warned once)" % (_lib.status_string(status), tuple(p.shape)),
                             RuntimeWarning)
         p.grad = None
+
+    def _apply_batch(self, jobs) -> None:
+        """The updates of jobs [(p, group, scale, hsig)], checked CPU
+        parameters, in one am_update_batch call: whole parameters on separate
+        threads (the same bits as _apply on each in turn; docs/PYTORCH.md)."""
+        calls = [self._prepare_call(p, group, scale, hsig) for p, group, scale, hsig in jobs]
+        n = len(calls)
+        items = (_lib.BatchItem * n)()
+        for it, call in zip(items, calls):
+            plan, hp = call[1], call[4]
+            it.param = ctypes.addressof(plan.pt)
+            it.grad = ctypes.addressof(plan.gt)
+            it.state = ctypes.addressof(plan.st)
+            it.hp = ctypes.addressof(hp)
+            it.key = plan.key
+            it.report = ctypes.addressof(plan.rep)
+        nbytes = ctypes.c_size_t(0)
+        _lib.clear_message()
+        status = _lib.lib.am_update_batch_workspace(items, n, torch.get_num_threads(),
+                                                    ctypes.byref(nbytes))
+        if status == _lib.OK:
+            ws_ptr, ws_bytes = self._workspace(nbytes.value)
+            status = _lib.lib.am_update_batch(items, n, ws_ptr, ws_bytes)
+        if status != _lib.OK:  # nothing ran: every parameter as it was
+            for call in calls:
+                if call[5] is not None:  # lr_schedule="scale": lrs back
+                    call[6]["lr"].copy_(call[5])
+            raise AutomagicError("Automagic3: update failed: %s"
+                                 % (_lib.last_message() or _lib.status_string(status)))
+        error = None
+        for it, call in zip(items, calls):
+            try:
+                self._finish_call(call, it.status)
+            except (AutomagicError, NonFiniteGradientError) as e:
+                error = error or e  # the others are updated: finish them too
+        if error is not None:
+            raise error
 
     # ------------------------------------------------------ optimizer API
     @property
@@ -577,16 +632,25 @@ class Automagic3(torch.optim.Optimizer):
             self._warn_once("nohook", "a parameter of shape %s has a gradient but "
                             "no backward hook (it did not require grad when it "
                             "was added); step() updates it" % (tuple(todo[0][0].shape),))
-        _lib.lib.am_set_num_threads(torch.get_num_threads())
+        threads = torch.get_num_threads()
+        _lib.lib.am_set_num_threads(threads)
         per_group = {}
+        batch = []
         for p, group in todo:
             g = per_group.get(id(group))
             if g is None:
                 g = per_group[id(group)] = (self._lr_scale(group), self._hsig(group))
             if p.device.type == "cuda":
                 _cuda.update_param(self, p, group, AutomagicError)
+            elif threads > 1 and self.batch_updates and self.nonfinite != "raise":
+                # (nonfinite="raise" stops at the first skip, one at a time)
+                batch.append((p, group, g[0], g[1]))
             else:
                 self._apply(p, group, g[0], g[1])
+        if len(batch) == 1:
+            self._apply(*batch[0])
+        elif batch:
+            self._apply_batch(batch)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -126,3 +126,80 @@ def test_openmp_runtime_choice(monkeypatch):
     assert chosen is None and "no OpenMP runtime" in reason
     monkeypatch.setenv("AUTOMAGIC_TORCH_THREADS", "0")
     assert _threads._choose() == (None, "AUTOMAGIC_TORCH_THREADS=0")
+
+
+def _train_mixed(threads, batch, nan_at=None, schedule=False):
+    """Three steps of a mixed list (dtypes, shapes, a non-contiguous
+    parameter, a 3x3 weight, 1-D and 0-D tensors); returns the parameters,
+    the states and the skip count."""
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(11)
+    specs = [((600, 520), torch.float32), ((96, 130), torch.bfloat16), ((130, 96), torch.float16),
+             ((17, 9, 3, 3), torch.float32), ((777,), torch.bfloat16), ((), torch.float32),
+             ((40, 40), torch.float16), ((3000,), torch.float32)]
+    ps = [torch.nn.Parameter((torch.randn(s, generator=g) * 0.1).to(dt)) for s, dt in specs]
+    # a transposed (non-contiguous) parameter
+    ps.append(torch.nn.Parameter((torch.randn(50, 70, generator=g) * 0.1).t()))
+    opt = automagic.Automagic3(ps, lr=1e-3, weight_decay=0.1, fused=False, seed=7,
+                               lr_schedule="scale" if schedule else "ignore")
+    opt.batch_updates = batch
+    for step in range(3):
+        if schedule:
+            for grp in opt.param_groups:
+                grp["lr"] = 1e-3 * (0.5 if step == 2 else 1.0)
+        for i, p in enumerate(ps):
+            p.grad = (torch.randn(p.shape, generator=g) * 1e-3).to(p.dtype)
+            if nan_at is not None and i == nan_at and step == 1:
+                p.grad.view(-1)[3] = float("nan")
+        opt.step()
+    states = [{k: v.clone() for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
+              for p in ps]
+    return [p.detach().clone() for p in ps], states, opt.nonfinite_skips
+
+
+def _bits(t):
+    return t.contiguous().view(torch.uint8) if t.dtype != torch.float32 else t
+
+
+def test_batch_same_bits_as_one_at_a_time():
+    """step() on several threads sends every CPU parameter to
+    am_update_batch (whole parameters on separate threads); the result is
+    the one-at-a-time update's, bit for bit, with a skipped non-finite
+    gradient and with lr_schedule="scale" too."""
+    old = torch.get_num_threads()
+    try:
+        for kw in ({}, {"nan_at": 4}, {"schedule": True}):
+            a = _train_mixed(1, False, **kw)
+            for threads in (2, 3):
+                b = _train_mixed(threads, True, **kw)
+                assert a[2] == b[2] == (1 if "nan_at" in kw else 0)
+                for x, y in zip(a[0], b[0]):
+                    assert torch.equal(_bits(x), _bits(y))
+                for sa, sb in zip(a[1], b[1]):
+                    assert sa.keys() == sb.keys()
+                    for k in sa:
+                        assert torch.equal(sa[k], sb[k]), k
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_batch_bad_input_changes_nothing():
+    """Bad input found by step()'s checks, before the batch: nothing moves,
+    on several threads as on one."""
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        ps = [torch.nn.Parameter(torch.randn(64, 64)), torch.nn.Parameter(torch.randn(100))]
+        opt = automagic.Automagic3(ps, fused=False)
+        before = [p.detach().clone() for p in ps]
+        ps[0].grad = torch.randn(64, 64)
+        ps[1].grad = torch.randn(100)
+        opt.param_groups[0]["beta2"] = 1.5
+        import pytest
+        with pytest.raises(automagic.AutomagicError, match="beta2"):
+            opt.step()
+        for x, p in zip(before, ps):
+            assert torch.equal(x, p.detach())
+        assert len(opt.state) == 0 or all(len(s) == 0 for s in opt.state.values())
+    finally:
+        torch.set_num_threads(old)
