@@ -447,7 +447,10 @@ AM_API am_status am_optimizer_update_param(am_optimizer *opt, int32_t id,
  * (nothing updated): AM_ERR_NULL_POINTER (opt, grads or grad_dtypes NULL),
  * AM_ERR_INVALID_DTYPE (grad_dtypes[i] invalid for a non-NULL grads[i]),
  * AM_ERR_INVALID_ARGUMENT (a parameter given a gradient has step ==
- * INT64_MAX, which a checkpoint can hold but an update cannot increment). */
+ * INT64_MAX, which a checkpoint can hold but an update cannot increment).
+ * On more than one thread (am_set_num_threads) the updates run as one
+ * am_update_batch call (whole parameters on separate threads; the same
+ * bits as one at a time). */
 AM_API am_status am_optimizer_update_all(am_optimizer *opt,
                                          const void *const *grads,
                                          const am_dtype *grad_dtypes,

@@ -147,6 +147,67 @@ static int64_t slot_numel(const am_param_slot *s) {
     return n;
 }
 
+/* am_optimizer_update_all's updates (arguments checked) as one
+ * am_update_batch call: whole parameters on separate threads, the same
+ * bits. Returns 0 (nothing done) when fewer than two parameters have a
+ * gradient or the call's buffers cannot be allocated: the caller then
+ * updates them one at a time; else 1 with *first_skip set. */
+static int update_all_batch(am_optimizer *o, const void *const *grads, const am_dtype *gds,
+                            am_report *reps, am_status *first_skip) {
+    am_batch_item *items;
+    am_tensor *gts;
+    int32_t *ids;
+    void *ws = NULL;
+    size_t bytes = 0;
+    int64_t n = 0, k;
+    int32_t i;
+    am_status st;
+    for (i = 0; i < o->count; i++) n += grads[i] != NULL;
+    if (n < 2) return 0;
+    items = (am_batch_item *)calloc((size_t)n, sizeof *items);
+    gts = (am_tensor *)calloc((size_t)n, sizeof *gts);
+    ids = (int32_t *)calloc((size_t)n, sizeof *ids);
+    if (!items || !gts || !ids) goto fallback;
+    for (i = 0, k = 0; i < o->count; i++) {
+        if (!grads[i]) continue;
+        gts[k] = o->params[i].t;
+        gts[k].data = (void *)grads[i];
+        gts[k].dtype = gds[i];
+        items[k].param = &o->params[i].t;
+        items[k].grad = &gts[k];
+        items[k].state = &o->params[i].st;
+        items[k].hp = &o->hp;
+        items[k].key.seed = o->seed;
+        items[k].key.param_id = (uint32_t)i;
+        items[k].report = reps ? &reps[i] : NULL;
+        ids[k++] = i;
+    }
+    if (am_update_batch_workspace(items, n, am_get_num_threads(), &bytes) != AM_OK ||
+        !(ws = malloc(bytes)))
+        goto fallback;
+    st = am_update_batch(items, n, ws, bytes);
+    if (st != AM_OK) goto fallback; /* nothing ran (all checked: not expected) */
+    for (i = 0; i < o->count; i++)
+        if (!grads[i] && reps) memset(&reps[i], 0, sizeof reps[i]);
+    for (k = 0; k < n; k++) {
+        if (items[k].status == AM_SKIPPED_NONFINITE_GRAD ||
+            items[k].status == AM_SKIPPED_NONFINITE_UPDATE)
+            o->params[ids[k]].skipped++;
+        if (items[k].status != AM_OK && *first_skip == AM_OK) *first_skip = items[k].status;
+    }
+    free(ws);
+    free(items);
+    free(gts);
+    free(ids);
+    return 1;
+fallback:
+    free(ws);
+    free(items);
+    free(gts);
+    free(ids);
+    return 0;
+}
+
 am_status am_optimizer_update_all(am_optimizer *o, const void *const *grads,
                                   const am_dtype *gds, am_report *reps) {
     int32_t i;
@@ -168,6 +229,8 @@ am_status am_optimizer_update_all(am_optimizer *o, const void *const *grads,
                      "am_optimizer_update_all: parameter %d: step = %lld cannot be "
                      "incremented", (int)i, (long long)o->params[i].st.step);
     }
+    if (am_get_num_threads() > 1 && update_all_batch(o, grads, gds, reps, &first_skip))
+        return first_skip;
     for (i = 0; i < o->count; i++) {
         am_status st;
         if (!grads[i]) {

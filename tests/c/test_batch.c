@@ -8,6 +8,7 @@
  * 3. Errors: an invalid item, two items sharing a parameter or a state
  *    buffer, a workspace too small: the error, the item's status, a log
  *    message, and nothing modified.
+ * 4. am_optimizer_update_all on 2 threads (one batch) against 1.
  * Randomised data; AM_TEST_SEED replays it. */
 #include "test_common.h"
 
@@ -268,11 +269,71 @@ static void test_errors(void **unused) {
     free(s);
 }
 
+/* am_optimizer_update_all on 2 threads (one batch) against 1 (in turn):
+ * the same parameters, lrs, skip count and reports. */
+static void optimizer_run(int threads, float *w0, uint16_t *w1, float *w2, int64_t *skipped,
+                          am_report *reps) {
+    static const int64_t s0[2] = {300, 200}, s1[2] = {64, 48}, s2[1] = {999};
+    am_optimizer *o = NULL;
+    float g0[300 * 200], g2[999];
+    uint16_t g1[64 * 48];
+    const void *grads[3] = {g0, g1, g2};
+    const am_dtype gds[3] = {AM_DTYPE_FLOAT32, AM_DTYPE_BFLOAT16, AM_DTYPE_FLOAT32};
+    am_hparams hp = am_hparams_default();
+    uint64_t r = 99;
+    int32_t id;
+    int step, i;
+    am_set_num_threads(threads);
+    assert_int_equal(am_optimizer_create(&hp, 5, &o), AM_OK);
+    assert_int_equal(am_optimizer_add_param(o, w0, AM_DTYPE_FLOAT32, 2, s0, &id), AM_OK);
+    assert_int_equal(am_optimizer_add_param(o, w1, AM_DTYPE_BFLOAT16, 2, s1, &id), AM_OK);
+    assert_int_equal(am_optimizer_add_param(o, w2, AM_DTYPE_FLOAT32, 1, s2, &id), AM_OK);
+    for (step = 0; step < 3; step++) {
+        for (i = 0; i < 300 * 200; i++) t_store_random(g0, AM_DTYPE_FLOAT32, i, &r, -12, -4);
+        for (i = 0; i < 64 * 48; i++) t_store_random(g1, AM_DTYPE_BFLOAT16, i, &r, -12, -4);
+        for (i = 0; i < 999; i++) t_store_random(g2, AM_DTYPE_FLOAT32, i, &r, -12, -4);
+        if (step == 1) g2[7] = NAN; /* parameter 2 skips this step */
+        assert_int_equal(am_optimizer_update_all(o, grads, gds, reps),
+                         step == 1 ? AM_SKIPPED_NONFINITE_GRAD : AM_OK);
+    }
+    *skipped = am_optimizer_skipped_count(o);
+    am_optimizer_destroy(o);
+    am_set_num_threads(1);
+}
+
+static void test_optimizer_update_all(void **unused) {
+    static float a0[300 * 200], b0[300 * 200], a2[999], b2[999];
+    static uint16_t a1[64 * 48], b1[64 * 48];
+    am_report ra[3], rb[3];
+    int64_t sa, sb;
+    uint64_t r = t_seed();
+    int i;
+    (void)unused;
+    for (i = 0; i < 300 * 200; i++) t_store_random(a0, AM_DTYPE_FLOAT32, i, &r, -6, 0);
+    for (i = 0; i < 64 * 48; i++) t_store_random(a1, AM_DTYPE_BFLOAT16, i, &r, -6, 0);
+    for (i = 0; i < 999; i++) t_store_random(a2, AM_DTYPE_FLOAT32, i, &r, -6, 0);
+    memcpy(b0, a0, sizeof a0);
+    memcpy(b1, a1, sizeof a1);
+    memcpy(b2, a2, sizeof a2);
+    optimizer_run(1, a0, a1, a2, &sa, ra);
+    optimizer_run(2, b0, b1, b2, &sb, rb);
+    assert_memory_equal(a0, b0, sizeof a0);
+    assert_memory_equal(a1, b1, sizeof a1);
+    assert_memory_equal(a2, b2, sizeof a2);
+    assert_int_equal(sa, 1);
+    assert_int_equal(sb, 1);
+    for (i = 0; i < 3; i++) {
+        assert_int_equal(ra[i].status, rb[i].status);
+        assert_memory_equal(&ra[i].clip_scale, &rb[i].clip_scale, sizeof(float));
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_same_bits),
         cmocka_unit_test(test_nonfinite_item),
         cmocka_unit_test(test_errors),
+        cmocka_unit_test(test_optimizer_update_all),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
