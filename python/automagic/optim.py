@@ -574,12 +574,16 @@ class Automagic3(torch.optim.Optimizer):
         if status == _lib.OK:
             ws_ptr, ws_bytes = self._workspace(nbytes.value)
             status = _lib.lib.am_update_batch(items, n, ws_ptr, ws_bytes)
-        if status != _lib.OK:  # nothing ran: every parameter as it was
+        if status != _lib.OK:
+            # Nothing ran (e.g. two parameters share memory, which the batch
+            # refuses): every parameter as it was; one at a time instead,
+            # which updates them in turn or raises what it always raised.
             for call in calls:
                 if call[5] is not None:  # lr_schedule="scale": lrs back
                     call[6]["lr"].copy_(call[5])
-            raise AutomagicError("Automagic3: update failed: %s"
-                                 % (_lib.last_message() or _lib.status_string(status)))
+            for job in jobs:
+                self._apply(*job)
+            return
         error = None
         for it, call in zip(items, calls):
             try:

@@ -203,3 +203,26 @@ def test_batch_bad_input_changes_nothing():
         assert len(opt.state) == 0 or all(len(s) == 0 for s in opt.state.values())
     finally:
         torch.set_num_threads(old)
+
+
+def test_batch_parameters_sharing_memory():
+    """Two parameters that are views of one buffer: the batch refuses them
+    (they would race), and step() then updates them one at a time, as on
+    one thread."""
+    def run(threads):
+        torch.set_num_threads(threads)
+        base = torch.randn(2, 64, 32, generator=torch.Generator().manual_seed(2))
+        ps = [torch.nn.Parameter(base[0]), torch.nn.Parameter(base[1]),
+              torch.nn.Parameter(base[0, :16])]
+        opt = automagic.Automagic3(ps, fused=False, seed=3)
+        g = torch.Generator().manual_seed(5)
+        for _ in range(2):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g) * 1e-3
+            opt.step()
+        return base.clone()
+    old = torch.get_num_threads()
+    try:
+        assert torch.equal(run(1), run(2))
+    finally:
+        torch.set_num_threads(old)
