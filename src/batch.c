@@ -163,6 +163,11 @@ static int cmp_sched(const void *a, const void *b) {
     return (x->item > y->item) - (x->item < y->item);
 }
 
+/* More than total / (2 * T) elements: updated on every thread, first. */
+static int is_big(int64_t numel, int T, int64_t total) {
+    return (double)numel * 2.0 * (double)T > (double)total;
+}
+
 static void run_item(am_batch_item *it, void *slot, size_t slot_bytes) {
     it->status = am_update(it->param, it->grad, it->state, it->hp, it->key, slot, slot_bytes,
                            it->report);
@@ -227,7 +232,7 @@ am_status am_update_batch(am_batch_item *items, int64_t n, void *workspace,
     for (i = 0; i < n; i++) {
         sched_entry *e = &b.sched[i];
         int best = 0;
-        if ((double)e->numel * 2.0 * (double)T > (double)total) {
+        if (is_big(e->numel, T, total)) {
             e->group = -1;
             continue;
         }
@@ -236,15 +241,11 @@ am_status am_update_batch(am_batch_item *items, int64_t n, void *workspace,
         e->group = best;
         load[best] += (double)e->numel;
     }
-    for (i = 0; i < n; i++) /* big ones first, in item order, on every thread */
-        if (b.sched[i].group < 0) {
-            int64_t k, first = -1;
-            for (k = 0; k < n; k++) /* the lowest item index among the big ones left */
-                if (b.sched[k].group == -1 && (first < 0 || b.sched[k].item < b.sched[first].item))
-                    first = k;
-            run_item(&items[b.sched[first].item], b.slots, b.slot_bytes);
-            b.sched[first].group = -2; /* done */
-        }
+    for (i = 0; i < n; i++) { /* big ones first, in item order, on every thread */
+        am_state_sizes sz;
+        am_state_get_sizes(&items[i].param->shape, &sz);
+        if (is_big(sz.numel, T, total)) run_item(&items[i], b.slots, b.slot_bytes);
+    }
     am_parallel_for(T, 12.0 * (double)total / (double)T, batch_task, &b);
     return AM_OK;
 }
