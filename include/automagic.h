@@ -296,10 +296,13 @@ AM_API am_status am_update_batch_workspace(const am_batch_item *items, int64_t n
  *
  * Every item is checked before anything is updated: an argument error in
  * any item (what am_update would return), two items whose parameters or
- * states share memory (AM_ERR_INVALID_ARGUMENT), or a workspace smaller
- * than am_update_batch_workspace says (AM_ERR_BUFFER_SIZE) return that
- * error with nothing modified but the items' status fields (the failing
- * item's holds the error, the others AM_ERR_INVALID_ARGUMENT: not run).
+ * states share memory (AM_ERR_INVALID_ARGUMENT), a workspace NULL
+ * (AM_ERR_NULL_POINTER) or smaller than am_update_batch_workspace says
+ * (AM_ERR_BUFFER_SIZE), or no memory for the sharing check
+ * (AM_ERR_OUT_OF_MEMORY) return that error with nothing modified but the
+ * items' status fields (the failing item's holds the error, the others
+ * AM_ERR_INVALID_ARGUMENT: not run). items NULL with n > 0:
+ * AM_ERR_NULL_POINTER; n < 0: AM_ERR_INVALID_ARGUMENT; n == 0: AM_OK.
  * Otherwise every item is updated and its status set (AM_OK, or a skip
  * for a non-finite gradient, which leaves that item as it was), and the
  * call returns AM_OK. Gradients may share memory (they are only read). */
