@@ -49,15 +49,13 @@ static int slot_count(int64_t n, int nthreads) {
     return n < (int64_t)nthreads ? (n > 0 ? (int)n : 1) : nthreads;
 }
 
-/* Checks item i as am_update would (no workspace); its sizes in *sz. */
-static am_status check_item(const am_batch_item *it, int64_t i, am_state_sizes *sz) {
-    int64_t ws = 0;
-    am_status s;
+/* Checks item i as am_update would (no workspace); its am_update
+ * workspace size in *ws. */
+static am_status check_item(const am_batch_item *it, int64_t i, int64_t *ws) {
     AM_RETURN_IF(!it->param, AM_ERR_NULL_POINTER, "am_update_batch: item %lld: param is NULL",
                  (long long)i);
     /* on an error, am_update's message (the item's status says which) */
-    s = am_update_check(it->param, it->grad, it->state, it->hp, &ws);
-    return s != AM_OK ? s : am_state_get_sizes(&it->param->shape, sz);
+    return am_update_check(it->param, it->grad, it->state, it->hp, ws);
 }
 
 /* A byte range of a parameter or of its state, for the overlap check. */
@@ -125,13 +123,13 @@ static am_status check_all(const am_batch_item *items, int64_t n, int64_t *max_w
     int64_t i;
     *max_ws = 0;
     for (i = 0; i < n; i++) {
-        am_state_sizes sz;
-        const am_status s = check_item(&items[i], i, &sz);
+        int64_t ws = 0;
+        const am_status s = check_item(&items[i], i, &ws);
         if (s != AM_OK) {
             *err_item = i;
             return s;
         }
-        if (sz.workspace_bytes > *max_ws) *max_ws = sz.workspace_bytes;
+        if (ws > *max_ws) *max_ws = ws;
     }
     *err_item = -1;
     return AM_OK;

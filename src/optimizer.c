@@ -161,13 +161,13 @@ static int update_all_batch(am_optimizer *o, const void *const *grads, const am_
     size_t bytes = 0;
     int64_t n = 0, k;
     int32_t i;
-    am_status st;
+    int ran = 0;
     for (i = 0; i < o->count; i++) n += grads[i] != NULL;
     if (n < 2) return 0;
     items = (am_batch_item *)calloc((size_t)n, sizeof *items);
     gts = (am_tensor *)calloc((size_t)n, sizeof *gts);
     ids = (int32_t *)calloc((size_t)n, sizeof *ids);
-    if (!items || !gts || !ids) goto fallback;
+    if (!items || !gts || !ids) goto out;
     for (i = 0, k = 0; i < o->count; i++) {
         if (!grads[i]) continue;
         gts[k] = o->params[i].t;
@@ -184,28 +184,27 @@ static int update_all_batch(am_optimizer *o, const void *const *grads, const am_
     }
     if (am_update_batch_workspace(items, n, am_get_num_threads(), &bytes) != AM_OK ||
         !(ws = malloc(bytes)))
-        goto fallback;
-    st = am_update_batch(items, n, ws, bytes);
-    if (st != AM_OK) goto fallback; /* nothing ran (all checked: not expected) */
-    for (i = 0; i < o->count; i++)
-        if (!grads[i] && reps) memset(&reps[i], 0, sizeof reps[i]);
-    for (k = 0; k < n; k++) {
-        if (items[k].status == AM_SKIPPED_NONFINITE_GRAD ||
-            items[k].status == AM_SKIPPED_NONFINITE_UPDATE)
-            o->params[ids[k]].skipped++;
-        if (items[k].status != AM_OK && *first_skip == AM_OK) *first_skip = items[k].status;
+        goto out;
+    /* nothing runs unless it returns AM_OK (all checked: an error is not
+     * expected here) */
+    ran = am_update_batch(items, n, ws, bytes) == AM_OK;
+    if (ran) {
+        for (i = 0; i < o->count; i++)
+            if (!grads[i] && reps) memset(&reps[i], 0, sizeof reps[i]);
+        for (k = 0; k < n; k++) {
+            if (items[k].status == AM_SKIPPED_NONFINITE_GRAD ||
+                items[k].status == AM_SKIPPED_NONFINITE_UPDATE)
+                o->params[ids[k]].skipped++;
+            if (items[k].status != AM_OK && *first_skip == AM_OK)
+                *first_skip = items[k].status;
+        }
     }
+out:
     free(ws);
     free(items);
     free(gts);
     free(ids);
-    return 1;
-fallback:
-    free(ws);
-    free(items);
-    free(gts);
-    free(ids);
-    return 0;
+    return ran;
 }
 
 am_status am_optimizer_update_all(am_optimizer *o, const void *const *grads,
