@@ -177,11 +177,10 @@ class Runner:
                                ws, ws_bytes, pl.rep_ref))
         # on several threads the front end's step() makes one am_update_batch
         # call (whole tensors on separate threads): the same call here
+        from automagic.optim import _fill_batch_item
         self.items = (_lib.BatchItem * len(plans))()
         for it, pl in zip(self.items, plans):
-            it.param, it.grad = ctypes.addressof(pl.pt), ctypes.addressof(pl.gt)
-            it.state, it.hp = ctypes.addressof(pl.st), ctypes.addressof(pl.hp)
-            it.key, it.report = pl.key, ctypes.addressof(pl.rep)
+            _fill_batch_item(it, pl, pl.hp)
         self.batch_ws = {}
         self.lib = _lib.lib
 
@@ -193,8 +192,9 @@ class Runner:
                 if threads not in self.batch_ws:
                     import ctypes
                     nb = ctypes.c_size_t(0)
-                    self.lib.am_update_batch_workspace(self.items, len(self.calls), threads,
-                                                       ctypes.byref(nb))
+                    if self.lib.am_update_batch_workspace(self.items, len(self.calls), threads,
+                                                          ctypes.byref(nb)) != 0:
+                        raise RuntimeError("ours_kernels: am_update_batch_workspace failed")
                     self.batch_ws[threads] = self.torch.empty(nb.value, dtype=self.torch.uint8)
                 ws = self.batch_ws[threads]
                 if self.lib.am_update_batch(self.items, len(self.calls), ws.data_ptr(),

@@ -118,6 +118,16 @@ class _Plan:
         self.hsig = None
 
 
+def _fill_batch_item(it, plan: "_Plan", hp) -> None:
+    """Points the am_batch_item it at plan's C views and hyperparameters hp."""
+    it.param = ctypes.addressof(plan.pt)
+    it.grad = ctypes.addressof(plan.gt)
+    it.state = ctypes.addressof(plan.st)
+    it.hp = ctypes.addressof(hp)
+    it.key = plan.key
+    it.report = ctypes.addressof(plan.rep)
+
+
 def _scaled_hparams(group: dict, state: dict, scale: float):
     """Hyperparameters of one update under lr_schedule="scale" with factor
     scale, and the stored lrs before scaling (None when scale is 0 or 1).
@@ -560,13 +570,7 @@ class Automagic3(torch.optim.Optimizer):
         n = len(calls)
         items = (_lib.BatchItem * n)()
         for it, call in zip(items, calls):
-            plan, hp = call[1], call[4]
-            it.param = ctypes.addressof(plan.pt)
-            it.grad = ctypes.addressof(plan.gt)
-            it.state = ctypes.addressof(plan.st)
-            it.hp = ctypes.addressof(hp)
-            it.key = plan.key
-            it.report = ctypes.addressof(plan.rep)
+            _fill_batch_item(it, call[1], call[4])
         nbytes = ctypes.c_size_t(0)
         _lib.clear_message()
         status = _lib.lib.am_update_batch_workspace(items, n, torch.get_num_threads(),
