@@ -301,6 +301,7 @@ AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C
      * never idle during them; a group's sums still all precede the next's */
     int64_t pi = -1, pb = 0, jc, je;
     float *const wpart = ws ? ws->wpart : NULL;
+    const int l2pf = !am_sw_prefetch(); /* the next rows into L2 only (simd.h) */
     for (j = 0; j < n; j++) colpart[j] = 0.0f;
     if (ws)
         for (j = 0; j < n; j++) wpart[j] = 0.0f;
@@ -328,8 +329,12 @@ AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C
                 if (pf) { /* the next group's rows (see stats_rows, kernels_avx512.c) */
                     const char *nx = (const char *)g + (size_t)(b3 + C + j) * es;
                     for (q = 0; q < 4; q++) {
-                        _mm_prefetch(nx + q * rs, _MM_HINT_T0);
-                        if (es == 4) _mm_prefetch(nx + q * rs + 64, _MM_HINT_T0);
+                        if (l2pf) {
+                            am_prefetch_l2(nx + q * rs, 32 * (int)es);
+                        } else {
+                            _mm_prefetch(nx + q * rs, _MM_HINT_T0);
+                            if (es == 4) _mm_prefetch(nx + q * rs + 64, _MM_HINT_T0);
+                        }
                     }
                 }
                 for (q = 0; q < 4; q++)
@@ -749,6 +754,7 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
     const int has_wd = k->wd != 0.0f, unscaled = inv == 1.0f;
     const int64_t nv = C & ~(int64_t)7, n64 = C & ~(int64_t)63;
     const int pf = am_sw_prefetch();
+    const int64_t l2ahead = AM_L2_PREFETCH_BYTES / (int64_t)esize(pdt);
     bitw bw = {pol_row, 0, 0, 0};
     rngwin w;
     int64_t r, j;
@@ -770,8 +776,10 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
              * that costs time) the same columns of the next matrix row: two
              * more streams in flight, which one core needs to read memory at
              * full speed (measured, 4096x4096 apply 14.0 -> 10.8 ms at 1
-             * thread, 8.2 -> 6.5 ms at 2; docs/PERFORMANCE.md). None
-             * where the hardware prefetchers keep up (am_sw_prefetch). */
+             * thread, 8.2 -> 6.5 ms at 2; docs/PERFORMANCE.md). Where
+             * am_sw_prefetch is off (AMD), into L2 only, further ahead in
+             * the same streams (AM_L2_PREFETCH_BYTES; Zen 4 running these
+             * kernels: float32 apply 10.4 -> 7.3 ms at 1 thread). */
             if (pf && pdt != AM_DTYPE_FLOAT32) {
                 _mm_prefetch((const char *)p + (base + j + AM_PREFETCH) * (int64_t)esize(pdt), _MM_HINT_T0);
                 _mm_prefetch((const char *)g + (base + j + AM_PREFETCH) * (int64_t)esize(gdt), _MM_HINT_T0);
@@ -783,6 +791,11 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
                     _mm_prefetch(np + 64 * l, _MM_HINT_T0);
                     if (gdt == AM_DTYPE_FLOAT32 || l < 2) _mm_prefetch(ng + 64 * l, _MM_HINT_T0);
                 }
+            } else { /* AM_L2_PREFETCH_BYTES of p ahead, into L2 (simd.h) */
+                am_prefetch_l2((const char *)p + (base + j + l2ahead) * esize(pdt),
+                               64 * (int)esize(pdt));
+                am_prefetch_l2((const char *)g + (base + j + l2ahead) * esize(gdt),
+                               64 * (int)esize(gdt));
             }
             for (v = 0; v < 8; v++) bits |= (uint64_t)AM_APPLY_VEC(j + 8 * v) << (8 * v);
             if (pol_row) bw_put64(&bw, bits);

@@ -26,7 +26,6 @@
 #define AM_INLINE static inline __attribute__((always_inline))
 #define AM_NOINLINE __attribute__((noinline))
 #define AM_PREFETCH 512 /* elements ahead, as in kernels_avx2.c */
-
 /* Word w < 16 taken from word 2w + 1: the high halves of 16 32-bit lanes. */
 AM_INLINE __m512i high_idx(void) {
     return _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1,
@@ -476,6 +475,8 @@ AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
                  wdv = _mm512_set1_ps(k->wd);
     const float wdf = k->wd;
     const int pf = am_sw_prefetch(), es = pdt == AM_DTYPE_FLOAT32 ? 4 : 2;
+    const int ges = gdt == AM_DTYPE_FLOAT32 ? 4 : 2;
+    const int64_t l2ahead = AM_L2_PREFETCH_BYTES / es;
     bitw bw = {pol_row, 0, 0, 0};
     int64_t r, j;
     for (r = r0; r < r1; r++) {
@@ -494,9 +495,10 @@ AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
             }
             if (pf) { /* am_sw_prefetch (simd.h) */
                 _mm_prefetch((const char *)p + (base + j + AM_PREFETCH) * es, _MM_HINT_T0);
-                _mm_prefetch((const char *)g + (base + j + AM_PREFETCH) *
-                                                   (gdt == AM_DTYPE_FLOAT32 ? 4 : 2),
-                             _MM_HINT_T0);
+                _mm_prefetch((const char *)g + (base + j + AM_PREFETCH) * ges, _MM_HINT_T0);
+            } else { /* the 64 elements AM_L2_PREFETCH_BYTES of p ahead */
+                am_prefetch_l2((const char *)p + (base + j + l2ahead) * es, 64 * es);
+                am_prefetch_l2((const char *)g + (base + j + l2ahead) * ges, 64 * ges);
             }
             bits = (uint64_t)AM_APPLY16(j) | (uint64_t)AM_APPLY16(j + 16) << 16 |
                    (uint64_t)AM_APPLY16(j + 32) << 32 | (uint64_t)AM_APPLY16(j + 48) << 48;

@@ -17,6 +17,24 @@
  * thread: stats 14.8 -> 11.1 ms (docs/PERFORMANCE.md). */
 #define AM_FLAT_PREFETCH 1024
 
+/* Where am_sw_prefetch() is 0, the apply of large matrices still prefetches
+ * the parameter and the gradient, into L2 only (prefetcht1), this many bytes
+ * of the parameter ahead (of the gradient: the same elements). Zen 4
+ * (thirteenth session, same-process alternation, 4096x4096 at 1 thread):
+ * AVX-512 apply 6.9 -> 5.3 ms bfloat16, 7.7 -> 6.6 float16, 8.1 -> 7.2
+ * float32; AVX2 float32 10.4 -> 7.3; 2, 4 and 6 KB ahead alike
+ * (docs/PERFORMANCE.md). The 1-D finish gained nothing from it. */
+#define AM_L2_PREFETCH_BYTES 4096
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <xmmintrin.h>
+/* Prefetches into L2 the n bytes from p (n a multiple of 64). Never faults. */
+static inline __attribute__((always_inline)) void am_prefetch_l2(const void *p, int n) {
+    int b;
+    for (b = 0; b < n; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T1);
+}
+#endif
+
 /* The scalar tail of one row of a SIMD stats_tile (columns nv..n-1 of the
  * tile, base the row's element j0), as the reference's loop: squares into
  * the row's lanes a and the column sums; with cnt, the agreement of
@@ -246,15 +264,17 @@ int am_cpu_has_avx512(void);
  * enabled (cpuid + xgetbv); checked once, thread-safe. */
 int am_cpu_has_avx2(void);
 
-/* 1 when the streaming kernels issue software prefetches (the process's
- * choice, made with the kernel set). On by default: on the machines of
+/* 1 when the streaming kernels issue software prefetches into L1 (the
+ * process's choice, made with the kernel set). On by default: on the machines of
  * earlier sessions (about 2 GHz, their make not recorded) one core's
  * hardware prefetchers left memory idle, and a 4096x4096 float32 apply
  * went 14.0 -> 10.8 ms with them. Off on AMD CPUs: on Zen 4 (twelfth
  * session) they cost time, the same apply 9.0 -> 7.7 ms without them and
  * 5.9 ms in AVX-512, which runs float32 parameters' apply only when this
- * is 0 (other AMD families follow Zen 4 unmeasured). AUTOMAGIC_PREFETCH=0
- * or 1 overrides the default. Either way, the same bits. */
+ * is 0 (other AMD families follow Zen 4 unmeasured). Where it is 0, the
+ * stats and apply passes of large matrices prefetch into L2 instead
+ * (AM_L2_PREFETCH_BYTES). AUTOMAGIC_PREFETCH=0 or 1 overrides the default.
+ * Either way, the same bits. */
 int am_sw_prefetch(void);
 
 /* For tests and benchmarks: sets am_sw_prefetch() (not thread-safe with
