@@ -496,7 +496,8 @@ AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
             if (pf) { /* am_sw_prefetch (simd.h) */
                 _mm_prefetch((const char *)p + (base + j + AM_PREFETCH) * es, _MM_HINT_T0);
                 _mm_prefetch((const char *)g + (base + j + AM_PREFETCH) * ges, _MM_HINT_T0);
-            } else { /* the 64 elements AM_L2_PREFETCH_BYTES of p ahead */
+            } else if (pdt != AM_DTYPE_FLOAT32) { /* AM_L2_PREFETCH_BYTES of p
+                                                    * ahead (simd.h) */
                 am_prefetch_l2((const char *)p + (base + j + l2ahead) * es, 64 * es);
                 am_prefetch_l2((const char *)g + (base + j + l2ahead) * ges, 64 * ges);
             }

@@ -20,10 +20,11 @@
 /* Where am_sw_prefetch() is 0, the apply of large matrices still prefetches
  * the parameter and the gradient, into L2 only (prefetcht1), this many bytes
  * of the parameter ahead (of the gradient: the same elements). Zen 4
- * (thirteenth session, same-process alternation, 4096x4096 at 1 thread):
- * AVX-512 apply 6.9 -> 5.3 ms bfloat16, 7.7 -> 6.6 float16, 8.1 -> 7.2
- * float32; AVX2 float32 10.4 -> 7.3; 2, 4 and 6 KB ahead alike
- * (docs/PERFORMANCE.md). The 1-D finish gained nothing from it. */
+ * (thirteenth session, same-binary alternation, 4096x4096 at 1 thread):
+ * AVX-512 apply 6.3-6.7 -> 5.3-5.7 ms bfloat16, 7.8-8.3 -> 7.0-7.3 float16;
+ * AVX2 float32 7.0-7.8 -> 6.4-7.4; 2, 4 and 6 KB ahead alike. Not for the
+ * AVX-512 float32 apply (4096x4096 no better, 11008x4096 3-10% slower) nor
+ * the 1-D finish (no gain); docs/PERFORMANCE.md. */
 #define AM_L2_PREFETCH_BYTES 4096
 
 #if defined(__x86_64__) || defined(_M_X64)
