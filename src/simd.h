@@ -27,7 +27,7 @@
  * the 1-D finish (no gain); docs/PERFORMANCE.md. */
 #define AM_L2_PREFETCH_BYTES 4096
 
-#if defined(__x86_64__) || defined(_M_X64)
+#if defined(__x86_64__)
 #include <xmmintrin.h>
 /* Prefetches into L2 the n bytes from p (n a multiple of 64). Never faults. */
 static inline __attribute__((always_inline)) void am_prefetch_l2(const void *p, int n) {
