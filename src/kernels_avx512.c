@@ -26,6 +26,7 @@
 #define AM_INLINE static inline __attribute__((always_inline))
 #define AM_NOINLINE __attribute__((noinline))
 #define AM_PREFETCH 512 /* elements ahead, as in kernels_avx2.c */
+
 /* Word w < 16 taken from word 2w + 1: the high halves of 16 32-bit lanes. */
 AM_INLINE __m512i high_idx(void) {
     return _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1,
