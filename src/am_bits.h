@@ -60,6 +60,15 @@ static inline unsigned am_bits8_at(const uint8_t *bits, int64_t q) {
     return s ? ((unsigned)p[0] | (unsigned)p[1] << 8) >> s & 0xffu : p[0];
 }
 
+/* 16 stored bits starting at bit q (any alignment; reads only bytes that
+ * hold some of those bits). */
+static inline unsigned am_bits16_at(const uint8_t *bits, int64_t q) {
+    const uint8_t *p = bits + (q >> 3);
+    const int s = (int)(q & 7);
+    const unsigned w = (unsigned)p[0] | (unsigned)p[1] << 8;
+    return s ? (w | (unsigned)p[2] << 16) >> s & 0xffffu : w;
+}
+
 /* 32 stored bits starting at bit q (any alignment; reads only bytes that
  * hold some of those bits). */
 static inline uint32_t am_bits32_at(const uint8_t *bits, int64_t q) {

@@ -279,6 +279,23 @@ AM_INLINE uint32_t pos_mask32(const int gdt, __m512i a, __m512i b, __m512i *mn) 
     }
 }
 
+/* pos_mask32 for the 16 gradient elements from idx: bit l is 1 when
+ * element l is > 0; the running minimum as there. */
+AM_INLINE uint32_t pos_mask16(const void *g, const int gdt, int64_t idx, __m512i *mn) {
+    if (gdt == AM_DTYPE_FLOAT32) {
+        const __m512i d = _mm512_sub_epi32(_mm512_loadu_si512((const void *)((const float *)g + idx)),
+                                           _mm512_set1_epi32(1));
+        *mn = _mm512_min_epu32(*mn, d);
+        return (uint32_t)_mm512_cmplt_epu32_mask(d, _mm512_set1_epi32(0x7f800000));
+    } else {
+        /* 16 words in the low half; the high half's zeros wrap to all ones,
+         * above every positive value: no bit, no effect on the minimum */
+        const __m512i raw = _mm512_zextsi256_si512(
+            _mm256_loadu_si256((const __m256i *)((const uint16_t *)g + idx)));
+        return pos_mask32(gdt, raw, raw, mn);
+    }
+}
+
 /* Rows i..i+nr-1 (nr = 4 or 1, a constant) of stats_body: 32 columns of a
  * row per step. With cnt, the agreement is counted on the raw bits: a
  * gradient element is > 0 exactly when 1 <= bits <= bits of +inf, i.e.
@@ -346,10 +363,26 @@ AM_INLINE void stats_rows(const void *g, const int gdt, const int cnt, const int
         if (pend) wsum32(g, gdt, C, j0, j, 4, pend);
     }
     if (pend) am_wsum_cols(g, gdt, C, pend->i, 4, j0, j0 + n32, j0 + n, pend->w, pend->wpart);
+    if (n - n32 >= 16) { /* 16 more columns (e.g. C = 16, LoRA's B matrices) */
+        __m512 c = _mm512_loadu_ps(colpart + j);
+        for (q = 0; q < nr; q++) {
+            const int64_t idx = (i + q) * C + j0 + j;
+            __m512 x;
+            if (cnt)
+                mism[q] += __builtin_popcount(pos_mask16(g, gdt, idx, mn) ^
+                                              am_bits16_at(bits, q0[q] + j));
+            x = am_ld16(g, gdt, idx);
+            x = _mm512_mul_ps(x, x);
+            acc[q] = add16(acc[q], x);
+            c = _mm512_add_ps(c, x);
+        }
+        _mm512_storeu_ps(colpart + j, c);
+        j += 16;
+    }
     for (q = 0; q < nr; q++) {
         float a[AM_LANES];
         _mm256_storeu_ps(a, acc[q]);
-        am_stats_row_tail(g, gdt, cnt, (i + q) * C + j0, n32, n, a, colpart, bits, q0[q],
+        am_stats_row_tail(g, gdt, cnt, (i + q) * C + j0, j, n, a, colpart, bits, q0[q],
                           mism[q], cnt ? rowmatch + q : NULL, mp);
         rowpart[q] = am_lanesum_finish(a);
     }
