@@ -329,9 +329,14 @@ AM_HD float am_lr_scale(float lr, float factor, const am_consts *k) {
     return v;
 }
 
-AM_HD float am_lr_bump(float lr, float agreement, const am_consts *k) {
+/* exp((2a - 1) * bump) of SPEC 3.4 for agreement a. */
+AM_HD float am_bump_factor(float agreement, const am_consts *k) {
     float d = agreement * 2.0f - 1.0f;
-    return am_lr_scale(lr, am_expf(d * k->bump), k);
+    return am_expf(d * k->bump);
+}
+
+AM_HD float am_lr_bump(float lr, float agreement, const am_consts *k) {
+    return am_lr_scale(lr, am_bump_factor(agreement, k), k);
 }
 
 /* Loads element i of a float32/bfloat16/float16 buffer as float32. dtype is

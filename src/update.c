@@ -452,7 +452,14 @@ typedef struct fin {
     am_state *state;
     int counted; /* the stats pass's counts are this update's agreement */
     int copies;  /* each lr-row task copies its matrices' new moments */
+    const float *bump; /* NULL, or the lr bump factor of each match count */
 } fin;
+
+/* Short lr-rows (at most this many elements, and fewer than half as many
+ * as there are lr-rows; e.g. LoRA's (1024, 16) matrices): am_bump_factor of
+ * every possible match count is computed once per update instead of once
+ * per lr-row (the same function of the same agreement: the same bits). */
+#define AM_BUMP_TABLE_MAX 256
 
 /* Matches of lr-row kr counted by the stats pass (rows of every column
  * block; integer sums, so the order does not matter). */
@@ -527,7 +534,9 @@ static void finish_lr_row_task(void *ctx, int64_t kr) {
     }
     a = (float)matches / (float)g->m;
     WS(u, off_agree, float)[kr] = a;
-    if (f->state->step > 0) f->state->lr[kr] = am_lr_bump(f->state->lr[kr], a, &u->k);
+    if (f->state->step > 0)
+        f->state->lr[kr] = f->bump ? am_lr_scale(f->state->lr[kr], f->bump[matches], &u->k)
+                                   : am_lr_bump(f->state->lr[kr], a, &u->k);
     u->kt->apply_rows(u->param->data, u->param->dtype, u->grad->data,
                       u->grad->dtype, g->R, g->C, r0, r0 + rows, rf, cf,
                       u->inv, f->state->lr[kr], &u->k, u->key.seed,
@@ -646,6 +655,7 @@ static void finish_flat_task(void *ctx, int64_t t) {
 
 static am_status run_finish(upd *u, am_state *state, am_report *rep) {
     const am_geom *g = &u->g;
+    float bump[AM_BUMP_TABLE_MAX + 1];
     fin f;
     float norm, rms;
     double mean_agree = 0.0;
@@ -670,6 +680,12 @@ static am_status run_finish(upd *u, am_state *state, am_report *rep) {
     f.state = state;
     f.counted = g->ndim >= 2 && counts_valid(u);
     f.copies = 0;
+    f.bump = NULL;
+    if (g->ndim >= 2 && state->step > 0 && g->m <= AM_BUMP_TABLE_MAX &&
+        g->lr_rows > 2 * (g->m + 1)) {
+        for (t = 0; t <= g->m; t++) bump[t] = am_bump_factor((float)t / (float)g->m, &u->k);
+        f.bump = bump;
+    }
     if (g->ndim >= 2) {
         const float *agree = WS(u, off_agree, float);
         if (!finish_split(&f)) {

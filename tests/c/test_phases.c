@@ -13,6 +13,7 @@
  *     moments within 2 ulp).
  */
 #include "test_common.h"
+#include "internal.h" /* am_lr_bump, am_consts_from: the reference formulas */
 
 static const am_dtype k_dtypes[3] = {AM_DTYPE_FLOAT32, AM_DTYPE_BFLOAT16,
                                      AM_DTYPE_FLOAT16};
@@ -326,6 +327,62 @@ static void test_sharded_protocol(void **unused) {
     shard_case(&s3w);
 }
 
+/* Each lr-row's bump is am_lr_bump of its agreement, exactly, whether
+ * finish computes the factor per lr-row or takes it from its table of every
+ * match count (short lr-rows, many of them: AM_BUMP_TABLE_MAX, update.c).
+ * The agreement comes from the polarity bits before and after (SPEC 3.3). */
+static void test_lr_bump_table(void **unused) {
+    typedef struct { int32_t ndim; int64_t d[4]; } sc;
+    static const sc shapes[] = {{2, {64, 8}},   {2, {40, 16}},  {2, {600, 256}},
+                                {3, {300, 3, 2}}, {2, {8, 300}}, {2, {10, 257}},
+                                {2, {4, 1}},    {2, {1024, 3}}};
+    uint64_t rs = t_seed() ^ 0x7ab1eu;
+    size_t c;
+    (void)unused;
+    for (c = 0; c < sizeof shapes / sizeof shapes[0]; c++) {
+        am_shape sh = t_shape(shapes[c].ndim, shapes[c].d);
+        const int64_t n = t_numel(&sh), rows = sh.dims[0], m = n / rows, rb = (m + 7) / 8;
+        float *p = (float *)t_calloc(n * 4), *g = (float *)t_calloc(n * 4), *lr0;
+        uint8_t *pol0;
+        am_tensor pt = t_tensor(p, AM_DTYPE_FLOAT32, &sh), gt = t_tensor(g, AM_DTYPE_FLOAT32, &sh);
+        am_hparams hp = am_hparams_default();
+        am_consts k;
+        am_rng_key key = {77, 1};
+        t_fix f;
+        int64_t i, r, q;
+        hp.lr_bump_rate = 0.37;
+        k = am_consts_from(&hp);
+        t_fix_init(&f, &sh, 1e-4);
+        assert_int_equal(f.sz.polarity_bytes, rows * rb);
+        for (i = 0; i < n; i++) t_store_random(p, AM_DTYPE_FLOAT32, i, &rs, -3, 1);
+        for (i = 0; i < n; i++) t_store_random(g, AM_DTYPE_FLOAT32, i, &rs, -5, 1);
+        assert_int_equal(am_update(&pt, &gt, &f.st, &hp, key, f.ws, f.ws_bytes, NULL), AM_OK);
+        lr0 = (float *)t_calloc(rows * 4);
+        pol0 = (uint8_t *)t_calloc(rows * rb);
+        memcpy(lr0, f.st.lr, (size_t)rows * 4);
+        memcpy(pol0, f.st.polarity, (size_t)(rows * rb));
+        /* signs mostly kept in the first rows, mostly flipped in the last:
+         * agreements over the whole range */
+        for (i = 0; i < n; i++) {
+            t_store_random(g, AM_DTYPE_FLOAT32, i, &rs, -5, 1);
+            if ((int64_t)(t_next(&rs) % (uint64_t)rows) < i / m) g[i] = -g[i];
+        }
+        assert_int_equal(am_update(&pt, &gt, &f.st, &hp, key, f.ws, f.ws_bytes, NULL), AM_OK);
+        for (r = 0; r < rows; r++) {
+            int64_t matches = 0;
+            float want;
+            for (q = 0; q < m; q++) {
+                const int64_t byte = r * rb + q / 8, bit = q % 8;
+                matches += ((pol0[byte] >> bit) & 1) == ((f.st.polarity[byte] >> bit) & 1);
+            }
+            want = am_lr_bump(lr0[r], (float)matches / (float)m, &k);
+            assert_memory_equal(&f.st.lr[r], &want, 4);
+        }
+        free(p); free(g); free(lr0); free(pol0);
+        t_fix_free(&f);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_phases_equal_update),
@@ -333,6 +390,7 @@ int main(void) {
         cmocka_unit_test(test_view_contents),
         cmocka_unit_test(test_sharded_protocol),
         cmocka_unit_test(test_rows_changed_between_phases),
+        cmocka_unit_test(test_lr_bump_table),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
