@@ -263,10 +263,13 @@ typedef struct am_kernels {
     /* Applies p -= lr*(u*inv + wd*p) over matrix rows [r0, r1) of one
      * lr-row, inv = 1 / clip scale (am_apply_one), stochastic rounding keyed
      * by flat element index. When pol_row is not NULL it also writes the new
-     * polarity bits (u*inv > 0) there, bit 0 being element (r0, 0). */
+     * polarity bits (u*inv > 0) there, bit 0 being element (r0, 0).
+     * lrs: NULL, or each matrix row r is an lr-row of its own with lr
+     * lrs[r - r0] (lr unused), its bits from byte (r - r0) * ((C + 7) / 8)
+     * of pol_row on (many short lr-rows in one call: run_finish). */
     void (*apply_rows)(void *p, int pdt, const void *g, int gdt, int64_t R,
                        int64_t C, int64_t r0, int64_t r1, const float *rf,
-                       const float *cf, float inv, float lr,
+                       const float *cf, float inv, float lr, const float *lrs,
                        const am_consts *k, uint64_t seed, uint32_t param_id,
                        int64_t step, uint8_t *pol_row);
 

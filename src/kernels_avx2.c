@@ -747,9 +747,10 @@ AM_INLINE uint32_t apply_vec(void *p, const int pdt, const void *g, const int gd
 AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
                           int64_t R, int64_t C, int64_t r0, int64_t r1,
                           const float *rf, const float *cf, float inv,
-                          float lr, const am_consts *k, uint64_t seed,
+                          float lr, const float *lrs, const am_consts *k, uint64_t seed,
                           uint32_t param_id, int64_t step, uint8_t *pol_row) {
-    const __m256 iv = _mm256_set1_ps(inv), lrv = _mm256_set1_ps(lr);
+    const __m256 iv = _mm256_set1_ps(inv);
+    __m256 lrv = _mm256_set1_ps(lr);
     const __m256 wdv = _mm256_set1_ps(k->wd);
     const int has_wd = k->wd != 0.0f, unscaled = inv == 1.0f;
     const int64_t nv = C & ~(int64_t)7, n64 = C & ~(int64_t)63;
@@ -763,6 +764,15 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
         const float *cfb = cf + (r / R) * C;
         const __m256 rfv = _mm256_set1_ps(rf[r]);
         const int64_t base = r * C;
+        if (lrs) { /* a row of its own lr and bits (internal.h) */
+            lr = lrs[r - r0];
+            lrv = _mm256_set1_ps(lr);
+            if (pol_row) {
+                bw_flush(&bw);
+                bw.p = pol_row + (r - r0) * ((C + 7) / 8);
+                bw.buf = 0;
+            }
+        }
 #define AM_APPLY_VEC(J)                                                       \
     apply_vec(p, pdt, g, gdt, base + (J),                                     \
               _mm256_mul_ps(rfv, _mm256_loadu_ps(cfb + (J))), iv, unscaled,   \
@@ -820,6 +830,7 @@ AM_INLINE void apply_small(void *p, const int pdt, const void *g, const int gdt,
                            const float *rf, const float *cf, float inv,
                            float lr, const am_consts *k, uint64_t seed,
                            uint32_t param_id, int64_t step, uint8_t *pol_row) {
+    /* one lr for rows [r0, r1): with lrs, AM_APPLY_CASE calls it row by row */
     const __m256 iv = _mm256_set1_ps(inv), lrv = _mm256_set1_ps(lr);
     const __m256 wdv = _mm256_set1_ps(k->wd);
     const int has_wd = k->wd != 0.0f, unscaled = inv == 1.0f;
@@ -846,17 +857,23 @@ AM_INLINE void apply_small(void *p, const int pdt, const void *g, const int gdt,
 }
 
 #define AM_APPLY_CASE(PD, GD)                                                 \
-    if (C < AM_SMALL_C)                                                       \
+    if (C < AM_SMALL_C && lrs) {                                              \
+        int64_t r_;                                                           \
+        for (r_ = r0; r_ < r1; r_++)                                          \
+            apply_small(p, PD, g, GD, R, C, r_, r_ + 1, rf, cf, inv,          \
+                        lrs[r_ - r0], k, seed, param_id, step,                \
+                        pol_row ? pol_row + (r_ - r0) * ((C + 7) / 8) : NULL); \
+    } else if (C < AM_SMALL_C)                                                \
         apply_small(p, PD, g, GD, R, C, r0, r1, rf, cf, inv, lr, k, seed,  \
                     param_id, step, pol_row);                                 \
     else                                                                      \
-        apply_body(p, PD, g, GD, R, C, r0, r1, rf, cf, inv, lr, k, seed,   \
+        apply_body(p, PD, g, GD, R, C, r0, r1, rf, cf, inv, lr, lrs, k, seed, \
                    param_id, step, pol_row)
 
 static void avx2_apply_rows(void *p, int pdt, const void *g, int gdt,
                             int64_t R, int64_t C, int64_t r0, int64_t r1,
                             const float *rf, const float *cf, float inv,
-                            float lr, const am_consts *k, uint64_t seed,
+                            float lr, const float *lrs, const am_consts *k, uint64_t seed,
                             uint32_t param_id, int64_t step, uint8_t *pol_row) {
     switch (pdt * 3 + gdt) {
     case 0: AM_APPLY_CASE(0, 0); break;
@@ -984,16 +1001,16 @@ static am_apply_mats_fn g_apply_mats;
 static void avx512x_apply_rows(void *p, int pdt, const void *g, int gdt,
                                int64_t R, int64_t C, int64_t r0, int64_t r1,
                                const float *rf, const float *cf, float inv,
-                               float lr, const am_consts *k, uint64_t seed,
+                               float lr, const float *lrs, const am_consts *k, uint64_t seed,
                                uint32_t param_id, int64_t step, uint8_t *pol_row) {
     /* every callee returns with vzeroupper (AM_CLEAN_RETURN, simd.h) */
-    if (C >= AM_SMALL_C) {
+    if (C >= AM_SMALL_C || lrs) {
         /* float32 too when software prefetch is off (am_sw_prefetch) */
-        if (pdt != AM_DTYPE_FLOAT32 || !am_sw_prefetch())
-            g_apply16(p, pdt, g, gdt, R, C, r0, r1, rf, cf, inv, lr, k, seed, param_id,
+        if (C >= AM_SMALL_C && (pdt != AM_DTYPE_FLOAT32 || !am_sw_prefetch()))
+            g_apply16(p, pdt, g, gdt, R, C, r0, r1, rf, cf, inv, lr, lrs, k, seed, param_id,
                       step, pol_row);
         else
-            avx2_apply_rows(p, pdt, g, gdt, R, C, r0, r1, rf, cf, inv, lr, k, seed,
+            avx2_apply_rows(p, pdt, g, gdt, R, C, r0, r1, rf, cf, inv, lr, lrs, k, seed,
                             param_id, step, pol_row);
         return;
     }
@@ -1004,7 +1021,7 @@ static void avx512x_apply_rows(void *p, int pdt, const void *g, int gdt,
         r0 += done;
     }
     if (r0 < r1)
-        avx2_apply_rows(p, pdt, g, gdt, R, C, r0, r1, rf, cf, inv, lr, k, seed,
+        avx2_apply_rows(p, pdt, g, gdt, R, C, r0, r1, rf, cf, inv, lr, NULL, k, seed,
                         param_id, step, pol_row);
 }
 

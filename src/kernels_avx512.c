@@ -501,12 +501,12 @@ am_stats_fn am_avx512_stats(void) { return avx512_stats; }
 AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
                           int64_t R, int64_t C, int64_t r0, int64_t r1,
                           const float *rf, const float *cf, float inv, float lr,
-                          const am_consts *k, uint64_t seed, uint32_t param_id,
-                          int64_t step, uint8_t *pol_row, const int scaled,
-                          const int wd, rng512 *w) {
+                          const float *lrs, const am_consts *k, uint64_t seed,
+                          uint32_t param_id, int64_t step, uint8_t *pol_row,
+                          const int scaled, const int wd, rng512 *w) {
     const int64_t n16 = C & ~(int64_t)15, n64 = C & ~(int64_t)63;
-    const __m512 iv = _mm512_set1_ps(inv), lrv = _mm512_set1_ps(lr),
-                 wdv = _mm512_set1_ps(k->wd);
+    const __m512 iv = _mm512_set1_ps(inv), wdv = _mm512_set1_ps(k->wd);
+    __m512 lrv = _mm512_set1_ps(lr);
     const float wdf = k->wd;
     const int pf = am_sw_prefetch(), es = pdt == AM_DTYPE_FLOAT32 ? 4 : 2;
     const int ges = gdt == AM_DTYPE_FLOAT32 ? 4 : 2;
@@ -517,6 +517,15 @@ AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
         const float *cfb = cf + (r / R) * C;
         const __m512 rfv = _mm512_set1_ps(rf[r]);
         const int64_t base = r * C;
+        if (lrs) { /* a row of its own lr and bits (internal.h) */
+            lr = lrs[r - r0];
+            lrv = _mm512_set1_ps(lr);
+            if (pol_row) {
+                bw_flush(&bw);
+                bw.p = pol_row + (r - r0) * ((C + 7) / 8);
+                bw.buf = 0;
+            }
+        }
 #define AM_APPLY16(J)                                                         \
     apply16(p, pdt, g, gdt, base + (J),                                       \
             _mm512_mul_ps(rfv, _mm512_loadu_ps(cfb + (J))), iv, lrv, wdv,     \
@@ -563,19 +572,19 @@ AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
 AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
                           int64_t R, int64_t C, int64_t r0, int64_t r1,
                           const float *rf, const float *cf, float inv,
-                          float lr, const am_consts *k, uint64_t seed,
+                          float lr, const float *lrs, const am_consts *k, uint64_t seed,
                           uint32_t param_id, int64_t step, uint8_t *pol_row) {
     rng512 w;
     rng_init(&w, seed, param_id, step);
 #define AM_MODE(S, W)                                                         \
-    apply_mode(p, pdt, g, gdt, R, C, r0, r1, rf, cf, inv, lr, k, seed,     \
+    apply_mode(p, pdt, g, gdt, R, C, r0, r1, rf, cf, inv, lr, lrs, k, seed, \
                param_id, step, pol_row, S, W, &w)
     AM_WITH_MODES(inv, k, AM_MODE);
 #undef AM_MODE
 }
 
 #define AM_512_CASE(PD, GD)                                                   \
-    apply_body(p, PD, g, GD, R, C, r0, r1, rf, cf, inv, lr, k, seed,       \
+    apply_body(p, PD, g, GD, R, C, r0, r1, rf, cf, inv, lr, lrs, k, seed,  \
                param_id, step, pol_row)
 
 /* C >= 16, any dtypes (kernels_avx2.c sends float32 parameters here only
@@ -583,7 +592,7 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
 static void avx512_apply_rows(void *p, int pdt, const void *g, int gdt,
                               int64_t R, int64_t C, int64_t r0, int64_t r1,
                               const float *rf, const float *cf, float inv,
-                              float lr, const am_consts *k, uint64_t seed,
+                              float lr, const float *lrs, const am_consts *k, uint64_t seed,
                               uint32_t param_id, int64_t step, uint8_t *pol_row) {
     switch (pdt * 3 + gdt) {
     case 0: AM_512_CASE(0, 0); break;

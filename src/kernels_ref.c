@@ -123,15 +123,18 @@ static int64_t ref_agree_rows(const void *g, int gdt, int64_t R, int64_t C,
 static void ref_apply_rows(void *p, int pdt, const void *g, int gdt,
                            int64_t R, int64_t C, int64_t r0, int64_t r1,
                            const float *rf, const float *cf, float inv,
-                           float lr, const am_consts *k, uint64_t seed,
+                           float lr, const float *lrs, const am_consts *k, uint64_t seed,
                            uint32_t param_id, int64_t step, uint8_t *pol_row) {
     int64_t r, j;
     for (r = r0; r < r1; r++) {
         const float *cfb = cf + (r / R) * C;
+        /* lrs: this row's lr and bits (internal.h) */
+        const float lr_r = lrs ? lrs[r - r0] : lr;
+        const int64_t q0 = lrs ? (r - r0) * ((C + 7) / 8) * 8 : (r - r0) * C;
         for (j = 0; j < C; j++) {
-            int pos = am_apply_one(p, pdt, g, gdt, r * C + j, rf[r] * cfb[j], inv, lr,
+            int pos = am_apply_one(p, pdt, g, gdt, r * C + j, rf[r] * cfb[j], inv, lr_r,
                                    k->wd, seed, param_id, step);
-            if (pol_row) put_bit(pol_row, (r - r0) * C + j, pos);
+            if (pol_row) put_bit(pol_row, q0 + j, pos);
         }
     }
 }

@@ -177,7 +177,7 @@ am_philox_fn am_philox32_avx512(void);
 /* The apply_rows slot's signature (internal.h). */
 typedef void (*am_apply_fn)(void *p, int pdt, const void *g, int gdt, int64_t R,
                             int64_t C, int64_t r0, int64_t r1, const float *rf,
-                            const float *cf, float inv, float lr,
+                            const float *cf, float inv, float lr, const float *lrs,
                             const am_consts *k, uint64_t seed, uint32_t param_id,
                             int64_t step, uint8_t *pol_row);
 

@@ -539,7 +539,7 @@ static void finish_lr_row_task(void *ctx, int64_t kr) {
                                    : am_lr_bump(f->state->lr[kr], a, &u->k);
     u->kt->apply_rows(u->param->data, u->param->dtype, u->grad->data,
                       u->grad->dtype, g->R, g->C, r0, r0 + rows, rf, cf,
-                      u->inv, f->state->lr[kr], &u->k, u->key.seed,
+                      u->inv, f->state->lr[kr], NULL, &u->k, u->key.seed,
                       u->key.param_id, f->state->step, wbits);
     if (f->copies) { /* whole matrices b0..b1-1 (ndim >= 3) */
         const int64_t b0 = r0 / g->R, nb = rows / g->R;
@@ -548,6 +548,41 @@ static void finish_lr_row_task(void *ctx, int64_t kr) {
         memcpy(f->state->col + b0 * g->C, WS(u, off_new_col, float) + b0 * g->C,
                (size_t)(nb * g->C) * sizeof(float));
     }
+}
+
+/* Many short lr-rows, each one matrix row (m == C <= AM_SHORT_ROW, e.g.
+ * LoRA's (1024, 16) matrices), counted by the stats pass: a task per block
+ * of AM_SHORT_BLOCK elements' lr-rows bumps each lr, then applies the whole
+ * block in one apply_rows call with an lr per row (the slot's lrs), instead
+ * of a task and a call per lr-row, whose fixed costs were most of the time.
+ * The same per-lr-row arithmetic, so the same bits. */
+#define AM_SHORT_ROW 256
+#define AM_SHORT_BLOCK 4096
+
+static int64_t short_block_rows(const am_geom *g) {
+    return AM_SHORT_BLOCK / g->C > 0 ? AM_SHORT_BLOCK / g->C : 1;
+}
+
+static void finish_short_rows_task(void *ctx, int64_t blk) {
+    fin *f = (fin *)ctx;
+    upd *u = f->u;
+    const am_geom *g = &u->g;
+    const int64_t per = short_block_rows(g), k0 = blk * per,
+                  k1 = k0 + per < g->lr_rows ? k0 + per : g->lr_rows;
+    float *lr = f->state->lr, *agree = WS(u, off_agree, float);
+    int64_t kr;
+    for (kr = k0; kr < k1; kr++) {
+        const int64_t matches = counted_matches(u, kr);
+        const float a = (float)matches / (float)g->m;
+        agree[kr] = a;
+        if (f->state->step > 0)
+            lr[kr] = f->bump ? am_lr_scale(lr[kr], f->bump[matches], &u->k)
+                             : am_lr_bump(lr[kr], a, &u->k);
+    }
+    u->kt->apply_rows(u->param->data, u->param->dtype, u->grad->data, u->grad->dtype, g->R,
+                      g->C, k0, k1, WS(u, off_rf, float), WS(u, off_cf, float), u->inv, 0.0f,
+                      lr + k0, &u->k, u->key.seed, u->key.param_id, f->state->step,
+                      f->state->polarity + k0 * g->pol_row_bytes);
 }
 
 /* Few, long lr-rows (e.g. a (1, 4096, 4096) parameter): the agreement and
@@ -598,7 +633,7 @@ static void split_apply_task(void *ctx, int64_t t) {
     split_range(sp, t, &kr, &r0, &r1);
     u->kt->apply_rows(u->param->data, u->param->dtype, u->grad->data,
                       u->grad->dtype, g->R, g->C, r0, r1, WS(u, off_rf, float),
-                      WS(u, off_cf, float), u->inv, sp->f->state->lr[kr], &u->k,
+                      WS(u, off_cf, float), u->inv, sp->f->state->lr[kr], NULL, &u->k,
                       u->key.seed, u->key.param_id, sp->f->state->step,
                       sp->f->counted ? split_pol(sp, kr, r0) : NULL);
 }
@@ -693,7 +728,14 @@ static am_status run_finish(upd *u, am_state *state, am_report *rep) {
              * bytes, copied by the threads (ndim >= 3: lr-rows hold whole
              * matrices). */
             f.copies = batched(g) && !u->mats_sweep;
-            am_parallel_for(g->lr_rows, (double)g->m * 12.0, finish_lr_row_task, &f);
+            if (f.counted && !f.copies && g->m == g->C && g->C <= AM_SHORT_ROW &&
+                g->lr_rows >= 2 * short_block_rows(g)) {
+                const int64_t per = short_block_rows(g);
+                am_parallel_for((g->lr_rows + per - 1) / per, (double)(per * g->m) * 12.0,
+                                finish_short_rows_task, &f);
+            } else {
+                am_parallel_for(g->lr_rows, (double)g->m * 12.0, finish_lr_row_task, &f);
+            }
         }
         if (!f.copies && !u->mats_sweep) {
             memcpy(state->row, WS(u, off_new_row, float), (size_t)(g->B * g->R) * sizeof(float));

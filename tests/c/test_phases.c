@@ -335,7 +335,8 @@ static void test_lr_bump_table(void **unused) {
     typedef struct { int32_t ndim; int64_t d[4]; } sc;
     static const sc shapes[] = {{2, {64, 8}},   {2, {40, 16}},  {2, {600, 256}},
                                 {3, {300, 3, 2}}, {2, {8, 300}}, {2, {10, 257}},
-                                {2, {4, 1}},    {2, {1024, 3}}};
+                                {2, {4, 1}},    {2, {1024, 3}}, {2, {2048, 16}},
+                                {2, {1500, 24}}, {2, {3000, 3}}};
     uint64_t rs = t_seed() ^ 0x7ab1eu;
     size_t c;
     (void)unused;

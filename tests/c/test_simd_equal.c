@@ -238,15 +238,15 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
         m2 = b->agree_rows(g, gdt, R, C, 1, R, rf, cf, 1.5f, pol2);
         assert_int_equal(m1, m2);
         assert_memory_equal(pol1, pol2, (size_t)n / 8 + 2);
-        a->apply_rows(p1, pdt, g, gdt, R, C, 1, R, rf, cf, 1.5f, 3e-3f, &k, 99, 7, 5, NULL);
-        b->apply_rows(p2, pdt, g, gdt, R, C, 1, R, rf, cf, 1.5f, 3e-3f, &k, 99, 7, 5, NULL);
+        a->apply_rows(p1, pdt, g, gdt, R, C, 1, R, rf, cf, 1.5f, 3e-3f, NULL, &k, 99, 7, 5, NULL);
+        b->apply_rows(p2, pdt, g, gdt, R, C, 1, R, rf, cf, 1.5f, 3e-3f, NULL, &k, 99, 7, 5, NULL);
         assert_memory_equal(p1, p2, (size_t)n * ps);
         /* writing the polarity: the bits agree_rows wrote, and nothing
          * past the rows */
         memset(pa, 0x5a, (size_t)n / 8 + 2);
         memset(pb, 0xa5, (size_t)n / 8 + 2);
-        a->apply_rows(p1, pdt, g, gdt, R, C, 1, R, rf, cf, 1.5f, 3e-3f, &k, 99, 7, 7, pa);
-        b->apply_rows(p2, pdt, g, gdt, R, C, 1, R, rf, cf, 1.5f, 3e-3f, &k, 99, 7, 7, pb);
+        a->apply_rows(p1, pdt, g, gdt, R, C, 1, R, rf, cf, 1.5f, 3e-3f, NULL, &k, 99, 7, 7, pa);
+        b->apply_rows(p2, pdt, g, gdt, R, C, 1, R, rf, cf, 1.5f, 3e-3f, NULL, &k, 99, 7, 7, pb);
         assert_memory_equal(p1, p2, (size_t)n * ps);
         assert_memory_equal(pa, pol1, (size_t)((R - 1) * C / 8));
         assert_memory_equal(pb, pol1, (size_t)((R - 1) * C / 8));
@@ -260,9 +260,34 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
             assert_int_equal(pb[q], 0xa5);
         }
         /* scale 1: the SIMD path skips the division */
-        a->apply_rows(p1, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 3e-3f, &k, 99, 7, 6, NULL);
-        b->apply_rows(p2, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 3e-3f, &k, 99, 7, 6, NULL);
+        a->apply_rows(p1, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 3e-3f, NULL, &k, 99, 7, 6, NULL);
+        b->apply_rows(p2, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 3e-3f, NULL, &k, 99, 7, 6, NULL);
         assert_memory_equal(p1, p2, (size_t)n * ps);
+        { /* each matrix row an lr-row of its own (lrs): the bits of one
+           * call per row, its bits from byte r * ((C + 7) / 8) on */
+            const int64_t rb = (C + 7) / 8;
+            float lrs[7];
+            void *p3 = xmalloc((size_t)n * ps);
+            uint8_t *q1 = xmalloc((size_t)(R * rb) + 1), *q2 = xmalloc((size_t)(R * rb) + 1),
+                    *q3 = xmalloc((size_t)(R * rb) + 1);
+            int64_t r;
+            assert_true(R <= 7);
+            for (r = 0; r < R; r++) lrs[r] = 1e-3f * (float)(r + 1);
+            memcpy(p3, p1, (size_t)n * ps);
+            memset(q1, 0x5a, (size_t)(R * rb) + 1);
+            memset(q2, 0x5a, (size_t)(R * rb) + 1);
+            memset(q3, 0x5a, (size_t)(R * rb) + 1);
+            a->apply_rows(p1, pdt, g, gdt, R, C, 0, R, rf, cf, 1.5f, 0.5f, lrs, &k, 99, 7, 10, q1);
+            b->apply_rows(p2, pdt, g, gdt, R, C, 0, R, rf, cf, 1.5f, 0.5f, lrs, &k, 99, 7, 10, q2);
+            for (r = 0; r < R; r++)
+                a->apply_rows(p3, pdt, g, gdt, R, C, r, r + 1, rf, cf, 1.5f, lrs[r], NULL, &k,
+                              99, 7, 10, q3 + r * rb);
+            assert_memory_equal(p1, p2, (size_t)n * ps);
+            assert_memory_equal(p1, p3, (size_t)n * ps);
+            assert_memory_equal(q1, q3, (size_t)(R * rb) + 1);
+            assert_memory_equal(q2, q3, (size_t)(R * rb) + 1);
+            free(p3); free(q1); free(q2); free(q3);
+        }
         if (pdt == AM_DTYPE_FLOAT16) {
             /* half subnormals and zeros moved by a tiny step: the rounding
              * takes 32 bits of the wide stream there (am_sr_noise) */
@@ -270,8 +295,8 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
                 if (i % 3 != 2)
                     ((uint16_t *)p1)[i] = ((uint16_t *)p2)[i] =
                         (uint16_t)((i % 3 ? 0x8000u : 0u) | (uint16_t)(i % 5 ? 7 * i % 1024 : 0));
-            a->apply_rows(p1, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 1e-12f, &k, 99, 7, 8, NULL);
-            b->apply_rows(p2, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 1e-12f, &k, 99, 7, 8, NULL);
+            a->apply_rows(p1, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 1e-12f, NULL, &k, 99, 7, 8, NULL);
+            b->apply_rows(p2, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 1e-12f, NULL, &k, 99, 7, 8, NULL);
             assert_memory_equal(p1, p2, (size_t)n * ps);
             /* sparse ones (every 97th: the scalar quad of am_wide_word)
              * among runs of 10 (its window), the rest 1.0 */
@@ -279,8 +304,8 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
                 ((uint16_t *)p1)[i] = ((uint16_t *)p2)[i] =
                     i % 97 == 5 || i % 200 / 10 == 5 ? (uint16_t)(i % 4 ? 3 * i % 1024 : 0)
                                                     : (uint16_t)0x3c00u;
-            a->apply_rows(p1, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 1e-12f, &k, 99, 7, 8, NULL);
-            b->apply_rows(p2, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 1e-12f, &k, 99, 7, 8, NULL);
+            a->apply_rows(p1, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 1e-12f, NULL, &k, 99, 7, 8, NULL);
+            b->apply_rows(p2, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 1e-12f, NULL, &k, 99, 7, 8, NULL);
             assert_memory_equal(p1, p2, (size_t)n * ps);
             { /* the largest half moved outward (p = -65504 * sign(g)): the
                * rounding overflows to inf in some elements */
@@ -288,8 +313,8 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
                 for (i = 0; i < n; i++)
                     ((uint16_t *)p1)[i] = ((uint16_t *)p2)[i] =
                         am_load(g, gdt, i) > 0.0f ? 0xfbffu : 0x7bffu;
-                a->apply_rows(p1, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 0.05f, &k, 99, 7, 9, NULL);
-                b->apply_rows(p2, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 0.05f, &k, 99, 7, 9, NULL);
+                a->apply_rows(p1, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 0.05f, NULL, &k, 99, 7, 9, NULL);
+                b->apply_rows(p2, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 0.05f, NULL, &k, 99, 7, 9, NULL);
                 assert_memory_equal(p1, p2, (size_t)n * ps);
                 for (i = 0; i < n; i++) ninf += (((uint16_t *)p1)[i] & 0x7fffu) == 0x7c00u;
                 if (n >= 64) assert_true(ninf > 0);
@@ -936,6 +961,12 @@ static void test_updates(void **unused) {
     extra[nextra++] = mk(4, 13, 7, 1, 5);        /* 91 matrices: a tail of 3 */
     extra[nextra++] = mk(4, 9, 5, 8, 8);         /* R*C = 64, the limit */
     extra[nextra++] = mk(4, 9, 5, 8, 9);         /* R*C = 72: per-matrix tiles */
+    /* many short lr-rows: blocks of them per apply call (update.c,
+     * finish_short_rows_task), LoRA-like */
+    extra[nextra++] = mk(2, 1200, 16, 0, 0);
+    extra[nextra++] = mk(2, 3000, 3, 0, 0);
+    extra[nextra++] = mk(2, 600, 40, 0, 0);
+    extra[nextra++] = mk(2, 520, 256, 0, 0);
     for (x = 0; x < nextra; x++) check_shape(&extra[x], x & 1 ? 0.1 : 0.0, &failures);
     {   /* 65536 3x3 matrices: big enough that every pass engages threads */
         am_shape big = mk(4, 256, 256, 3, 3);
