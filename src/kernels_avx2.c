@@ -1061,7 +1061,12 @@ static void avx512x_stats_tile(const void *g, int gdt, int64_t C, int64_t i0, in
                                const am_polmap *pm, int32_t *rowmatch, float *minpos,
                                const am_wsum *ws) {
     /* returns with vzeroupper (AM_CLEAN_RETURN, simd.h) */
-    g_stats512(g, gdt, C, i0, i1, j0, j1, rowpart, colpart, pm, rowmatch, minpos, ws);
+    if (j1 - j0 < 16) /* all scalar tail there; 8 columns a vector here (e.g. LoRA's
+                       * (1024, 8) matrices: 7.8 -> 4.6 cycles/elem in cache) */
+        avx2_stats_tile(g, gdt, C, i0, i1, j0, j1, rowpart, colpart, pm, rowmatch, minpos,
+                        ws);
+    else
+        g_stats512(g, gdt, C, i0, i1, j0, j1, rowpart, colpart, pm, rowmatch, minpos, ws);
 }
 
 /* The AVX-512 sweep of 3x3 and 1x1 matrices (set with g_apply16). */

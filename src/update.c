@@ -729,7 +729,7 @@ static am_status run_finish(upd *u, am_state *state, am_report *rep) {
              * matrices). */
             f.copies = batched(g) && !u->mats_sweep;
             if (f.counted && !f.copies && g->m == g->C && g->C <= AM_SHORT_ROW &&
-                g->lr_rows >= 2 * short_block_rows(g)) {
+                g->lr_rows >= 2) {
                 const int64_t per = short_block_rows(g);
                 am_parallel_for((g->lr_rows + per - 1) / per, (double)(per * g->m) * 12.0,
                                 finish_short_rows_task, &f);
