@@ -57,6 +57,14 @@ def gpt2_small_shapes():
     return out
 
 
+def lora_shapes(rank=16):
+    """LoRA adapters (PEFT layout: A (rank, in), B (out, rank)) on the q, k,
+    v and o projections of a 24-layer, 1024-wide transformer: 192 tensors,
+    3.1M parameters at rank 16; B's rows are rank elements long."""
+    d, n_layer = 1024, 24
+    return [s for _ in range(n_layer * 4) for s in ((rank, d), (d, rank))]
+
+
 def cpu_model():
     """The CPU's name, vendor, family and model as /proc/cpuinfo gives them
     (kernel tuning differs by vendor: docs/PERFORMANCE.md); "" elsewhere."""
@@ -296,6 +304,7 @@ def main():
     # subdirectory there, and two trees in one folder confuse each other
     ap.add_argument("--build-dir", default=os.path.join(ROOT, "build", "bench-release"))
     ap.add_argument("--no-gpt2", action="store_true", help="skip the GPT-2 small step")
+    ap.add_argument("--no-lora", action="store_true", help="skip the LoRA step")
     ap.add_argument("--threshold", action="store_true",
                     help="also measure small updates with and without threads "
                          "(the threading threshold)")
@@ -323,7 +332,7 @@ def main():
                           "cpu_model": cpu_model(),
                           "torch": torch.__version__, "python": platform.python_version(),
                           "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())},
-              "kernels": [], "torch": [], "gpt2": None, "threshold": []}
+              "kernels": [], "torch": [], "gpt2": None, "lora": [], "threshold": []}
 
     cases = [case_name(s, d) for s in shapes for d in dtypes]
     for t in threads:
@@ -345,6 +354,9 @@ def main():
 
     if not args.no_gpt2:
         result["gpt2"] = gpt2_bench(torch, exe, threads[-1], Ref, 1 if args.quick else 7)
+    if not args.no_lora:
+        for t in threads:
+            result["lora"].append(lora_bench(torch, t, Ref, 2 if args.quick else 15))
     if args.threshold:
         result["threshold"] = threshold_bench(exe)
 
@@ -403,6 +415,39 @@ def gpt2_bench(torch, exe, threads, Ref, reps):
     tiny = time_runners({"ours": r}, 20, 0.5)["ours"][0]
     out["frontend_overhead_sec"] = tiny
     out["frontend_overhead_us_per_tensor"] = tiny / len(shapes) * 1e6
+    return out
+
+
+def lora_bench(torch, threads, Ref, reps):
+    """A whole LoRA step (lora_shapes, float32): ours, our kernels alone,
+    the reference and fused AdamW, round-robin from cold caches."""
+    shapes = lora_shapes()
+    n = sum(numel(s) for s in shapes)
+    print("== LoRA rank 16: %d tensors, %d parameters, float32, %d thread(s)"
+          % (len(shapes), n, threads), flush=True)
+    torch.set_num_threads(threads)
+    runners = {}
+    for kind in ("ours", "ours_kernels", "reference", "adamw_fused"):
+        if kind == "reference" and Ref is None:
+            continue
+        ps, gs = make_params(torch, shapes, torch.float32)
+        runners[kind] = Runner(torch, kind, ps, gs, Ref)
+    res = time_runners(runners, reps, 0.0)
+    return {"params": n, "tensors": len(shapes), "threads": threads, "dtype": "float32",
+            "step": {k: {"sec_min": v[0], "sec_median": v[1]} for k, v in res.items()}}
+
+
+def lora_lines(result):
+    """The LoRA steps as text lines (print_tables and markdown)."""
+    out = []
+    for lo in result.get("lora") or []:
+        st = lo["step"]
+        ours = st["ours"]["sec_min"]
+        out.append("LoRA rank 16 (%d tensors, %d parameters, %s), %d thread(s): %s; fused "
+                   "AdamW / ours = %.2fx" % (
+                       lo["tensors"], lo["params"], lo["dtype"], lo["threads"],
+                       ", ".join("%s %.2f ms" % (k, v["sec_min"] * 1e3) for k, v in st.items()),
+                       st["adamw_fused"]["sec_min"] / ours))
     return out
 
 
@@ -498,6 +543,10 @@ def print_tables(result):
               "kernel sum" % (g["frontend_overhead_us_per_tensor"],
                               g["frontend_overhead_sec"] * 1e3,
                               100 * g["frontend_overhead_sec"] / g["kernel_sum_sec"]))
+    if result.get("lora"):
+        print()
+        for line in lora_lines(result):
+            print(line)
     if result.get("threshold"):
         print("\nThreading threshold (2 threads, pool forced on vs off, us per update)")
         by = {}
@@ -558,6 +607,9 @@ def markdown(result):
                    "end's fixed cost: %.1f us per tensor = %.2f%% of that sum." % (
                        g["kernel_sum_sec"] * 1e3, g["frontend_overhead_us_per_tensor"],
                        100 * g["frontend_overhead_sec"] / g["kernel_sum_sec"]))
+    for line in lora_lines(result):
+        out.append("")
+        out.append(line)
     return "\n".join(out) + "\n"
 
 
