@@ -60,6 +60,14 @@ static inline unsigned am_bits8_at(const uint8_t *bits, int64_t q) {
     return s ? ((unsigned)p[0] | (unsigned)p[1] << 8) >> s & 0xffu : p[0];
 }
 
+/* Writes the pending bits, then goes on at byte p (a row of its own
+ * bits: the apply_rows slot's lrs mode, internal.h). */
+static inline void bw_restart(bitw *w, uint8_t *p) {
+    bw_flush(w);
+    w->p = p;
+    w->buf = 0;
+}
+
 /* 16 stored bits starting at bit q (any alignment; reads only bytes that
  * hold some of those bits). */
 static inline unsigned am_bits16_at(const uint8_t *bits, int64_t q) {

@@ -767,11 +767,7 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
         if (lrs) { /* a row of its own lr and bits (internal.h) */
             lr = lrs[r - r0];
             lrv = _mm256_set1_ps(lr);
-            if (pol_row) {
-                bw_flush(&bw);
-                bw.p = pol_row + (r - r0) * ((C + 7) / 8);
-                bw.buf = 0;
-            }
+            if (pol_row) bw_restart(&bw, pol_row + (r - r0) * ((C + 7) / 8));
         }
 #define AM_APPLY_VEC(J)                                                       \
     apply_vec(p, pdt, g, gdt, base + (J),                                     \
