@@ -247,6 +247,31 @@ AM_INLINE void wsum32(const void *g, const int gdt, int64_t C, int64_t j0, int64
                      _mm512_add_ps(_mm512_loadu_ps(wg->wpart + j + 16), shi));
 }
 
+/* wsum32 for tile columns j..j+15. */
+AM_INLINE void wsum16(const void *g, const int gdt, int64_t C, int64_t j0, int64_t j,
+                      const int nq, const wgroup *wg) {
+    __m512 s = _mm512_setzero_ps();
+    int q;
+    for (q = 0; q < nq; q++) {
+        __m512 x = am_ld16(g, gdt, (wg->i + q) * C + j0 + j);
+        x = _mm512_mul_ps(_mm512_mul_ps(x, x), wg->wv[q]);
+        s = q == 0 ? x : _mm512_add_ps(s, x);
+    }
+    _mm512_storeu_ps(wg->wpart + j, _mm512_add_ps(_mm512_loadu_ps(wg->wpart + j), s));
+}
+
+/* The W sums of group wg (nq rows, a constant) over tile columns j from on
+ * (j0..j0+n-1 in all): 16 columns a vector while 16 are left, then the
+ * scalar rest. */
+AM_INLINE void wsum_tail(const void *g, const int gdt, int64_t C, const int nq, int64_t j0,
+                         int64_t j, int64_t n, const wgroup *wg) {
+    if (n - j >= 16) {
+        wsum16(g, gdt, C, j0, j, nq, wg);
+        j += 16;
+    }
+    am_wsum_cols(g, gdt, C, wg->i, nq, j0, j0 + j, j0 + n, wg->w, wg->wpart);
+}
+
 /* The W sums of group wg (nq rows, a constant) over tile columns
  * j0..j0+n-1 in one sweep. */
 AM_INLINE void wsum_rows(const void *g, const int gdt, int64_t C, const int nq, int64_t j0,
@@ -254,7 +279,7 @@ AM_INLINE void wsum_rows(const void *g, const int gdt, int64_t C, const int nq, 
     const int64_t n32 = n & ~(int64_t)31;
     int64_t j;
     for (j = 0; j < n32; j += 32) wsum32(g, gdt, C, j0, j, nq, wg);
-    am_wsum_cols(g, gdt, C, wg->i, nq, j0, j0 + n32, j0 + n, wg->w, wg->wpart);
+    wsum_tail(g, gdt, C, nq, j0, n32, n, wg);
 }
 
 /* The signs of 32 gradient elements from their bits (float32: a and b,
@@ -362,7 +387,7 @@ AM_INLINE void stats_rows(const void *g, const int gdt, const int cnt, const int
         _mm512_storeu_ps(colpart + j + 16, chi);
         if (pend) wsum32(g, gdt, C, j0, j, 4, pend);
     }
-    if (pend) am_wsum_cols(g, gdt, C, pend->i, 4, j0, j0 + n32, j0 + n, pend->w, pend->wpart);
+    if (pend) wsum_tail(g, gdt, C, 4, j0, n32, n, pend);
     if (n - n32 >= 16) { /* 16 more columns (e.g. C = 16, LoRA's B matrices) */
         __m512 c = _mm512_loadu_ps(colpart + j);
         for (q = 0; q < nr; q++) {
