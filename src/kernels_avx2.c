@@ -853,13 +853,13 @@ AM_INLINE void apply_small(void *p, const int pdt, const void *g, const int gdt,
 }
 
 #define AM_APPLY_CASE(PD, GD)                                                 \
-    if (C < AM_SMALL_C && lrs) {                                              \
+    if (C < 8 && lrs) {                                                       \
         int64_t r_;                                                           \
         for (r_ = r0; r_ < r1; r_++)                                          \
             apply_small(p, PD, g, GD, R, C, r_, r_ + 1, rf, cf, inv,          \
                         lrs[r_ - r0], k, seed, param_id, step,                \
                         pol_row ? pol_row + (r_ - r0) * ((C + 7) / 8) : NULL); \
-    } else if (C < AM_SMALL_C)                                                \
+    } else if (C < AM_SMALL_C && !lrs)                                        \
         apply_small(p, PD, g, GD, R, C, r0, r1, rf, cf, inv, lr, k, seed,  \
                     param_id, step, pol_row);                                 \
     else                                                                      \
