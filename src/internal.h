@@ -221,6 +221,10 @@ static inline int64_t am_count_pos_tail(const void *g, int gdt, int64_t e, int64
  * kernels override the slots they implement (am_kernels_init). An override
  * must return bit-identical results. g/p point at element 0 of the tensor;
  * dtypes are am_dtype values. */
+/* Polarity bytes of one matrix row of C elements that is an lr-row of its
+ * own (the apply_rows slot's lrs mode below): whole bytes per row. */
+static inline int64_t am_lrs_row_bytes(int64_t C) { return (C + 7) / 8; }
+
 typedef struct am_kernels {
     const char *name;
 
@@ -265,8 +269,8 @@ typedef struct am_kernels {
      * by flat element index. When pol_row is not NULL it also writes the new
      * polarity bits (u*inv > 0) there, bit 0 being element (r0, 0).
      * lrs: NULL, or each matrix row r is an lr-row of its own with lr
-     * lrs[r - r0] (lr unused), its bits from byte (r - r0) * ((C + 7) / 8)
-     * of pol_row on (many short lr-rows in one call: run_finish). */
+     * lrs[r - r0] (lr unused), its bits from byte (r - r0) *
+     * am_lrs_row_bytes(C) of pol_row on (many short lr-rows in one call: run_finish). */
     void (*apply_rows)(void *p, int pdt, const void *g, int gdt, int64_t R,
                        int64_t C, int64_t r0, int64_t r1, const float *rf,
                        const float *cf, float inv, float lr, const float *lrs,

@@ -767,7 +767,7 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
         if (lrs) { /* a row of its own lr and bits (internal.h) */
             lr = lrs[r - r0];
             lrv = _mm256_set1_ps(lr);
-            if (pol_row) bw_restart(&bw, pol_row + (r - r0) * ((C + 7) / 8));
+            if (pol_row) bw_restart(&bw, pol_row + (r - r0) * am_lrs_row_bytes(C));
         }
 #define AM_APPLY_VEC(J)                                                       \
     apply_vec(p, pdt, g, gdt, base + (J),                                     \
@@ -858,7 +858,7 @@ AM_INLINE void apply_small(void *p, const int pdt, const void *g, const int gdt,
         for (r_ = r0; r_ < r1; r_++)                                          \
             apply_small(p, PD, g, GD, R, C, r_, r_ + 1, rf, cf, inv,          \
                         lrs[r_ - r0], k, seed, param_id, step,                \
-                        pol_row ? pol_row + (r_ - r0) * ((C + 7) / 8) : NULL); \
+                        pol_row ? pol_row + (r_ - r0) * am_lrs_row_bytes(C) : NULL); \
     } else if (C < AM_SMALL_C && !lrs)                                        \
         apply_small(p, PD, g, GD, R, C, r0, r1, rf, cf, inv, lr, k, seed,  \
                     param_id, step, pol_row);                                 \

@@ -308,8 +308,8 @@ AM_INLINE uint32_t pos_mask32(const int gdt, __m512i a, __m512i b, __m512i *mn) 
  * element l is > 0; the running minimum as there. */
 AM_INLINE uint32_t pos_mask16(const void *g, const int gdt, int64_t idx, __m512i *mn) {
     if (gdt == AM_DTYPE_FLOAT32) {
-        const __m512i d = _mm512_sub_epi32(_mm512_loadu_si512((const void *)((const float *)g + idx)),
-                                           _mm512_set1_epi32(1));
+        const __m512i d = _mm512_sub_epi32(
+            _mm512_loadu_si512((const void *)((const float *)g + idx)), _mm512_set1_epi32(1));
         *mn = _mm512_min_epu32(*mn, d);
         return (uint32_t)_mm512_cmplt_epu32_mask(d, _mm512_set1_epi32(0x7f800000));
     } else {
@@ -545,7 +545,7 @@ AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
         if (lrs) { /* a row of its own lr and bits (internal.h) */
             lr = lrs[r - r0];
             lrv = _mm512_set1_ps(lr);
-            if (pol_row) bw_restart(&bw, pol_row + (r - r0) * ((C + 7) / 8));
+            if (pol_row) bw_restart(&bw, pol_row + (r - r0) * am_lrs_row_bytes(C));
         }
 #define AM_APPLY16(J)                                                         \
     apply16(p, pdt, g, gdt, base + (J),                                       \

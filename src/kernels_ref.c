@@ -130,7 +130,7 @@ static void ref_apply_rows(void *p, int pdt, const void *g, int gdt,
         const float *cfb = cf + (r / R) * C;
         /* lrs: this row's lr and bits (internal.h) */
         const float lr_r = lrs ? lrs[r - r0] : lr;
-        const int64_t q0 = lrs ? (r - r0) * ((C + 7) / 8) * 8 : (r - r0) * C;
+        const int64_t q0 = lrs ? (r - r0) * am_lrs_row_bytes(C) * 8 : (r - r0) * C;
         for (j = 0; j < C; j++) {
             int pos = am_apply_one(p, pdt, g, gdt, r * C + j, rf[r] * cfb[j], inv, lr_r,
                                    k->wd, seed, param_id, step);

@@ -461,6 +461,17 @@ typedef struct fin {
  * per lr-row (the same function of the same agreement: the same bits). */
 #define AM_BUMP_TABLE_MAX 256
 
+/* Lr-row kr's agreement (matches of its m elements) into the workspace,
+ * and its lr bumped by it (SPEC 3.4; not on the first update). */
+static void agree_and_bump(const fin *f, int64_t kr, int64_t matches) {
+    upd *u = f->u;
+    const float a = (float)matches / (float)u->g.m;
+    float *lr = f->state->lr + kr;
+    WS(u, off_agree, float)[kr] = a;
+    if (f->state->step > 0)
+        *lr = f->bump ? am_lr_scale(*lr, f->bump[matches], &u->k) : am_lr_bump(*lr, a, &u->k);
+}
+
 /* Matches of lr-row kr counted by the stats pass (rows of every column
  * block; integer sums, so the order does not matter). */
 static int64_t counted_matches(const upd *u, int64_t kr) {
@@ -513,7 +524,6 @@ static void finish_lr_row_task(void *ctx, int64_t kr) {
     const float *rf = WS(u, off_rf, float), *cf = WS(u, off_cf, float);
     uint8_t *pol = f->state->polarity + kr * g->pol_row_bytes;
     uint8_t *wbits = f->counted ? pol : NULL; /* the apply writes the new bits */
-    float a;
     if (f->counted) {
         matches = counted_matches(u, kr);
     } else {
@@ -532,11 +542,7 @@ static void finish_lr_row_task(void *ctx, int64_t kr) {
             matches = u->kt->agree_rows(u->grad->data, u->grad->dtype, g->R, g->C,
                                         r0, r0 + rows, rf, cf, u->scale, pol);
     }
-    a = (float)matches / (float)g->m;
-    WS(u, off_agree, float)[kr] = a;
-    if (f->state->step > 0)
-        f->state->lr[kr] = f->bump ? am_lr_scale(f->state->lr[kr], f->bump[matches], &u->k)
-                                   : am_lr_bump(f->state->lr[kr], a, &u->k);
+    agree_and_bump(f, kr, matches);
     u->kt->apply_rows(u->param->data, u->param->dtype, u->grad->data,
                       u->grad->dtype, g->R, g->C, r0, r0 + rows, rf, cf,
                       u->inv, f->state->lr[kr], NULL, &u->k, u->key.seed,
@@ -569,19 +575,11 @@ static void finish_short_rows_task(void *ctx, int64_t blk) {
     const am_geom *g = &u->g;
     const int64_t per = short_block_rows(g), k0 = blk * per,
                   k1 = k0 + per < g->lr_rows ? k0 + per : g->lr_rows;
-    float *lr = f->state->lr, *agree = WS(u, off_agree, float);
     int64_t kr;
-    for (kr = k0; kr < k1; kr++) {
-        const int64_t matches = counted_matches(u, kr);
-        const float a = (float)matches / (float)g->m;
-        agree[kr] = a;
-        if (f->state->step > 0)
-            lr[kr] = f->bump ? am_lr_scale(lr[kr], f->bump[matches], &u->k)
-                             : am_lr_bump(lr[kr], a, &u->k);
-    }
+    for (kr = k0; kr < k1; kr++) agree_and_bump(f, kr, counted_matches(u, kr));
     u->kt->apply_rows(u->param->data, u->param->dtype, u->grad->data, u->grad->dtype, g->R,
                       g->C, k0, k1, WS(u, off_rf, float), WS(u, off_cf, float), u->inv, 0.0f,
-                      lr + k0, &u->k, u->key.seed, u->key.param_id, f->state->step,
+                      f->state->lr + k0, &u->k, u->key.seed, u->key.param_id, f->state->step,
                       f->state->polarity + k0 * g->pol_row_bytes);
 }
 
@@ -664,13 +662,10 @@ static int finish_split(fin *f) {
                         split_agree_task, &sp);
     for (kr = 0; kr < g->lr_rows; kr++) {
         int64_t matches = 0;
-        float a;
         if (f->counted) matches = counted_matches(u, kr);
         else
             for (t = 0; t < sp.nch; t++) matches += sp.counts[kr * sp.nch + t];
-        a = (float)matches / (float)g->m;
-        WS(u, off_agree, float)[kr] = a;
-        if (f->state->step > 0) f->state->lr[kr] = am_lr_bump(f->state->lr[kr], a, &u->k);
+        agree_and_bump(f, kr, matches);
     }
     am_parallel_for(g->lr_rows * sp.nch, (double)sp.chrows * (double)g->C * 12.0,
                     split_apply_task, &sp);
