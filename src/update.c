@@ -463,7 +463,8 @@ typedef struct fin {
 
 /* Lr-row kr's agreement (matches of its m elements) into the workspace,
  * and its lr bumped by it (SPEC 3.4; not on the first update). */
-static void agree_and_bump(const fin *f, int64_t kr, int64_t matches) {
+static inline __attribute__((always_inline)) void agree_and_bump(const fin *f, int64_t kr,
+                                                                int64_t matches) {
     upd *u = f->u;
     const float a = (float)matches / (float)u->g.m;
     float *lr = f->state->lr + kr;
