@@ -123,8 +123,11 @@ static inline int64_t am_polmap_bit(const am_polmap *pm, int64_t i, int64_t j) {
  *     t = (g * g) * w[i]; then each remaining row alone, adding t;
  *   - W[b, j] = (double) wpart of row block 0, + (double) wpart of row
  *     block 1, ... (ascending);
- *   - per matrix b, column blocks of AM_WSUM_JBLOCK: S = sum over the block's
- *     j ascending (from 0.0) of ((double) cf * (double) cf) * W; T_b = sum of
+ *   - per matrix b, column blocks of AM_WSUM_JBLOCK: S = (S0 + S1) + (S2 +
+ *     S3), Sq = sum over the block's j with (j - block start) % 4 == q,
+ *     ascending (from 0.0), of ((double) cf * (double) cf) * W (four chains
+ *     of adds, not one: one waited on each add, 10% of a (16, 1024)
+ *     update); T_b = sum of
  *     its blocks' S ascending (from 0.0); u2 = sum over b ascending (from
  *     0.0) of (double) rmean[b] * T_b.
  * update.c (and the CUDA plan) use it only when am_wsum_usable holds, and
@@ -169,7 +172,7 @@ static inline void am_wsum_cols(const void *g, int gdt, int64_t C, int64_t i, in
  * combined over the nrb row blocks' parts (stride BC) and weighted by cf^2. */
 AM_HD double am_wsum_block(const float *wpart, int64_t nrb, int64_t BC, const float *cf,
                            int64_t y0, int64_t y1) {
-    double s = 0.0, w[AM_WSUM_JBLOCK];
+    double sq[4] = {0.0, 0.0, 0.0, 0.0}, w[AM_WSUM_JBLOCK];
     int64_t y, p, n = y1 - y0;
     /* W[y] row block by row block (each y's order as above), so that the
      * parts are read along their rows, not down their columns */
@@ -178,9 +181,9 @@ AM_HD double am_wsum_block(const float *wpart, int64_t nrb, int64_t BC, const fl
         for (y = 0; y < n; y++) w[y] += (double)wpart[p * BC + y0 + y];
     for (y = 0; y < n; y++) {
         const double c = (double)cf[y0 + y];
-        s += (c * c) * w[y];
+        sq[y & 3] += (c * c) * w[y];
     }
-    return s;
+    return (sq[0] + sq[1]) + (sq[2] + sq[3]);
 }
 
 /* A factor at or above this (or NaN) sends the sum to the pass over g. */
@@ -348,8 +351,15 @@ extern const am_kernels am_kernels_ref;
 /* The table in use; chosen once, thread-safely, on first call. */
 const am_kernels *am_kernels_get(void);
 
-/* Scalar canonical lane sum helpers shared by reference kernels and tests. */
-float am_lanesum_finish(const float acc[AM_LANES]);
+/* Lane combine of an 8-lane sum: ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)),
+ * the order an AVX 256-bit horizontal add produces. The canonical combine
+ * of every path; inline, since the kernels call it once per row (a call
+ * per row of 16 elements was 10% of a (1024, 16) update). */
+static inline float am_lanesum_finish(const float a[AM_LANES]) {
+    float s04 = a[0] + a[4], s26 = a[2] + a[6];
+    float s15 = a[1] + a[5], s37 = a[3] + a[7];
+    return (s04 + s26) + (s15 + s37);
+}
 
 /* -------------------------------------------------------- parallel ---- */
 

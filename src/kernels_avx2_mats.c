@@ -274,6 +274,43 @@ AM_INLINE void moments8(int64_t R, int64_t C, int64_t b, const float *row,
     moments_v(R, C, b, row, col, w, x, k, nr, nc, rf, cf, rmean, rfv, cfv);
 }
 
+/* One matrix's new moments and factors, as ref_moments_mat (the same
+ * operations, so the same bits) 8 elements at a time; the row mean's sum
+ * stays one chain in row order. For the matrices too big for moments8:
+ * scalar, the square roots and divisions of a (16, 1024) matrix's columns
+ * were 26% of its update. */
+static void moments_one(int64_t R, int64_t C, const float *row, const float *col,
+                        const float *rs, const float *cs, const am_consts *k, float *nr,
+                        float *nc, float *rf, float *cf, float *rmean) {
+    const float Cinv = am_inv_count(C), Rinv = am_inv_count(R);
+    const __m256 Cv = _mm256_set1_ps(Cinv), Rv = _mm256_set1_ps(Rinv);
+    const __m256 eps = _mm256_set1_ps(k->eps);
+    __m256 mean;
+    float s = 0.0f;
+    int64_t i, j;
+    for (i = 0; i + 8 <= R; i += 8)
+        _mm256_storeu_ps(nr + i, ema_v(_mm256_loadu_ps(row + i),
+                                       _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(rs + i), Cv),
+                                                     eps), k));
+    for (; i < R; i++) nr[i] = am_moment(row[i], rs[i], Cinv, k);
+    for (i = 0; i < R; i++) s += nr[i];
+    *rmean = s * Rinv;
+    mean = _mm256_set1_ps(*rmean);
+    for (i = 0; i + 8 <= R; i += 8)
+        _mm256_storeu_ps(rf + i, _mm256_sqrt_ps(_mm256_div_ps(mean, _mm256_loadu_ps(nr + i))));
+    for (; i < R; i++) rf[i] = am_row_factor(nr[i], *rmean);
+    for (j = 0; j + 8 <= C; j += 8) {
+        const __m256 v = ema_v(_mm256_loadu_ps(col + j),
+                               _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(cs + j), Rv), eps), k);
+        _mm256_storeu_ps(nc + j, v);
+        _mm256_storeu_ps(cf + j, rsqrt_v(v));
+    }
+    for (; j < C; j++) {
+        nc[j] = am_moment(col[j], cs[j], Rinv, k);
+        cf[j] = am_rsqrt(nc[j]);
+    }
+}
+
 void am_avx2_moments_mats(int64_t R, int64_t C, int64_t b0, int64_t b1,
                           const float *row, const float *col, const float *rs,
                           const float *cs, const am_consts *k, float *nr,
@@ -286,6 +323,10 @@ void am_avx2_moments_mats(int64_t R, int64_t C, int64_t b0, int64_t b1,
         AM_SHAPES(AM_MOM)
 #undef AM_MOM
     }
+    if (R * C >= 64) /* scalar below: the call and the tails would cost more */
+        for (; b < b1; b++)
+            moments_one(R, C, row + b * R, col + b * C, rs + b * R, cs + b * C, k,
+                        nr + b * R, nc + b * C, rf + b * R, cf + b * C, rmean + b);
     _mm256_zeroupper(); /* before the scalar code (simd.h, AM_CLEAN_RETURN) */
     if (b < b1)
         am_kernels_ref.moments_mats(R, C, b, b1, row, col, rs, cs, k, nr, nc, rf,

@@ -9,14 +9,6 @@
 
 #include <string.h>
 
-/* Lane combine of an 8-lane sum: ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)),
- * the order an AVX 256-bit horizontal add produces. */
-float am_lanesum_finish(const float a[AM_LANES]) {
-    float s04 = a[0] + a[4], s26 = a[2] + a[6];
-    float s15 = a[1] + a[5], s37 = a[3] + a[7];
-    return (s04 + s26) + (s15 + s37);
-}
-
 static int get_bit(const uint8_t *bits, int64_t q) {
     return (bits[q >> 3] >> (q & 7)) & 1;
 }
