@@ -438,6 +438,97 @@ static float minpos_of(__m512i mn, int gdt) {
     }
 }
 
+/* The row sums of 16 rows of 16 squares (sq[r], row r), lane r of the
+ * result row r's: the reference's order for a 16-column row (add16 from 0,
+ * then am_lanesum_finish), across rows: a = sq[0..7] + sq[8..15], then
+ * ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)). 35 shuffles and 20
+ * adds for 16 rows, where the row-by-row combine took a store and seven
+ * dependent scalar adds per row. */
+AM_INLINE __m512 rowsums16x16(const __m512 *sq) {
+    __m512 pr[8], u[4], lo, hi;
+    int k;
+    for (k = 0; k < 8; k++) { /* rows 2k, 2k+1: [a0..a7 | a0..a7] */
+        lo = _mm512_shuffle_f32x4(sq[2 * k], sq[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0));
+        hi = _mm512_shuffle_f32x4(sq[2 * k], sq[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2));
+        pr[k] = _mm512_add_ps(lo, hi);
+    }
+    for (k = 0; k < 4; k++) { /* rows 4k..4k+3, a 128-bit block each */
+        __m512 t;
+        lo = _mm512_shuffle_f32x4(pr[2 * k], pr[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0));
+        hi = _mm512_shuffle_f32x4(pr[2 * k], pr[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1));
+        t = _mm512_add_ps(lo, hi); /* a0+a4, a1+a5, a2+a6, a3+a7 */
+        t = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(1, 0, 3, 2)));
+        u[k] = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(2, 3, 0, 1))); /* lane 0 */
+    }
+    {
+        const __m512i i01 = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 28, 24, 20, 16, 12, 8, 4, 0);
+        const __m512i i03 = _mm512_set_epi32(23, 22, 21, 20, 19, 18, 17, 16, 7, 6, 5, 4, 3, 2, 1, 0);
+        const __m512 a = _mm512_permutex2var_ps(u[0], i01, u[1]);
+        const __m512 b = _mm512_permutex2var_ps(u[2], i01, u[3]);
+        return _mm512_permutex2var_ps(a, i03, b);
+    }
+}
+
+/* Rows i..i+15 of stats_body for a tile of exactly 16 columns (n == 16,
+ * e.g. LoRA's (1024, 16) B matrices), the same results as four groups of
+ * stats_rows + wsum_rows: the row sums across rows (rowsums16x16), the
+ * column sums in row order, the W sums of the four groups of 4 rows in
+ * order ((t0 + t1) + t2) + t3 each, the weights 16 at a time. lin: the
+ * rows' bits are 16 apart from q0 (else am_polmap_bit per row). pf: as
+ * stats_rows, for the next 16 rows. */
+AM_INLINE void stats_16x16(const void *g, const int gdt, const int cnt, int64_t C,
+                           int64_t i, int64_t i0, int64_t j0, float *rowpart,
+                           float *colpart, const am_polmap *pm, int32_t *rowmatch,
+                           __m512i *mn, const am_wsum *ws, const int pf) {
+    const size_t es = gdt == AM_DTYPE_FLOAT32 ? 4 : 2;
+    __m512 sq[16], c = _mm512_loadu_ps(colpart), rs;
+    int q;
+    if (pf) { /* the next 16 rows, a line each (float32: two) */
+        for (q = 0; q < 16; q++) {
+            const char *nx = (const char *)g + (size_t)((i + 16 + q) * C + j0) * es;
+            if (pf == 1) _mm_prefetch(nx, _MM_HINT_T0);
+            else _mm_prefetch(nx, _MM_HINT_T1);
+        }
+    }
+    if (cnt) {
+        const int64_t q0 = am_polmap_bit(pm, i, j0);
+        const int lin = am_polmap_bit(pm, i + 15, j0) == q0 + 15 * 16;
+        for (q = 0; q < 16; q++) {
+            const int64_t qb = lin ? q0 + 16 * q : am_polmap_bit(pm, i + q, j0);
+            const uint32_t pos = pos_mask16(g, gdt, (i + q) * C + j0, mn);
+            rowmatch[i - i0 + q] =
+                16 - __builtin_popcount(pos ^ am_bits16_at(pm->bits, qb));
+        }
+    }
+    for (q = 0; q < 16; q++) {
+        const __m512 x = am_ld16(g, gdt, (i + q) * C + j0);
+        sq[q] = _mm512_mul_ps(x, x);
+        c = _mm512_add_ps(c, sq[q]);
+    }
+    _mm512_storeu_ps(colpart, c);
+    rs = rowsums16x16(sq);
+    _mm512_storeu_ps(rowpart + (i - i0), rs);
+    if (ws) { /* am_wsum_weight of each row, then the groups' W sums */
+        const __m512 nr = _mm512_add_ps(
+            _mm512_mul_ps(_mm512_loadu_ps(ws->row_old + i), _mm512_set1_ps(ws->k->beta2)),
+            _mm512_mul_ps(_mm512_add_ps(_mm512_mul_ps(rs, _mm512_set1_ps(ws->Cinv)),
+                                        _mm512_set1_ps(ws->k->eps)),
+                          _mm512_set1_ps(ws->k->one_m_beta2)));
+        float w[16];
+        __m512 acc = _mm512_loadu_ps(ws->wpart);
+        _mm512_storeu_ps(ws->nr + i, nr);
+        _mm512_storeu_ps(w, _mm512_div_ps(_mm512_set1_ps(1.0f), nr));
+        for (q = 0; q < 16; q += 4) {
+            __m512 t = _mm512_mul_ps(sq[q], _mm512_set1_ps(w[q]));
+            t = _mm512_add_ps(t, _mm512_mul_ps(sq[q + 1], _mm512_set1_ps(w[q + 1])));
+            t = _mm512_add_ps(t, _mm512_mul_ps(sq[q + 2], _mm512_set1_ps(w[q + 2])));
+            t = _mm512_add_ps(t, _mm512_mul_ps(sq[q + 3], _mm512_set1_ps(w[q + 3])));
+            acc = _mm512_add_ps(acc, t);
+        }
+        _mm512_storeu_ps(ws->wpart, acc);
+    }
+}
+
 /* The stats_tile slot (internal.h), any gradient dtype. */
 AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C, int64_t i0,
                           int64_t i1, int64_t j0, int64_t j1, float *rowpart, float *colpart,
@@ -455,7 +546,12 @@ AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C
         wg.wpart = ws->wpart;
         for (j = 0; j < n; j++) ws->wpart[j] = 0.0f;
     }
-    for (i = i0; i + 4 <= i1; i += 4) {
+    i = i0;
+    if (n == 16) /* 16 rows at a time (stats_16x16) */
+        for (; i + 16 <= i1; i += 16)
+            stats_16x16(g, gdt, cnt, C, i, i0, j0, rowpart, colpart, pm, rowmatch, &mn, ws,
+                        i + 32 <= i1 ? pfmode : 0);
+    for (; i + 4 <= i1; i += 4) {
         stats_rows(g, gdt, cnt, 4, C, i, j0, n, rowpart + (i - i0), colpart, pm,
                    cnt ? rowmatch + (i - i0) : NULL, &mn, &mp, pending ? &wg : NULL,
                    i + 8 <= i1 ? pfmode : 0);
