@@ -616,6 +616,49 @@ am_stats_fn am_avx512_stats(void) { return avx512_stats; }
         }                                                                     \
     } while (0)
 
+/* apply_mode's lrs mode for rows of 16 elements (C == 16): one apply16 per
+ * row, its 16 bits stored as two bytes (each row's bits start on a byte:
+ * am_lrs_row_bytes), without the bit writer, which cost more than the
+ * arithmetic at this length. bend: the end of row r0's matrix, cfb its
+ * column factors. The same per-element operations: the same bits. */
+AM_INLINE void apply_rows16(void *p, const int pdt, const void *g, const int gdt, int64_t r0,
+                            int64_t r1, int64_t bend, int64_t R, const float *rf,
+                            const float *cfb, __m512 iv, const float *lrs, __m512 wdv,
+                            uint8_t *pol_row, const int scaled, const int wd, rng512 *w) {
+    const int pf = am_sw_prefetch(), es = pdt == AM_DTYPE_FLOAT32 ? 4 : 2;
+    const int ges = gdt == AM_DTYPE_FLOAT32 ? 4 : 2;
+    const int64_t l2ahead = AM_L2_PREFETCH_BYTES / es;
+    __m512 cfv = _mm512_loadu_ps(cfb);
+    int64_t r;
+    for (r = r0; r < r1; r++) {
+        const int64_t base = r * 16;
+        uint16_t bits;
+        if (pdt != AM_DTYPE_FLOAT32) {
+            rng_need(w, base, 16);
+            w->span0 = base;
+        }
+        if ((r & 3) == 0) { /* a prefetch per 64 elements, as apply_mode */
+            if (pf) {
+                _mm_prefetch((const char *)p + (base + AM_PREFETCH) * es, _MM_HINT_T0);
+                _mm_prefetch((const char *)g + (base + AM_PREFETCH) * ges, _MM_HINT_T0);
+            } else if (pdt != AM_DTYPE_FLOAT32) {
+                am_prefetch_l2((const char *)p + (base + l2ahead) * es, 64 * es);
+                am_prefetch_l2((const char *)g + (base + l2ahead) * ges, 64 * ges);
+            }
+        }
+        bits = (uint16_t)apply16(p, pdt, g, gdt, base,
+                                 _mm512_mul_ps(_mm512_set1_ps(rf[r]), cfv), iv,
+                                 _mm512_set1_ps(lrs[r - r0]), wdv, scaled, wd, w);
+        if (pol_row) memcpy(pol_row + 2 * (r - r0), &bits, 2);
+        if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) f16_fixup((uint16_t *)p, w);
+        if (r + 1 == bend && r + 1 < r1) { /* the next matrix's column factors */
+            cfb += 16;
+            cfv = _mm512_loadu_ps(cfb);
+            bend += R;
+        }
+    }
+}
+
 /* ref_apply_rows for a 16-bit parameter, rows of C >= 16 elements, with the
  * clip multiplication (scaled) and the decay (wd) fixed: the loop holds no test
  * of them and keeps its constants in registers. */
@@ -633,9 +676,14 @@ AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
     const int ges = gdt == AM_DTYPE_FLOAT32 ? 4 : 2;
     const int64_t l2ahead = AM_L2_PREFETCH_BYTES / es;
     bitw bw = {pol_row, 0, 0, 0};
-    int64_t r, j;
+    int64_t r, j, bend = (r0 / R + 1) * R; /* the end of row r's matrix */
+    const float *cfb = cf + (r0 / R) * C;
+    if (lrs && C == 16) { /* e.g. LoRA's (1024, 16): a row is one vector */
+        apply_rows16(p, pdt, g, gdt, r0, r1, bend, R, rf, cfb, iv, lrs, wdv, pol_row,
+                     scaled, wd, w);
+        return;
+    }
     for (r = r0; r < r1; r++) {
-        const float *cfb = cf + (r / R) * C;
         const __m512 rfv = _mm512_set1_ps(rf[r]);
         const int64_t base = r * C;
         if (lrs) { /* a row of its own lr and bits (internal.h) */
@@ -681,6 +729,10 @@ AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
             int pos = am_apply_one(p, pdt, g, gdt, base + j, rf[r] * cfb[j], inv, lr,
                                    wdf, seed, param_id, step);
             if (pol_row) bw_put(&bw, (uint32_t)pos, 1);
+        }
+        if (r + 1 == bend) { /* the next matrix's column factors */
+            cfb += C;
+            bend += R;
         }
     }
     if (pol_row) bw_flush(&bw);
