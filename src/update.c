@@ -453,6 +453,7 @@ typedef struct fin {
     int counted; /* the stats pass's counts are this update's agreement */
     int copies;  /* each lr-row task copies its matrices' new moments */
     const float *bump; /* NULL, or the lr bump factor of each match count */
+    const float *atab; /* with bump: the agreement of each match count */
 } fin;
 
 /* Short lr-rows (at most this many elements, and fewer than half as many
@@ -484,22 +485,28 @@ static int64_t counted_matches(const upd *u, int64_t kr) {
     return s;
 }
 
-/* The smallest of v[0..n), NaN when one is NaN. Eight running minima (the
- * minimum does not depend on the order): one waited on each compare, 12%
- * of a (16, 1024) update. */
+/* The smallest of v[0..n), NaN when one is NaN. Four running minima (the
+ * minimum does not depend on the order): one, with a branch per element,
+ * waited on each compare, 12% of a (16, 1024) update. */
 static float min_or_nan(const float *v, int64_t n) {
-    float m[8] = {INFINITY, INFINITY, INFINITY, INFINITY,
-                  INFINITY, INFINITY, INFINITY, INFINITY};
-    int nan = 0, l;
-    int64_t i;
-    for (i = 0; i < n; i++) {
-        const float x = v[i];
-        nan |= x != x;
-        if (x < m[i & 7]) m[i & 7] = x;
+    float m0 = INFINITY, m1 = INFINITY, m2 = INFINITY, m3 = INFINITY;
+    int nan = 0;
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) { /* x < m ? x : m: a min instruction, no branch */
+        m0 = v[i] < m0 ? v[i] : m0;
+        m1 = v[i + 1] < m1 ? v[i + 1] : m1;
+        m2 = v[i + 2] < m2 ? v[i + 2] : m2;
+        m3 = v[i + 3] < m3 ? v[i + 3] : m3;
+        nan |= (v[i] != v[i]) | (v[i + 1] != v[i + 1]) | (v[i + 2] != v[i + 2]) |
+               (v[i + 3] != v[i + 3]);
     }
-    for (l = 1; l < 8; l++)
-        if (m[l] < m[0]) m[0] = m[l];
-    return nan ? NAN : m[0];
+    for (; i < n; i++) {
+        m0 = v[i] < m0 ? v[i] : m0;
+        nan |= v[i] != v[i];
+    }
+    m0 = m1 < m0 ? m1 : m0;
+    m2 = m3 < m2 ? m3 : m2;
+    return nan ? NAN : m2 < m0 ? m2 : m0;
 }
 
 /* The stats pass counted (g > 0) against the old bits; the SPEC's sign is
@@ -586,7 +593,17 @@ static void finish_short_rows_task(void *ctx, int64_t blk) {
     const int64_t per = short_block_rows(g), k0 = blk * per,
                   k1 = k0 + per < g->lr_rows ? k0 + per : g->lr_rows;
     int64_t kr;
-    for (kr = k0; kr < k1; kr++) agree_and_bump(f, kr, counted_matches(u, kr));
+    if (f->bump && g->ncb == 1) { /* one count per lr-row, both from tables */
+        const int32_t *rm = WS(u, off_rowmatch, int32_t);
+        float *agree = WS(u, off_agree, float), *lr = f->state->lr;
+        for (kr = k0; kr < k1; kr++) {
+            const int32_t mt = rm[kr];
+            agree[kr] = f->atab[mt];
+            lr[kr] = am_lr_scale(lr[kr], f->bump[mt], &u->k);
+        }
+    } else {
+        for (kr = k0; kr < k1; kr++) agree_and_bump(f, kr, counted_matches(u, kr));
+    }
     u->kt->apply_rows(u->param->data, u->param->dtype, u->grad->data, u->grad->dtype, g->R,
                       g->C, k0, k1, WS(u, off_rf, float), WS(u, off_cf, float), u->inv, 0.0f,
                       f->state->lr + k0, &u->k, u->key.seed, u->key.param_id, f->state->step,
@@ -695,7 +712,7 @@ static void finish_flat_task(void *ctx, int64_t t) {
 
 static am_status run_finish(upd *u, am_state *state, am_report *rep) {
     const am_geom *g = &u->g;
-    float bump[AM_BUMP_TABLE_MAX + 1];
+    float bump[AM_BUMP_TABLE_MAX + 1], atab[AM_BUMP_TABLE_MAX + 1];
     fin f;
     float norm, rms;
     double mean_agree = 0.0;
@@ -721,10 +738,15 @@ static am_status run_finish(upd *u, am_state *state, am_report *rep) {
     f.counted = g->ndim >= 2 && counts_valid(u);
     f.copies = 0;
     f.bump = NULL;
+    f.atab = NULL;
     if (g->ndim >= 2 && state->step > 0 && g->m <= AM_BUMP_TABLE_MAX &&
         g->lr_rows > 2 * (g->m + 1)) {
-        for (t = 0; t <= g->m; t++) bump[t] = am_bump_factor((float)t / (float)g->m, &u->k);
+        for (t = 0; t <= g->m; t++) {
+            atab[t] = (float)t / (float)g->m; /* as agree_and_bump */
+            bump[t] = am_bump_factor(atab[t], &u->k);
+        }
         f.bump = bump;
+        f.atab = atab;
     }
     if (g->ndim >= 2) {
         const float *agree = WS(u, off_agree, float);
