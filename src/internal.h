@@ -172,18 +172,30 @@ static inline void am_wsum_cols(const void *g, int gdt, int64_t C, int64_t i, in
  * combined over the nrb row blocks' parts (stride BC) and weighted by cf^2. */
 AM_HD double am_wsum_block(const float *wpart, int64_t nrb, int64_t BC, const float *cf,
                            int64_t y0, int64_t y1) {
-    double sq[4] = {0.0, 0.0, 0.0, 0.0}, w[AM_WSUM_JBLOCK];
+    double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0, w[AM_WSUM_JBLOCK];
     int64_t y, p, n = y1 - y0;
     /* W[y] row block by row block (each y's order as above), so that the
      * parts are read along their rows, not down their columns */
     for (y = 0; y < n; y++) w[y] = (double)wpart[y0 + y];
     for (p = 1; p < nrb; p++)
         for (y = 0; y < n; y++) w[y] += (double)wpart[p * BC + y0 + y];
-    for (y = 0; y < n; y++) {
-        const double c = (double)cf[y0 + y];
-        sq[y & 3] += (c * c) * w[y];
+    for (y = 0; y + 4 <= n; y += 4) { /* four named chains: an array indexed
+                                        * by y % 4 went through memory */
+        const double c0 = (double)cf[y0 + y], c1 = (double)cf[y0 + y + 1];
+        const double c2 = (double)cf[y0 + y + 2], c3 = (double)cf[y0 + y + 3];
+        s0 += (c0 * c0) * w[y];
+        s1 += (c1 * c1) * w[y + 1];
+        s2 += (c2 * c2) * w[y + 2];
+        s3 += (c3 * c3) * w[y + 3];
     }
-    return (sq[0] + sq[1]) + (sq[2] + sq[3]);
+    for (; y < n; y++) {
+        const double c = (double)cf[y0 + y];
+        const double t = (c * c) * w[y];
+        if ((y & 3) == 0) s0 += t;
+        else if ((y & 3) == 1) s1 += t;
+        else s2 += t;
+    }
+    return (s0 + s1) + (s2 + s3);
 }
 
 /* A factor at or above this (or NaN) sends the sum to the pass over g. */

@@ -710,6 +710,24 @@ static void finish_flat_task(void *ctx, int64_t t) {
         &u->k, u->key.seed, u->key.param_id, f->state->step);
 }
 
+/* The mean of v[0..n), n > 0, in double: four chains of adds (element t
+ * in chain t % 4), combined (c0 + c1) + (c2 + c3). One chain waited on
+ * each add: 9% of a (1024, 16) update. */
+static double mean_of(const float *v, int64_t n) {
+    double c0 = 0.0, c1 = 0.0, c2 = 0.0, c3 = 0.0;
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) {
+        c0 += v[t];
+        c1 += v[t + 1];
+        c2 += v[t + 2];
+        c3 += v[t + 3];
+    }
+    if (t < n) c0 += v[t++];
+    if (t < n) c1 += v[t++];
+    if (t < n) c2 += v[t];
+    return ((c0 + c1) + (c2 + c3)) / (double)n;
+}
+
 static am_status run_finish(upd *u, am_state *state, am_report *rep) {
     const am_geom *g = &u->g;
     float bump[AM_BUMP_TABLE_MAX + 1], atab[AM_BUMP_TABLE_MAX + 1];
@@ -768,8 +786,7 @@ static am_status run_finish(upd *u, am_state *state, am_report *rep) {
             memcpy(state->row, WS(u, off_new_row, float), (size_t)(g->B * g->R) * sizeof(float));
             memcpy(state->col, WS(u, off_new_col, float), (size_t)(g->B * g->C) * sizeof(float));
         }
-        for (t = 0; t < g->lr_rows; t++) mean_agree += agree[t];
-        mean_agree /= (double)g->lr_rows;
+        mean_agree = mean_of(agree, g->lr_rows);
     } else {
         const int64_t *cnt = WS(u, off_tile_count, int64_t);
         int64_t total = 0;
