@@ -223,6 +223,26 @@ def test_deepcopy_and_pickle():
     assert o2.state[m2.fc.weight]["lr"].data_ptr() != opt.state[m.fc.weight]["lr"].data_ptr()
 
 
+def test_copies_keep_batch_updates():
+    """batch_updates survives deepcopy and pickle (it was lost once: the copy
+    raised AttributeError at its first step()); an older pickle without it
+    gets the default."""
+    ps = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(2)]
+    opt = automagic.Automagic3(ps, fused=False)
+    opt.batch_updates = False
+    for o in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        assert o.batch_updates is False
+        for q in o.param_groups[0]["params"]:
+            q.grad = torch.ones_like(q)
+        o.step()
+        assert all(o.state[q]["step"] == 1 for q in o.param_groups[0]["params"])
+    d = opt.__getstate__()
+    del d["batch_updates"]
+    old = automagic.Automagic3.__new__(automagic.Automagic3)
+    old.__setstate__(d)
+    assert old.batch_updates is True
+
+
 def test_state_with_zero_lrs_loads_again():
     # min_lr=0 is valid, and disagreeing steps with a large bump drive the
     # per-row lrs to exactly 0: the optimizer's own state_dict must load.

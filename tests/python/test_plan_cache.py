@@ -2,26 +2,42 @@
 updates. These tests change what the cached views point at or were built
 from, between two steps, and check that the next update sees the change:
 each compares against a copy of the optimizer made after the change (deepcopy
-rebuilds every cache), stepped with the same gradient."""
-import copy
+rebuilds every cache), stepped with the same gradient.
 
+Every test runs twice: with the one parameter p, and with a second one
+beside it, which sends step() through _apply_batch and its cached item
+array (kept between steps while the same plans come in the same order)."""
+import copy
+import sys
+
+import pytest
 import torch
 
 import automagic
 
 
+@pytest.fixture(autouse=True, params=[False, True], ids=["alone", "batched"])
+def _with_second(request, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "_SECOND", request.param)
+
+
+_SECOND = False
+
+
 def _setup(shape=(6, 10), dtype=torch.float32):
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(*shape).to(dtype))
-    opt = automagic.Automagic3([p], fused=False, lr=1e-3)
+    params = [p] + ([torch.nn.Parameter(torch.randn(3, 5).to(dtype))] if _SECOND else [])
+    opt = automagic.Automagic3(params, fused=False, lr=1e-3)
     g1, g2 = torch.randn(*shape).to(dtype), torch.randn(*shape).to(dtype)
-    p.grad = g1.clone()
-    opt.step()
+    _step(p, opt, g1)
     return p, opt, g2
 
 
 def _step(p, opt, g):
     p.grad = g.clone()
+    for e in opt.param_groups[0]["params"][1:]:
+        e.grad = torch.full_like(e, 0.01)
     opt.step()
 
 
