@@ -444,14 +444,12 @@ static float minpos_of(__m512i mn, int gdt) {
  * ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)). 35 shuffles and 20
  * adds for 16 rows, where the row-by-row combine took a store and seven
  * dependent scalar adds per row. */
-AM_INLINE __m512 rowsums16x16(const __m512 *sq) {
-    __m512 pr[8], u[4], lo, hi;
+/* The row sums of 16 rows from their 8 lane sums a0..a7, two rows a
+ * vector (pr[k]: rows 2k, 2k+1 as [a0..a7 | a0..a7]), lane r of the result
+ * row r's: ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)). */
+AM_INLINE __m512 rowsums_pairs(const __m512 *pr) {
+    __m512 u[4], lo, hi;
     int k;
-    for (k = 0; k < 8; k++) { /* rows 2k, 2k+1: [a0..a7 | a0..a7] */
-        lo = _mm512_shuffle_f32x4(sq[2 * k], sq[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0));
-        hi = _mm512_shuffle_f32x4(sq[2 * k], sq[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2));
-        pr[k] = _mm512_add_ps(lo, hi);
-    }
     for (k = 0; k < 4; k++) { /* rows 4k..4k+3, a 128-bit block each */
         __m512 t;
         lo = _mm512_shuffle_f32x4(pr[2 * k], pr[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0));
@@ -467,6 +465,30 @@ AM_INLINE __m512 rowsums16x16(const __m512 *sq) {
         const __m512 b = _mm512_permutex2var_ps(u[2], i01, u[3]);
         return _mm512_permutex2var_ps(a, i03, b);
     }
+}
+
+AM_INLINE __m512 rowsums16x16(const __m512 *sq) {
+    __m512 pr[8], lo, hi;
+    int k;
+    for (k = 0; k < 8; k++) { /* rows 2k, 2k+1: [a0..a7 | a0..a7] */
+        lo = _mm512_shuffle_f32x4(sq[2 * k], sq[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0));
+        hi = _mm512_shuffle_f32x4(sq[2 * k], sq[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2));
+        pr[k] = _mm512_add_ps(lo, hi);
+    }
+    return rowsums_pairs(pr);
+}
+
+/* The new row moments of 16 rows from their sums rs (am_wsum_weight's
+ * am_moment, 16 at a time), stored in ws->nr from row i; their weights
+ * 1 / nr into w. */
+AM_INLINE void wsum_weights16(const am_wsum *ws, int64_t i, __m512 rs, float *w) {
+    const __m512 nr = _mm512_add_ps(
+        _mm512_mul_ps(_mm512_loadu_ps(ws->row_old + i), _mm512_set1_ps(ws->k->beta2)),
+        _mm512_mul_ps(_mm512_add_ps(_mm512_mul_ps(rs, _mm512_set1_ps(ws->Cinv)),
+                                    _mm512_set1_ps(ws->k->eps)),
+                      _mm512_set1_ps(ws->k->one_m_beta2)));
+    _mm512_storeu_ps(ws->nr + i, nr);
+    _mm512_storeu_ps(w, _mm512_div_ps(_mm512_set1_ps(1.0f), nr));
 }
 
 /* Rows i..i+15 of stats_body for a tile of exactly 16 columns (n == 16,
@@ -509,15 +531,9 @@ AM_INLINE void stats_16x16(const void *g, const int gdt, const int cnt, int64_t 
     rs = rowsums16x16(sq);
     _mm512_storeu_ps(rowpart + (i - i0), rs);
     if (ws) { /* am_wsum_weight of each row, then the groups' W sums */
-        const __m512 nr = _mm512_add_ps(
-            _mm512_mul_ps(_mm512_loadu_ps(ws->row_old + i), _mm512_set1_ps(ws->k->beta2)),
-            _mm512_mul_ps(_mm512_add_ps(_mm512_mul_ps(rs, _mm512_set1_ps(ws->Cinv)),
-                                        _mm512_set1_ps(ws->k->eps)),
-                          _mm512_set1_ps(ws->k->one_m_beta2)));
         float w[16];
         __m512 acc = _mm512_loadu_ps(ws->wpart);
-        _mm512_storeu_ps(ws->nr + i, nr);
-        _mm512_storeu_ps(w, _mm512_div_ps(_mm512_set1_ps(1.0f), nr));
+        wsum_weights16(ws, i, rs, w);
         for (q = 0; q < 16; q += 4) {
             __m512 t = _mm512_mul_ps(sq[q], _mm512_set1_ps(w[q]));
             t = _mm512_add_ps(t, _mm512_mul_ps(sq[q + 1], _mm512_set1_ps(w[q + 1])));
@@ -526,6 +542,69 @@ AM_INLINE void stats_16x16(const void *g, const int gdt, const int cnt, int64_t 
             acc = _mm512_add_ps(acc, t);
         }
         _mm512_storeu_ps(ws->wpart, acc);
+    }
+}
+
+/* stats_16x16 for a tile of 8 columns of a matrix of 8 (rows contiguous,
+ * e.g. LoRA's (1024, 8) B matrices), two rows a vector: the lane sums of a
+ * row of 8 are its elements (from 0), the row sums as rowsums_pairs, the
+ * column and W sums row by row in the 8-lane halves, the agreement of each
+ * row from its byte of the 16-bit mask. The same results and bits as
+ * stats_rows on each row. */
+AM_INLINE void stats_8x16(const void *g, const int gdt, const int cnt, int64_t i, int64_t i0,
+                          float *rowpart, float *colpart, const am_polmap *pm,
+                          int32_t *rowmatch, __m512i *mn, const am_wsum *ws, const int pf) {
+    const size_t es = gdt == AM_DTYPE_FLOAT32 ? 4 : 2;
+    __m512 sq[8], rs;
+    __m256 c = _mm256_loadu_ps(colpart);
+    int k;
+    if (pf) { /* the next 16 rows: 512 bytes (float32) or 256 */
+        const char *nx = (const char *)g + (size_t)((i + 16) * 8) * es;
+        for (k = 0; k < (int)(2 * es); k++) {
+            if (pf == 1) _mm_prefetch(nx + 64 * k, _MM_HINT_T0);
+            else _mm_prefetch(nx + 64 * k, _MM_HINT_T1);
+        }
+    }
+    if (cnt) {
+        const int64_t q0 = am_polmap_bit(pm, i, 0);
+        const int lin = am_polmap_bit(pm, i + 15, 0) == q0 + 15 * 8;
+        for (k = 0; k < 8; k++) {
+            const uint32_t pos = pos_mask16(g, gdt, (i + 2 * k) * 8, mn);
+            const unsigned old = lin ? am_bits16_at(pm->bits, q0 + 16 * k)
+                                     : am_bits8_at(pm->bits, am_polmap_bit(pm, i + 2 * k, 0)) |
+                                           am_bits8_at(pm->bits,
+                                                       am_polmap_bit(pm, i + 2 * k + 1, 0)) << 8;
+            const unsigned d = pos ^ old;
+            rowmatch[i - i0 + 2 * k] = 8 - __builtin_popcount(d & 0xffu);
+            rowmatch[i - i0 + 2 * k + 1] = 8 - __builtin_popcount(d >> 8 & 0xffu);
+        }
+    }
+    for (k = 0; k < 8; k++) {
+        const __m512 x = am_ld16(g, gdt, (i + 2 * k) * 8);
+        sq[k] = _mm512_mul_ps(x, x);
+        c = _mm256_add_ps(c, _mm512_castps512_ps256(sq[k]));
+        c = _mm256_add_ps(c, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sq[k]), 1)));
+    }
+    _mm256_storeu_ps(colpart, c);
+    rs = rowsums_pairs(sq);
+    _mm512_storeu_ps(rowpart + (i - i0), rs);
+    if (ws) { /* am_wsum_weight of each row, then the groups' W sums */
+        float w[16];
+        __m256 acc = _mm256_loadu_ps(ws->wpart);
+        wsum_weights16(ws, i, rs, w);
+        for (k = 0; k < 16; k += 4) { /* rows k..k+3: vectors k/2, k/2 + 1 */
+            const __m512 a = sq[k / 2], b = sq[k / 2 + 1];
+            __m256 t = _mm256_mul_ps(_mm512_castps512_ps256(a), _mm256_set1_ps(w[k]));
+            t = _mm256_add_ps(t, _mm256_mul_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(
+                                                   _mm512_castps_pd(a), 1)),
+                                               _mm256_set1_ps(w[k + 1])));
+            t = _mm256_add_ps(t, _mm256_mul_ps(_mm512_castps512_ps256(b), _mm256_set1_ps(w[k + 2])));
+            t = _mm256_add_ps(t, _mm256_mul_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(
+                                                   _mm512_castps_pd(b), 1)),
+                                               _mm256_set1_ps(w[k + 3])));
+            acc = _mm256_add_ps(acc, t);
+        }
+        _mm256_storeu_ps(ws->wpart, acc);
     }
 }
 
@@ -547,6 +626,10 @@ AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C
         for (j = 0; j < n; j++) ws->wpart[j] = 0.0f;
     }
     i = i0;
+    if (n == 8 && C == 8) /* 16 rows at a time, two a vector (stats_8x16) */
+        for (; i + 16 <= i1; i += 16)
+            stats_8x16(g, gdt, cnt, i, i0, rowpart, colpart, pm, rowmatch, &mn, ws,
+                       i + 32 <= i1 ? pfmode : 0);
     if (n == 16) /* 16 rows at a time (stats_16x16) */
         for (; i + 16 <= i1; i += 16)
             stats_16x16(g, gdt, cnt, C, i, i0, j0, rowpart, colpart, pm, rowmatch, &mn, ws,
