@@ -1000,6 +1000,17 @@ static void avx512x_apply_rows(void *p, int pdt, const void *g, int gdt,
                                float lr, const float *lrs, const am_consts *k, uint64_t seed,
                                uint32_t param_id, int64_t step, uint8_t *pol_row) {
     /* every callee returns with vzeroupper (AM_CLEAN_RETURN, simd.h) */
+    if (lrs && C == 8 && r1 - r0 >= 2 && r0 / R == (r1 - 1) / R) {
+        /* rows of 8 with an lr each (e.g. LoRA's (1024, 8)), in one matrix:
+         * two a vector in AVX-512, an odd last one here */
+        const int64_t even = (r1 - r0) & ~(int64_t)1;
+        g_apply16(p, pdt, g, gdt, R, C, r0, r0 + even, rf, cf, inv, lr, lrs, k, seed,
+                  param_id, step, pol_row);
+        if (even < r1 - r0)
+            avx2_apply_rows(p, pdt, g, gdt, R, C, r0 + even, r1, rf, cf, inv, lr, lrs + even,
+                            k, seed, param_id, step, pol_row ? pol_row + even : NULL);
+        return;
+    }
     if (C >= AM_SMALL_C || lrs) {
         /* float32 too when software prefetch is off (am_sw_prefetch) */
         if (C >= AM_SMALL_C && (pdt != AM_DTYPE_FLOAT32 || !am_sw_prefetch()))

@@ -742,6 +742,50 @@ AM_INLINE void apply_rows16(void *p, const int pdt, const void *g, const int gdt
     }
 }
 
+/* [a x 8 | b x 8]. */
+AM_INLINE __m512 pair8(float a, float b) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(a)),
+                                               _mm256_castps_pd(_mm256_set1_ps(b)), 1));
+}
+
+/* apply_rows16 for rows of 8 elements (C == 8, r1 - r0 even, all in one
+ * matrix: cfb its column factors), two rows per apply16: the factors and
+ * lrs of each row in its half of the vector, the two rows' bits a byte
+ * each (am_lrs_row_bytes). */
+AM_INLINE void apply_rows8(void *p, const int pdt, const void *g, const int gdt, int64_t r0,
+                           int64_t r1, const float *rf, const float *cfb, __m512 iv,
+                           const float *lrs, __m512 wdv, uint8_t *pol_row, const int scaled,
+                           const int wd, rng512 *w) {
+    const int pf = am_sw_prefetch(), es = pdt == AM_DTYPE_FLOAT32 ? 4 : 2;
+    const int ges = gdt == AM_DTYPE_FLOAT32 ? 4 : 2;
+    const int64_t l2ahead = AM_L2_PREFETCH_BYTES / es;
+    const __m512 cfv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(
+        _mm256_loadu_ps(cfb)))); /* (AVX-512F: the f32x8 forms need DQ) */
+    int64_t r;
+    for (r = r0; r < r1; r += 2) {
+        const int64_t base = r * 8;
+        const __m512 rfv = pair8(rf[r], rf[r + 1]), lrv = pair8(lrs[r - r0], lrs[r - r0 + 1]);
+        uint16_t bits;
+        if (pdt != AM_DTYPE_FLOAT32) {
+            rng_need(w, base, 16);
+            w->span0 = base;
+        }
+        if ((r & 7) == 0) { /* a prefetch per 64 elements, as apply_mode */
+            if (pf) {
+                _mm_prefetch((const char *)p + (base + AM_PREFETCH) * es, _MM_HINT_T0);
+                _mm_prefetch((const char *)g + (base + AM_PREFETCH) * ges, _MM_HINT_T0);
+            } else if (pdt != AM_DTYPE_FLOAT32) {
+                am_prefetch_l2((const char *)p + (base + l2ahead) * es, 64 * es);
+                am_prefetch_l2((const char *)g + (base + l2ahead) * ges, 64 * ges);
+            }
+        }
+        bits = (uint16_t)apply16(p, pdt, g, gdt, base, _mm512_mul_ps(rfv, cfv), iv, lrv, wdv,
+                                 scaled, wd, w);
+        if (pol_row) memcpy(pol_row + (r - r0), &bits, 2);
+        if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) f16_fixup((uint16_t *)p, w);
+    }
+}
+
 /* ref_apply_rows for a 16-bit parameter, rows of C >= 16 elements, with the
  * clip multiplication (scaled) and the decay (wd) fixed: the loop holds no test
  * of them and keeps its constants in registers. */
@@ -761,6 +805,11 @@ AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
     bitw bw = {pol_row, 0, 0, 0};
     int64_t r, j, bend = (r0 / R + 1) * R; /* the end of row r's matrix */
     const float *cfb = cf + (r0 / R) * C;
+    if (lrs && C == 8) { /* e.g. LoRA's (1024, 8); as avx512x_apply_rows
+                          * (kernels_avx2.c) sends them: pairs in one matrix */
+        apply_rows8(p, pdt, g, gdt, r0, r1, rf, cfb, iv, lrs, wdv, pol_row, scaled, wd, w);
+        return;
+    }
     if (lrs && C == 16) { /* e.g. LoRA's (1024, 16): a row is one vector */
         apply_rows16(p, pdt, g, gdt, r0, r1, bend, R, rf, cfb, iv, lrs, wdv, pol_row,
                      scaled, wd, w);
