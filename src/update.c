@@ -485,28 +485,26 @@ static int64_t counted_matches(const upd *u, int64_t kr) {
     return s;
 }
 
-/* The smallest of v[0..n), NaN when one is NaN. Four running minima (the
- * minimum does not depend on the order): one, with a branch per element,
- * waited on each compare, 12% of a (16, 1024) update. */
+/* The smallest of v[0..n), NaN when one is NaN, for values >= +0 (factors
+ * and smallest positive gradients): their order is that of their bits as
+ * unsigned integers, and every NaN's bits (and a negative value's, which
+ * answers NaN too: counts_valid then counts in a pass of its own) are above
+ * +inf's. Integer min and max over the bits, loops the compiler vectorizes:
+ * the float loop, a compare and a NaN test per element, was 12% of an
+ * (8, 1024) update. */
 static float min_or_nan(const float *v, int64_t n) {
-    float m0 = INFINITY, m1 = INFINITY, m2 = INFINITY, m3 = INFINITY;
-    int nan = 0;
-    int64_t i = 0;
-    for (; i + 4 <= n; i += 4) { /* x < m ? x : m: a min instruction, no branch */
-        m0 = v[i] < m0 ? v[i] : m0;
-        m1 = v[i + 1] < m1 ? v[i + 1] : m1;
-        m2 = v[i + 2] < m2 ? v[i + 2] : m2;
-        m3 = v[i + 3] < m3 ? v[i + 3] : m3;
-        nan |= (v[i] != v[i]) | (v[i + 1] != v[i + 1]) | (v[i + 2] != v[i + 2]) |
-               (v[i + 3] != v[i + 3]);
+    uint32_t lo = 0xffffffffu, hi = 0u;
+    int64_t i;
+    float m = INFINITY;
+    for (i = 0; i < n; i++) {
+        uint32_t b;
+        memcpy(&b, &v[i], 4);
+        lo = b < lo ? b : lo;
+        hi = b > hi ? b : hi;
     }
-    for (; i < n; i++) {
-        m0 = v[i] < m0 ? v[i] : m0;
-        nan |= v[i] != v[i];
-    }
-    m0 = m1 < m0 ? m1 : m0;
-    m2 = m3 < m2 ? m3 : m2;
-    return nan ? NAN : m2 < m0 ? m2 : m0;
+    if (hi > 0x7f800000u) return NAN;
+    if (n > 0) memcpy(&m, &lo, 4);
+    return m;
 }
 
 /* The stats pass counted (g > 0) against the old bits; the SPEC's sign is
