@@ -545,6 +545,90 @@ AM_INLINE void stats_16x16(const void *g, const int gdt, const int cnt, int64_t 
     }
 }
 
+/* stats_16x16 for a tile of exactly 32 columns (e.g. LoRA's (1024, 32)):
+ * a row's 8 lane sums are ((x[l] + x[l+8]) + x[l+16]) + x[l+24] (stats_rows'
+ * add16 of its two halves), folded two rows a vector, then rowsums_pairs;
+ * column sums row by row; the W sums once the weights are known, from the
+ * rows read again (in L1; their squares are the same bits). */
+AM_INLINE void stats_32x16(const void *g, const int gdt, const int cnt, int64_t C,
+                           int64_t i, int64_t i0, int64_t j0, float *rowpart,
+                           float *colpart, const am_polmap *pm, int32_t *rowmatch,
+                           __m512i *mn, const am_wsum *ws, const int pf) {
+    const size_t es = gdt == AM_DTYPE_FLOAT32 ? 4 : 2;
+    __m512 pr[8], clo = _mm512_loadu_ps(colpart), chi = _mm512_loadu_ps(colpart + 16), rs;
+    int64_t q0 = 0;
+    int k, q, lin = 0;
+    if (pf) { /* the next 16 rows: a line (16-bit) or two each */
+        for (q = 0; q < 16; q++) {
+            const char *nx = (const char *)g + (size_t)((i + 16 + q) * C + j0) * es;
+            if (pf == 1) {
+                _mm_prefetch(nx, _MM_HINT_T0);
+                if (es == 4) _mm_prefetch(nx + 64, _MM_HINT_T0);
+            } else {
+                _mm_prefetch(nx, _MM_HINT_T1);
+                if (es == 4) _mm_prefetch(nx + 64, _MM_HINT_T1);
+            }
+        }
+    }
+    if (cnt) {
+        q0 = am_polmap_bit(pm, i, j0);
+        lin = am_polmap_bit(pm, i + 15, j0) == q0 + 15 * 32;
+    }
+    for (k = 0; k < 8; k++) {
+        __m512 lo[2], hi[2];
+        for (q = 0; q < 2; q++) {
+            const int64_t r = i + 2 * k + q;
+            __m512i raw;
+            ld32(g, gdt, r * C + j0, &lo[q], &hi[q], &raw);
+            if (cnt) {
+                const uint32_t pos =
+                    gdt == AM_DTYPE_FLOAT32
+                        ? pos_mask32(gdt, _mm512_castps_si512(lo[q]),
+                                     _mm512_castps_si512(hi[q]), mn)
+                        : pos_mask32(gdt, raw, raw, mn);
+                const int64_t qb = lin ? q0 + 32 * (2 * k + q) : am_polmap_bit(pm, r, j0);
+                rowmatch[r - i0] = 32 - __builtin_popcount(pos ^ am_bits32_at(pm->bits, qb));
+            }
+            lo[q] = _mm512_mul_ps(lo[q], lo[q]);
+            hi[q] = _mm512_mul_ps(hi[q], hi[q]);
+            clo = _mm512_add_ps(clo, lo[q]);
+            chi = _mm512_add_ps(chi, hi[q]);
+        }
+        pr[k] = _mm512_add_ps(
+            _mm512_add_ps(
+                _mm512_add_ps(_mm512_shuffle_f32x4(lo[0], lo[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(lo[0], lo[1], _MM_SHUFFLE(3, 2, 3, 2))),
+                _mm512_shuffle_f32x4(hi[0], hi[1], _MM_SHUFFLE(1, 0, 1, 0))),
+            _mm512_shuffle_f32x4(hi[0], hi[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    _mm512_storeu_ps(colpart, clo);
+    _mm512_storeu_ps(colpart + 16, chi);
+    rs = rowsums_pairs(pr);
+    _mm512_storeu_ps(rowpart + (i - i0), rs);
+    if (ws) { /* am_wsum_weight of each row, then the groups' W sums */
+        float w[16];
+        __m512 alo = _mm512_loadu_ps(ws->wpart), ahi = _mm512_loadu_ps(ws->wpart + 16);
+        wsum_weights16(ws, i, rs, w);
+        for (q = 0; q < 16; q += 4) {
+            __m512 tlo = _mm512_setzero_ps(), thi = tlo;
+            for (k = 0; k < 4; k++) {
+                const __m512 wv = _mm512_set1_ps(w[q + k]);
+                __m512 lo, hi;
+                __m512i raw;
+                ld32(g, gdt, (i + q + k) * C + j0, &lo, &hi, &raw);
+                lo = _mm512_mul_ps(_mm512_mul_ps(lo, lo), wv);
+                hi = _mm512_mul_ps(_mm512_mul_ps(hi, hi), wv);
+                tlo = k == 0 ? lo : _mm512_add_ps(tlo, lo);
+                thi = k == 0 ? hi : _mm512_add_ps(thi, hi);
+            }
+            alo = _mm512_add_ps(alo, tlo);
+            ahi = _mm512_add_ps(ahi, thi);
+        }
+        _mm512_storeu_ps(ws->wpart, alo);
+        _mm512_storeu_ps(ws->wpart + 16, ahi);
+    }
+}
+
 /* stats_16x16 for a tile of 8 columns of a matrix of 8 (rows contiguous,
  * e.g. LoRA's (1024, 8) B matrices), two rows a vector: the lane sums of a
  * row of 8 are its elements (from 0), the row sums as rowsums_pairs, the
@@ -630,6 +714,10 @@ AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C
         for (; i + 16 <= i1; i += 16)
             stats_8x16(g, gdt, cnt, i, i0, rowpart, colpart, pm, rowmatch, &mn, ws,
                        i + 32 <= i1 ? pfmode : 0);
+    if (n == 32) /* 16 rows at a time (stats_32x16) */
+        for (; i + 16 <= i1; i += 16)
+            stats_32x16(g, gdt, cnt, C, i, i0, j0, rowpart, colpart, pm, rowmatch, &mn, ws,
+                        i + 32 <= i1 ? pfmode : 0);
     if (n == 16) /* 16 rows at a time (stats_16x16) */
         for (; i + 16 <= i1; i += 16)
             stats_16x16(g, gdt, cnt, C, i, i0, j0, rowpart, colpart, pm, rowmatch, &mn, ws,
