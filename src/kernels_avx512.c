@@ -839,7 +839,9 @@ AM_INLINE __m512 pair8(float a, float b) {
 /* apply_rows16 for rows of 8 elements (C == 8, r1 - r0 even, all in one
  * matrix: cfb its column factors), two rows per apply16: the factors and
  * lrs of each row in its half of the vector, the two rows' bits a byte
- * each (am_lrs_row_bytes). */
+ * each (am_lrs_row_bytes). Its noise and prefetch steps repeat
+ * apply_rows16's: one inline helper for both measured 3-6% slower on
+ * (1024, 16) and (1024, 8), alternated in one process. */
 AM_INLINE void apply_rows8(void *p, const int pdt, const void *g, const int gdt, int64_t r0,
                            int64_t r1, const float *rf, const float *cfb, __m512 iv,
                            const float *lrs, __m512 wdv, uint8_t *pol_row, const int scaled,
