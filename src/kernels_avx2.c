@@ -1070,8 +1070,9 @@ static void avx512x_stats_tile(const void *g, int gdt, int64_t C, int64_t i0, in
     /* returns with vzeroupper (AM_CLEAN_RETURN, simd.h) */
     /* below 16 columns the AVX-512 stats are all scalar tail, 8 columns a
      * vector here (7.8 -> 4.6 cycles/elem in cache), except for matrices of
-     * exactly 8 columns (e.g. LoRA's (1024, 8)), two rows a vector there */
-    if (j1 - j0 < 16 && !(C == 8 && j1 - j0 == 8 && i1 - i0 >= 16))
+     * exactly 8 or 4 columns (e.g. LoRA's (1024, 8)), two or four rows a
+     * vector there */
+    if (j1 - j0 < 16 && !((C == 8 || C == 4) && j1 - j0 == C && i1 - i0 >= 16))
         avx2_stats_tile(g, gdt, C, i0, i1, j0, j1, rowpart, colpart, pm, rowmatch, minpos,
                         ws);
     else

@@ -447,24 +447,32 @@ static float minpos_of(__m512i mn, int gdt) {
 /* The row sums of 16 rows from their 8 lane sums a0..a7, two rows a
  * vector (pr[k]: rows 2k, 2k+1 as [a0..a7 | a0..a7]), lane r of the result
  * row r's: ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)). */
+/* The row sums of 16 rows held as four vectors of four rows (t[k]: rows
+ * 4k..4k+3, a 128-bit block each, as (s0, s1, s2, s3)), lane r of the
+ * result row r's: (s0 + s2) + (s1 + s3). */
+AM_INLINE __m512 rowsums_quads(const __m512 *t) {
+    const __m512i i01 = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 28, 24, 20, 16, 12, 8, 4, 0);
+    const __m512i i03 = _mm512_set_epi32(23, 22, 21, 20, 19, 18, 17, 16, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512 u[4], a, b;
+    int k;
+    for (k = 0; k < 4; k++) {
+        const __m512 v = _mm512_add_ps(t[k], _mm512_permute_ps(t[k], _MM_SHUFFLE(1, 0, 3, 2)));
+        u[k] = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1))); /* lane 0 */
+    }
+    a = _mm512_permutex2var_ps(u[0], i01, u[1]);
+    b = _mm512_permutex2var_ps(u[2], i01, u[3]);
+    return _mm512_permutex2var_ps(a, i03, b);
+}
+
 AM_INLINE __m512 rowsums_pairs(const __m512 *pr) {
-    __m512 u[4], lo, hi;
+    __m512 t[4], lo, hi;
     int k;
     for (k = 0; k < 4; k++) { /* rows 4k..4k+3, a 128-bit block each */
-        __m512 t;
         lo = _mm512_shuffle_f32x4(pr[2 * k], pr[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0));
         hi = _mm512_shuffle_f32x4(pr[2 * k], pr[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1));
-        t = _mm512_add_ps(lo, hi); /* a0+a4, a1+a5, a2+a6, a3+a7 */
-        t = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(1, 0, 3, 2)));
-        u[k] = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(2, 3, 0, 1))); /* lane 0 */
+        t[k] = _mm512_add_ps(lo, hi); /* a0+a4, a1+a5, a2+a6, a3+a7 */
     }
-    {
-        const __m512i i01 = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 28, 24, 20, 16, 12, 8, 4, 0);
-        const __m512i i03 = _mm512_set_epi32(23, 22, 21, 20, 19, 18, 17, 16, 7, 6, 5, 4, 3, 2, 1, 0);
-        const __m512 a = _mm512_permutex2var_ps(u[0], i01, u[1]);
-        const __m512 b = _mm512_permutex2var_ps(u[2], i01, u[3]);
-        return _mm512_permutex2var_ps(a, i03, b);
-    }
+    return rowsums_quads(t);
 }
 
 AM_INLINE __m512 rowsums16x16(const __m512 *sq) {
@@ -629,6 +637,71 @@ AM_INLINE void stats_32x16(const void *g, const int gdt, const int cnt, int64_t 
     }
 }
 
+/* Four 128-bit blocks of x, added in block order onto c. */
+AM_INLINE __m128 add_blocks(__m128 c, __m512 x) {
+    c = _mm_add_ps(c, _mm512_castps512_ps128(x));
+    c = _mm_add_ps(c, _mm512_extractf32x4_ps(x, 1));
+    c = _mm_add_ps(c, _mm512_extractf32x4_ps(x, 2));
+    return _mm_add_ps(c, _mm512_extractf32x4_ps(x, 3));
+}
+
+/* stats_16x16 for a matrix of exactly 4 columns (e.g. LoRA's (1024, 4)),
+ * four rows a vector: a row's lane sums are its 4 elements and 4 zeros, so
+ * its sum is (x0 + x2) + (x1 + x3) (rowsums_quads); the column sums and a
+ * group's W sums block by block; each row's bits are the low 4 of its own
+ * byte (am_polmap_bit: lr-rows of 4 elements take a byte each). The same
+ * results and bits as stats_rows on each row. */
+AM_INLINE void stats_4x16(const void *g, const int gdt, const int cnt, int64_t i, int64_t i0,
+                          float *rowpart, float *colpart, const am_polmap *pm,
+                          int32_t *rowmatch, __m512i *mn, const am_wsum *ws, const int pf) {
+    const size_t es = gdt == AM_DTYPE_FLOAT32 ? 4 : 2;
+    __m512 sq[4], rs;
+    __m128 c = _mm_loadu_ps(colpart);
+    const int64_t q0 = cnt ? am_polmap_bit(pm, i, 0) : 0;
+    int k, q;
+    if (pf) { /* the next 16 rows: 256 bytes (float32) or 128 */
+        const char *nx = (const char *)g + (size_t)((i + 16) * 4) * es;
+        for (k = 0; k < (int)es; k++) {
+            if (pf == 1) _mm_prefetch(nx + 64 * k, _MM_HINT_T0);
+            else _mm_prefetch(nx + 64 * k, _MM_HINT_T1);
+        }
+    }
+    for (k = 0; k < 4; k++) {
+        const __m512 x = am_ld16(g, gdt, (i + 4 * k) * 4);
+        if (cnt) {
+            const uint32_t pos = pos_mask16(g, gdt, (i + 4 * k) * 4, mn);
+            for (q = 0; q < 4; q++) {
+                const int64_t r = i + 4 * k + q;
+                /* an lr-row per matrix row: its bits lr_bits apart */
+                const int64_t qb = pm->rows_per_lr == 1 ? q0 + (r - i) * pm->lr_bits
+                                                        : am_polmap_bit(pm, r, 0);
+                const unsigned old = am_bits8_at(pm->bits, qb);
+                rowmatch[r - i0] = 4 - __builtin_popcount((pos >> (4 * q) ^ old) & 0xfu);
+            }
+        }
+        sq[k] = _mm512_mul_ps(x, x);
+        c = add_blocks(c, sq[k]);
+    }
+    _mm_storeu_ps(colpart, c);
+    rs = rowsums_quads(sq);
+    _mm512_storeu_ps(rowpart + (i - i0), rs);
+    if (ws) { /* am_wsum_weight of each row, then the groups' W sums */
+        const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+        float w[16];
+        __m128 acc = _mm_loadu_ps(ws->wpart);
+        wsum_weights16(ws, i, rs, w);
+        for (k = 0; k < 4; k++) { /* rows 4k..4k+3: ((t0 + t1) + t2) + t3 */
+            const __m512 t = _mm512_mul_ps(
+                sq[k],
+                _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(w + 4 * k))));
+            __m128 s4 = _mm_add_ps(_mm512_castps512_ps128(t), _mm512_extractf32x4_ps(t, 1));
+            s4 = _mm_add_ps(s4, _mm512_extractf32x4_ps(t, 2));
+            acc = _mm_add_ps(acc, _mm_add_ps(s4, _mm512_extractf32x4_ps(t, 3)));
+        }
+        _mm_storeu_ps(ws->wpart, acc);
+    }
+}
+
 /* stats_16x16 for a tile of 8 columns of a matrix of 8 (rows contiguous,
  * e.g. LoRA's (1024, 8) B matrices), two rows a vector: the lane sums of a
  * row of 8 are its elements (from 0), the row sums as rowsums_pairs, the
@@ -710,6 +783,10 @@ AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C
         for (j = 0; j < n; j++) ws->wpart[j] = 0.0f;
     }
     i = i0;
+    if (n == 4 && C == 4) /* 16 rows at a time, four a vector (stats_4x16) */
+        for (; i + 16 <= i1; i += 16)
+            stats_4x16(g, gdt, cnt, i, i0, rowpart, colpart, pm, rowmatch, &mn, ws,
+                       i + 32 <= i1 ? pfmode : 0);
     if (n == 8 && C == 8) /* 16 rows at a time, two a vector (stats_8x16) */
         for (; i + 16 <= i1; i += 16)
             stats_8x16(g, gdt, cnt, i, i0, rowpart, colpart, pm, rowmatch, &mn, ws,

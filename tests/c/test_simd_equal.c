@@ -969,6 +969,7 @@ static void test_updates(void **unused) {
     extra[nextra++] = mk(2, 520, 256, 0, 0);
     extra[nextra++] = mk(2, 1101, 8, 0, 0);     /* rows of 8: pairs, an odd last row */
     extra[nextra++] = mk(2, 1030, 32, 0, 0);    /* rows of 32: 16 at a time, a tail */
+    extra[nextra++] = mk(2, 1037, 4, 0, 0);     /* rows of 4: four a vector, a tail */
     for (x = 0; x < nextra; x++) check_shape(&extra[x], x & 1 ? 0.1 : 0.0, &failures);
     {   /* 65536 3x3 matrices: big enough that every pass engages threads */
         am_shape big = mk(4, 256, 256, 3, 3);
