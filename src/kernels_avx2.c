@@ -1000,10 +1000,10 @@ static void avx512x_apply_rows(void *p, int pdt, const void *g, int gdt,
                                float lr, const float *lrs, const am_consts *k, uint64_t seed,
                                uint32_t param_id, int64_t step, uint8_t *pol_row) {
     /* every callee returns with vzeroupper (AM_CLEAN_RETURN, simd.h) */
-    if (lrs && C == 8 && r1 - r0 >= 2 && r0 / R == (r1 - 1) / R) {
-        /* rows of 8 with an lr each (e.g. LoRA's (1024, 8)), in one matrix:
-         * two a vector in AVX-512, an odd last one here */
-        const int64_t even = (r1 - r0) & ~(int64_t)1;
+    if (lrs && (C == 8 || C == 4) && r1 - r0 >= 16 / C && r0 / R == (r1 - 1) / R) {
+        /* rows of 8 or 4 with an lr each (e.g. LoRA's (1024, 8)), in one
+         * matrix: two or four a vector in AVX-512, the last few here */
+        const int64_t per = 16 / C, even = (r1 - r0) / per * per;
         g_apply16(p, pdt, g, gdt, R, C, r0, r0 + even, rf, cf, inv, lr, lrs, k, seed,
                   param_id, step, pol_row);
         if (even < r1 - r0)

@@ -953,6 +953,52 @@ AM_INLINE void apply_rows8(void *p, const int pdt, const void *g, const int gdt,
     }
 }
 
+/* apply_rows8 for rows of 4 elements (C == 4, r1 - r0 a multiple of 4,
+ * all in one matrix), four rows per apply16: each row's factor and lr in
+ * its 128-bit block; each row's 4 bits in the low half of its own byte
+ * (am_lrs_row_bytes), the high half kept as it was (bw_flush keeps it). */
+AM_INLINE void apply_rows4(void *p, const int pdt, const void *g, const int gdt, int64_t r0,
+                           int64_t r1, const float *rf, const float *cfb, __m512 iv,
+                           const float *lrs, __m512 wdv, uint8_t *pol_row, const int scaled,
+                           const int wd, rng512 *w) {
+    const int pf = am_sw_prefetch(), es = pdt == AM_DTYPE_FLOAT32 ? 4 : 2;
+    const int ges = gdt == AM_DTYPE_FLOAT32 ? 4 : 2;
+    const int64_t l2ahead = AM_L2_PREFETCH_BYTES / es;
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512 cfv = _mm512_broadcast_f32x4(_mm_loadu_ps(cfb));
+    int64_t r;
+    for (r = r0; r < r1; r += 4) {
+        const int64_t base = r * 4;
+        const __m512 rfv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(rf + r)));
+        const __m512 lrv =
+            _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(lrs + (r - r0))));
+        unsigned bits;
+        if (pdt != AM_DTYPE_FLOAT32) {
+            rng_need(w, base, 16);
+            w->span0 = base;
+        }
+        if ((r & 15) == 0) { /* a prefetch per 64 elements, as apply_mode */
+            if (pf) {
+                _mm_prefetch((const char *)p + (base + AM_PREFETCH) * es, _MM_HINT_T0);
+                _mm_prefetch((const char *)g + (base + AM_PREFETCH) * ges, _MM_HINT_T0);
+            } else if (pdt != AM_DTYPE_FLOAT32) {
+                am_prefetch_l2((const char *)p + (base + l2ahead) * es, 64 * es);
+                am_prefetch_l2((const char *)g + (base + l2ahead) * ges, 64 * ges);
+            }
+        }
+        bits = apply16(p, pdt, g, gdt, base, _mm512_mul_ps(rfv, cfv), iv, lrv, wdv, scaled, wd, w);
+        if (pol_row) { /* row q's 4 bits into the low half of byte q */
+            const uint32_t nib = (bits & 0xfu) | (bits & 0xf0u) << 4 | (bits & 0xf00u) << 8 |
+                                 (bits & 0xf000u) << 12;
+            uint32_t old;
+            memcpy(&old, pol_row + (r - r0), 4);
+            old = (old & 0xf0f0f0f0u) | nib;
+            memcpy(pol_row + (r - r0), &old, 4);
+        }
+        if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) f16_fixup((uint16_t *)p, w);
+    }
+}
+
 /* ref_apply_rows for a 16-bit parameter, rows of C >= 16 elements, with the
  * clip multiplication (scaled) and the decay (wd) fixed: the loop holds no test
  * of them and keeps its constants in registers. */
@@ -972,6 +1018,10 @@ AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
     bitw bw = {pol_row, 0, 0, 0};
     int64_t r, j, bend = (r0 / R + 1) * R; /* the end of row r's matrix */
     const float *cfb = cf + (r0 / R) * C;
+    if (lrs && C == 4) { /* e.g. LoRA's (1024, 4); as for C == 8 below */
+        apply_rows4(p, pdt, g, gdt, r0, r1, rf, cfb, iv, lrs, wdv, pol_row, scaled, wd, w);
+        return;
+    }
     if (lrs && C == 8) { /* e.g. LoRA's (1024, 8); as avx512x_apply_rows
                           * (kernels_avx2.c) sends them: pairs in one matrix */
         apply_rows8(p, pdt, g, gdt, r0, r1, rf, cfb, iv, lrs, wdv, pol_row, scaled, wd, w);
