@@ -864,6 +864,32 @@ am_stats_fn am_avx512_stats(void) { return avx512_stats; }
         }                                                                     \
     } while (0)
 
+/* The short-row applies' steps before the 16 elements from base (apply_rows16,
+ * apply_rows8, apply_rows4): their noise in the window (16-bit parameters),
+ * and once per 64 elements (at64) apply_mode's prefetch. Macros, not an
+ * inline function: one measured 3-6% slower on (1024, 16) and (1024, 8),
+ * alternated in one process. */
+#define AM_SHORT_SPAN_VARS                                                    \
+    const int pf = am_sw_prefetch(), es = pdt == AM_DTYPE_FLOAT32 ? 4 : 2;    \
+    const int ges = gdt == AM_DTYPE_FLOAT32 ? 4 : 2;                          \
+    const int64_t l2ahead = AM_L2_PREFETCH_BYTES / es
+#define AM_SHORT_SPAN(at64)                                                   \
+    do {                                                                      \
+        if (pdt != AM_DTYPE_FLOAT32) {                                        \
+            rng_need(w, base, 16);                                            \
+            w->span0 = base;                                                  \
+        }                                                                     \
+        if (at64) {                                                           \
+            if (pf) {                                                         \
+                _mm_prefetch((const char *)p + (base + AM_PREFETCH) * es, _MM_HINT_T0); \
+                _mm_prefetch((const char *)g + (base + AM_PREFETCH) * ges, _MM_HINT_T0); \
+            } else if (pdt != AM_DTYPE_FLOAT32) {                             \
+                am_prefetch_l2((const char *)p + (base + l2ahead) * es, 64 * es); \
+                am_prefetch_l2((const char *)g + (base + l2ahead) * ges, 64 * ges); \
+            }                                                                 \
+        }                                                                     \
+    } while (0)
+
 /* apply_mode's lrs mode for rows of 16 elements (C == 16): one apply16 per
  * row, its 16 bits stored as two bytes (each row's bits start on a byte:
  * am_lrs_row_bytes), without the bit writer, which cost more than the
@@ -873,27 +899,13 @@ AM_INLINE void apply_rows16(void *p, const int pdt, const void *g, const int gdt
                             int64_t r1, int64_t bend, int64_t R, const float *rf,
                             const float *cfb, __m512 iv, const float *lrs, __m512 wdv,
                             uint8_t *pol_row, const int scaled, const int wd, rng512 *w) {
-    const int pf = am_sw_prefetch(), es = pdt == AM_DTYPE_FLOAT32 ? 4 : 2;
-    const int ges = gdt == AM_DTYPE_FLOAT32 ? 4 : 2;
-    const int64_t l2ahead = AM_L2_PREFETCH_BYTES / es;
+    AM_SHORT_SPAN_VARS;
     __m512 cfv = _mm512_loadu_ps(cfb);
     int64_t r;
     for (r = r0; r < r1; r++) {
         const int64_t base = r * 16;
         uint16_t bits;
-        if (pdt != AM_DTYPE_FLOAT32) {
-            rng_need(w, base, 16);
-            w->span0 = base;
-        }
-        if ((r & 3) == 0) { /* a prefetch per 64 elements, as apply_mode */
-            if (pf) {
-                _mm_prefetch((const char *)p + (base + AM_PREFETCH) * es, _MM_HINT_T0);
-                _mm_prefetch((const char *)g + (base + AM_PREFETCH) * ges, _MM_HINT_T0);
-            } else if (pdt != AM_DTYPE_FLOAT32) {
-                am_prefetch_l2((const char *)p + (base + l2ahead) * es, 64 * es);
-                am_prefetch_l2((const char *)g + (base + l2ahead) * ges, 64 * ges);
-            }
-        }
+        AM_SHORT_SPAN((r & 3) == 0);
         bits = (uint16_t)apply16(p, pdt, g, gdt, base,
                                  _mm512_mul_ps(_mm512_set1_ps(rf[r]), cfv), iv,
                                  _mm512_set1_ps(lrs[r - r0]), wdv, scaled, wd, w);
@@ -916,16 +928,12 @@ AM_INLINE __m512 pair8(float a, float b) {
 /* apply_rows16 for rows of 8 elements (C == 8, r1 - r0 even, all in one
  * matrix: cfb its column factors), two rows per apply16: the factors and
  * lrs of each row in its half of the vector, the two rows' bits a byte
- * each (am_lrs_row_bytes). Its noise and prefetch steps repeat
- * apply_rows16's: one inline helper for both measured 3-6% slower on
- * (1024, 16) and (1024, 8), alternated in one process. */
+ * each (am_lrs_row_bytes). */
 AM_INLINE void apply_rows8(void *p, const int pdt, const void *g, const int gdt, int64_t r0,
                            int64_t r1, const float *rf, const float *cfb, __m512 iv,
                            const float *lrs, __m512 wdv, uint8_t *pol_row, const int scaled,
                            const int wd, rng512 *w) {
-    const int pf = am_sw_prefetch(), es = pdt == AM_DTYPE_FLOAT32 ? 4 : 2;
-    const int ges = gdt == AM_DTYPE_FLOAT32 ? 4 : 2;
-    const int64_t l2ahead = AM_L2_PREFETCH_BYTES / es;
+    AM_SHORT_SPAN_VARS;
     const __m512 cfv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(
         _mm256_loadu_ps(cfb)))); /* (AVX-512F: the f32x8 forms need DQ) */
     int64_t r;
@@ -933,19 +941,7 @@ AM_INLINE void apply_rows8(void *p, const int pdt, const void *g, const int gdt,
         const int64_t base = r * 8;
         const __m512 rfv = pair8(rf[r], rf[r + 1]), lrv = pair8(lrs[r - r0], lrs[r - r0 + 1]);
         uint16_t bits;
-        if (pdt != AM_DTYPE_FLOAT32) {
-            rng_need(w, base, 16);
-            w->span0 = base;
-        }
-        if ((r & 7) == 0) { /* a prefetch per 64 elements, as apply_mode */
-            if (pf) {
-                _mm_prefetch((const char *)p + (base + AM_PREFETCH) * es, _MM_HINT_T0);
-                _mm_prefetch((const char *)g + (base + AM_PREFETCH) * ges, _MM_HINT_T0);
-            } else if (pdt != AM_DTYPE_FLOAT32) {
-                am_prefetch_l2((const char *)p + (base + l2ahead) * es, 64 * es);
-                am_prefetch_l2((const char *)g + (base + l2ahead) * ges, 64 * ges);
-            }
-        }
+        AM_SHORT_SPAN((r & 7) == 0);
         bits = (uint16_t)apply16(p, pdt, g, gdt, base, _mm512_mul_ps(rfv, cfv), iv, lrv, wdv,
                                  scaled, wd, w);
         if (pol_row) memcpy(pol_row + (r - r0), &bits, 2);
@@ -961,9 +957,7 @@ AM_INLINE void apply_rows4(void *p, const int pdt, const void *g, const int gdt,
                            int64_t r1, const float *rf, const float *cfb, __m512 iv,
                            const float *lrs, __m512 wdv, uint8_t *pol_row, const int scaled,
                            const int wd, rng512 *w) {
-    const int pf = am_sw_prefetch(), es = pdt == AM_DTYPE_FLOAT32 ? 4 : 2;
-    const int ges = gdt == AM_DTYPE_FLOAT32 ? 4 : 2;
-    const int64_t l2ahead = AM_L2_PREFETCH_BYTES / es;
+    AM_SHORT_SPAN_VARS;
     const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     const __m512 cfv = _mm512_broadcast_f32x4(_mm_loadu_ps(cfb));
     int64_t r;
@@ -973,19 +967,7 @@ AM_INLINE void apply_rows4(void *p, const int pdt, const void *g, const int gdt,
         const __m512 lrv =
             _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(lrs + (r - r0))));
         unsigned bits;
-        if (pdt != AM_DTYPE_FLOAT32) {
-            rng_need(w, base, 16);
-            w->span0 = base;
-        }
-        if ((r & 15) == 0) { /* a prefetch per 64 elements, as apply_mode */
-            if (pf) {
-                _mm_prefetch((const char *)p + (base + AM_PREFETCH) * es, _MM_HINT_T0);
-                _mm_prefetch((const char *)g + (base + AM_PREFETCH) * ges, _MM_HINT_T0);
-            } else if (pdt != AM_DTYPE_FLOAT32) {
-                am_prefetch_l2((const char *)p + (base + l2ahead) * es, 64 * es);
-                am_prefetch_l2((const char *)g + (base + l2ahead) * ges, 64 * ges);
-            }
-        }
+        AM_SHORT_SPAN((r & 15) == 0);
         bits = apply16(p, pdt, g, gdt, base, _mm512_mul_ps(rfv, cfv), iv, lrv, wdv, scaled, wd, w);
         if (pol_row) { /* row q's 4 bits into the low half of byte q */
             const uint32_t nib = (bits & 0xfu) | (bits & 0xf0u) << 4 | (bits & 0xf00u) << 8 |
