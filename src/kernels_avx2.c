@@ -744,6 +744,52 @@ AM_INLINE uint32_t apply_vec(void *p, const int pdt, const void *g, const int gd
     return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(u, _mm256_setzero_ps(), _CMP_GT_OQ));
 }
 
+/* apply_body's lrs mode for rows of 8 or 16 elements (e.g. LoRA's (1024, 16)
+ * on CPUs without AVX-512): one or two vectors per row, the row's bits
+ * stored as C / 8 whole bytes (am_lrs_row_bytes) without the bit writer,
+ * the column factors' matrix followed from row to row instead of a
+ * division per row, the prefetch of apply_body once per 64 elements. The
+ * same per-element operations: the same bits. */
+AM_INLINE void apply_rows_short(void *p, const int pdt, const void *g, const int gdt, int64_t R,
+                                const int64_t C, int64_t r0, int64_t r1, const float *rf,
+                                const float *cf, __m256 iv, int unscaled, const float *lrs,
+                                __m256 wdv, int has_wd, uint8_t *pol_row, rngwin *w) {
+    const int pf = am_sw_prefetch();
+    const int64_t es = (int64_t)esize(pdt), ges = (int64_t)esize(gdt);
+    const int64_t l2ahead = AM_L2_PREFETCH_BYTES / es;
+    const float *cfb = cf + (r0 / R) * C;
+    int64_t r, bend = (r0 / R + 1) * R;
+    for (r = r0; r < r1; r++) {
+        const int64_t base = r * C;
+        const __m256 rfv = _mm256_set1_ps(rf[r]), lrv = _mm256_set1_ps(lrs[r - r0]);
+        uint32_t bits;
+        if ((base & 63) == 0) { /* as apply_body's 64-element blocks */
+            if (pf) {
+                _mm_prefetch((const char *)p + (base + AM_PREFETCH) * es, _MM_HINT_T0);
+                _mm_prefetch((const char *)g + (base + AM_PREFETCH) * ges, _MM_HINT_T0);
+            } else {
+                am_prefetch_l2((const char *)p + (base + l2ahead) * es, 64 * (int)es);
+                am_prefetch_l2((const char *)g + (base + l2ahead) * ges, 64 * (int)ges);
+            }
+        }
+        bits = apply_vec(p, pdt, g, gdt, base, _mm256_mul_ps(rfv, _mm256_loadu_ps(cfb)), iv,
+                         unscaled, lrv, wdv, has_wd, w);
+        if (C == 16)
+            bits |= apply_vec(p, pdt, g, gdt, base + 8,
+                              _mm256_mul_ps(rfv, _mm256_loadu_ps(cfb + 8)), iv, unscaled, lrv,
+                              wdv, has_wd, w)
+                    << 8;
+        if (pol_row) {
+            const uint16_t b = (uint16_t)bits;
+            memcpy(pol_row + (r - r0) * (C / 8), &b, (size_t)(C / 8));
+        }
+        if (r + 1 == bend) { /* the next matrix's column factors */
+            cfb += C;
+            bend += R;
+        }
+    }
+}
+
 AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
                           int64_t R, int64_t C, int64_t r0, int64_t r1,
                           const float *rf, const float *cf, float inv,
@@ -760,6 +806,11 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
     rngwin w;
     int64_t r, j;
     rng_init(&w, seed, param_id, step);
+    if (lrs && (C == 8 || C == 16)) {
+        apply_rows_short(p, pdt, g, gdt, R, C, r0, r1, rf, cf, iv, unscaled, lrs, wdv, has_wd,
+                         pol_row, &w);
+        return;
+    }
     for (r = r0; r < r1; r++) {
         const float *cfb = cf + (r / R) * C;
         const __m256 rfv = _mm256_set1_ps(rf[r]);
