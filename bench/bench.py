@@ -305,6 +305,8 @@ def main():
     ap.add_argument("--build-dir", default=os.path.join(ROOT, "build", "bench-release"))
     ap.add_argument("--no-gpt2", action="store_true", help="skip the GPT-2 small step")
     ap.add_argument("--no-lora", action="store_true", help="skip the LoRA step")
+    ap.add_argument("--lora-ranks", default="16",
+                    help="LoRA ranks to time, comma-separated (default 16; e.g. 4,8,16,32,64)")
     ap.add_argument("--threshold", action="store_true",
                     help="also measure small updates with and without threads "
                          "(the threading threshold)")
@@ -355,8 +357,9 @@ def main():
     if not args.no_gpt2:
         result["gpt2"] = gpt2_bench(torch, exe, threads[-1], Ref, 1 if args.quick else 7)
     if not args.no_lora:
-        for t in threads:
-            result["lora"].append(lora_bench(torch, t, Ref, 2 if args.quick else 15))
+        for rank in [int(r) for r in args.lora_ranks.split(",")]:
+            for t in threads:
+                result["lora"].append(lora_bench(torch, t, Ref, 2 if args.quick else 15, rank))
     if args.threshold:
         result["threshold"] = threshold_bench(exe)
 
@@ -418,13 +421,13 @@ def gpt2_bench(torch, exe, threads, Ref, reps):
     return out
 
 
-def lora_bench(torch, threads, Ref, reps):
-    """A whole LoRA step (lora_shapes, float32): ours, our kernels alone,
-    the reference and fused AdamW, round-robin from cold caches."""
-    shapes = lora_shapes()
+def lora_bench(torch, threads, Ref, reps, rank=16):
+    """A whole LoRA step (lora_shapes(rank), float32): ours, our kernels
+    alone, the reference and fused AdamW, round-robin from cold caches."""
+    shapes = lora_shapes(rank)
     n = sum(numel(s) for s in shapes)
-    print("== LoRA rank 16: %d tensors, %d parameters, float32, %d thread(s)"
-          % (len(shapes), n, threads), flush=True)
+    print("== LoRA rank %d: %d tensors, %d parameters, float32, %d thread(s)"
+          % (rank, len(shapes), n, threads), flush=True)
     torch.set_num_threads(threads)
     runners = {}
     for kind in ("ours", "ours_kernels", "reference", "adamw_fused"):
@@ -433,7 +436,8 @@ def lora_bench(torch, threads, Ref, reps):
         ps, gs = make_params(torch, shapes, torch.float32)
         runners[kind] = Runner(torch, kind, ps, gs, Ref)
     res = time_runners(runners, reps, 0.0)
-    return {"params": n, "tensors": len(shapes), "threads": threads, "dtype": "float32",
+    return {"rank": rank, "params": n, "tensors": len(shapes), "threads": threads,
+            "dtype": "float32",
             "step": {k: {"sec_min": v[0], "sec_median": v[1]} for k, v in res.items()}}
 
 
@@ -443,9 +447,9 @@ def lora_lines(result):
     for lo in result.get("lora") or []:
         st = lo["step"]
         ours = st["ours"]["sec_min"]
-        out.append("LoRA rank 16 (%d tensors, %d parameters, %s), %d thread(s): %s; fused "
+        out.append("LoRA rank %d (%d tensors, %d parameters, %s), %d thread(s): %s; fused "
                    "AdamW / ours = %.2fx" % (
-                       lo["tensors"], lo["params"], lo["dtype"], lo["threads"],
+                       lo.get("rank", 16), lo["tensors"], lo["params"], lo["dtype"], lo["threads"],
                        ", ".join("%s %.2f ms" % (k, v["sec_min"] * 1e3) for k, v in st.items()),
                        st["adamw_fused"]["sec_min"] / ours))
     return out
