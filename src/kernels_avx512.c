@@ -438,15 +438,6 @@ static float minpos_of(__m512i mn, int gdt) {
     }
 }
 
-/* The row sums of 16 rows of 16 squares (sq[r], row r), lane r of the
- * result row r's: the reference's order for a 16-column row (add16 from 0,
- * then am_lanesum_finish), across rows: a = sq[0..7] + sq[8..15], then
- * ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)). 35 shuffles and 20
- * adds for 16 rows, where the row-by-row combine took a store and seven
- * dependent scalar adds per row. */
-/* The row sums of 16 rows from their 8 lane sums a0..a7, two rows a
- * vector (pr[k]: rows 2k, 2k+1 as [a0..a7 | a0..a7]), lane r of the result
- * row r's: ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)). */
 /* The row sums of 16 rows held as four vectors of four rows (t[k]: rows
  * 4k..4k+3, a 128-bit block each, as (s0, s1, s2, s3)), lane r of the
  * result row r's: (s0 + s2) + (s1 + s3). */
@@ -464,6 +455,9 @@ AM_INLINE __m512 rowsums_quads(const __m512 *t) {
     return _mm512_permutex2var_ps(a, i03, b);
 }
 
+/* The row sums of 16 rows from their 8 lane sums a0..a7, two rows a
+ * vector (pr[k]: rows 2k, 2k+1 as [a0..a7 | a0..a7]), lane r of the result
+ * row r's: ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)). */
 AM_INLINE __m512 rowsums_pairs(const __m512 *pr) {
     __m512 t[4], lo, hi;
     int k;
@@ -475,6 +469,12 @@ AM_INLINE __m512 rowsums_pairs(const __m512 *pr) {
     return rowsums_quads(t);
 }
 
+/* The row sums of 16 rows of 16 squares (sq[r], row r), lane r of the
+ * result row r's: the reference's order for a 16-column row (add16 from 0,
+ * then am_lanesum_finish), across rows: a = sq[0..7] + sq[8..15], then
+ * ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)). 35 shuffles and 20
+ * adds for 16 rows, where the row-by-row combine took a store and seven
+ * dependent scalar adds per row. */
 AM_INLINE __m512 rowsums16x16(const __m512 *sq) {
     __m512 pr[8], lo, hi;
     int k;
