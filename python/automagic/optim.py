@@ -540,28 +540,35 @@ class Automagic3(torch.optim.Optimizer):
             calls.append((p, plan, target, grad, hp, lr_before, state, scale))
         return calls
 
+    @staticmethod
+    def _finish_ok(call) -> None:
+        """After the update of a call of _prepare_calls succeeded: the lrs
+        back to their unscaled values, the step, the parameter from its copy;
+        the caller bumps p's autograd version and drops p.grad."""
+        p, plan, target, _, _, lr_before, state, scale = call
+        if lr_before is not None:
+            state["lr"].div_(scale)
+        state["step"] = plan.st.step
+        if target is not p and scale != 0.0:
+            p.copy_(target)
+
     def _finish_call(self, call, status: int) -> None:
         """After the update of a call of _prepare_calls returned status."""
-        p, plan, target, _, _, lr_before, state, scale = call
+        p, plan, _, _, _, lr_before, state, _ = call
         rep = plan.rep
-        if lr_before is not None:
-            if status == _lib.OK:
-                state["lr"].div_(scale)
-            else:
-                state["lr"].copy_(lr_before)
         if status == _lib.OK:
-            state["step"] = plan.st.step
-            if target is not p and scale != 0.0:
-                p.copy_(target)
+            self._finish_ok(call)
             # The memory changed behind autograd's back: bump the version so
             # a backward that still needs the old value raises, as it would
             # after any in-place update.
             torch.autograd.graph.increment_version(p)
-        elif status < 0:
-            raise AutomagicError("Automagic3: update of a parameter of shape %s failed: %s"
-                                 % (tuple(p.shape), _lib.last_message()
-                                    or _lib.status_string(status)))
         else:
+            if lr_before is not None:
+                state["lr"].copy_(lr_before)
+            if status < 0:
+                raise AutomagicError("Automagic3: update of a parameter of shape %s failed: %s"
+                                     % (tuple(p.shape), _lib.last_message()
+                                        or _lib.status_string(status)))
             if self.nonfinite == "raise":
                 raise NonFiniteGradientError(
                     "Automagic3: %s for a parameter of shape %s (%d non-finite gradient "
@@ -624,17 +631,11 @@ class Automagic3(torch.optim.Optimizer):
             return
         statuses = torch.frombuffer(items, dtype=torch.int32).view(n, -1)[:, _STATUS_WORD]
         if not bool(statuses.any()):  # all AM_OK: the common case, in bulk
-            done = []
-            for p, plan, target, _, _, lr_before, state, scale in calls:
-                if lr_before is not None:
-                    state["lr"].div_(scale)
-                state["step"] = plan.st.step
-                if target is not p and scale != 0.0:
-                    p.copy_(target)
-                p.grad = None
-                done.append(p)
+            for call in calls:
+                self._finish_ok(call)
+                call[0].grad = None
             # the memory changed behind autograd's back (_finish_call)
-            torch.autograd.graph.increment_version(done)
+            torch.autograd.graph.increment_version([call[0] for call in calls])
             return
         error = None
         for st, call in zip(statuses.tolist(), calls):
