@@ -591,7 +591,10 @@ static void finish_short_rows_task(void *ctx, int64_t blk) {
     const int64_t per = short_block_rows(g), k0 = blk * per,
                   k1 = k0 + per < g->lr_rows ? k0 + per : g->lr_rows;
     int64_t kr;
-    if (f->bump && g->ncb == 1) { /* one count per lr-row, both from tables */
+    if (f->bump && g->ncb == 1) { /* one count per lr-row, both from tables:
+                                   * agree_and_bump with its tests per row
+                                   * measured 3-12% slower on (1024, 16),
+                                   * (1024, 8) and (1024, 4) */
         const int32_t *rm = WS(u, off_rowmatch, int32_t);
         float *agree = WS(u, off_agree, float), *lr = f->state->lr;
         for (kr = k0; kr < k1; kr++) {
