@@ -94,6 +94,36 @@ def test_nonreentrant_checkpoint_equals_step_mode():
     assert_same(m_step, o_step, m_fused, o_fused)
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_create_graph_backward_updates_like_step_mode():
+    # backward(create_graph=True) runs the hooks with grad mode on: the
+    # update must still not be recorded by autograd. The non-contiguous
+    # parameter is updated through a copy written back in place, which
+    # autograd refuses on a leaf unless grad mode is off.
+    def params():
+        g = torch.Generator().manual_seed(7)
+        return [torch.nn.Parameter(torch.randn(6, 5, generator=g).t()),
+                torch.nn.Parameter(torch.randn(4, 3, generator=g)),
+                torch.nn.Parameter(torch.randn(9, generator=g).to(torch.bfloat16))]
+    p_step, p_fused = params(), params()
+    assert not p_fused[0].is_contiguous()
+    o_step = automagic.Automagic3(p_step, fused=False, seed=2)
+    o_fused = automagic.Automagic3(p_fused, seed=2)
+
+    def loss(ps):
+        return sum((q.float() ** 2).sum() * (i + 1) for i, q in enumerate(ps))
+    for _ in range(3):
+        loss(p_step).backward()
+        o_step.step()
+        o_step.zero_grad()
+        loss(p_fused).backward(create_graph=True)
+        assert all(q.grad is None for q in p_fused)
+    for a, b in zip(p_step, p_fused):
+        assert torch.equal(a, b)
+        assert not b.grad_fn  # still leaves: nothing was recorded
+    assert all(o_fused.state[q]["step"] == 3 for q in p_fused)
+
+
 def test_reentrant_checkpoint_updates_exactly_once():
     # `shared` is used inside the reentrant checkpoint and outside it: its
     # hook fires twice per backward pass.
