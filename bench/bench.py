@@ -32,6 +32,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lora_train import lora_train_bench, lora_train_lines  # noqa: E402 (bench/lora_train.py)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (768, 3072), (256, 256, 3, 3),
           (4096,), (16777216,)]
@@ -334,7 +337,8 @@ def main():
                           "cpu_model": cpu_model(),
                           "torch": torch.__version__, "python": platform.python_version(),
                           "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())},
-              "kernels": [], "torch": [], "gpt2": None, "lora": [], "threshold": []}
+              "kernels": [], "torch": [], "gpt2": None, "lora": [], "lora_train": [],
+              "threshold": []}
 
     cases = [case_name(s, d) for s in shapes for d in dtypes]
     for t in threads:
@@ -360,6 +364,9 @@ def main():
         for rank in [int(r) for r in args.lora_ranks.split(",")]:
             for t in threads:
                 result["lora"].append(lora_bench(torch, t, Ref, 2 if args.quick else 15, rank))
+        for t in threads:
+            result["lora_train"].append(lora_train_case(torch, automagic, t,
+                                                        2 if args.quick else 20))
     if args.threshold:
         result["threshold"] = threshold_bench(exe)
 
@@ -439,6 +446,16 @@ def lora_bench(torch, threads, Ref, reps, rank=16):
     return {"rank": rank, "params": n, "tensors": len(shapes), "threads": threads,
             "dtype": "float32",
             "step": {k: {"sec_min": v[0], "sec_median": v[1]} for k, v in res.items()}}
+
+
+def lora_train_case(torch, automagic, threads, reps, rank=16):
+    """lora_train.py's training step (backward + optimizer) at rank."""
+    shapes = lora_shapes(rank)
+    print("== LoRA rank %d training step (backward + optimizer), %d thread(s)"
+          % (rank, threads), flush=True)
+    sec = lora_train_bench(torch, automagic, make_params, evict, shapes, threads, reps)
+    return {"rank": rank, "tensors": len(shapes), "params": sum(numel(s) for s in shapes),
+            "threads": threads, "sec": sec}
 
 
 def lora_lines(result):
@@ -547,9 +564,9 @@ def print_tables(result):
               "kernel sum" % (g["frontend_overhead_us_per_tensor"],
                               g["frontend_overhead_sec"] * 1e3,
                               100 * g["frontend_overhead_sec"] / g["kernel_sum_sec"]))
-    if result.get("lora"):
+    if result.get("lora") or result.get("lora_train"):
         print()
-        for line in lora_lines(result):
+        for line in lora_lines(result) + lora_train_lines(result):
             print(line)
     if result.get("threshold"):
         print("\nThreading threshold (2 threads, pool forced on vs off, us per update)")
@@ -611,7 +628,7 @@ def markdown(result):
                    "end's fixed cost: %.1f us per tensor = %.2f%% of that sum." % (
                        g["kernel_sum_sec"] * 1e3, g["frontend_overhead_us_per_tensor"],
                        100 * g["frontend_overhead_sec"] / g["kernel_sum_sec"]))
-    for line in lora_lines(result):
+    for line in lora_lines(result) + lora_train_lines(result):
         out.append("")
         out.append(line)
     return "\n".join(out) + "\n"

@@ -697,12 +697,20 @@ class Automagic3(torch.optim.Optimizer):
             self._steps.close()
             if self._micro != 0:
                 return loss  # mid-window: gradients keep accumulating
-        todo = [(p, group) for group in self.param_groups for p in group["params"]
-                if p.grad is not None
-                and not (self.fused and self._param_index[p] in self._hooked)]
-        # Everything is checked before anything is updated, so that a bad
-        # gradient or hyperparameter leaves every parameter as it was.
-        for group in {id(g): g for _, g in todo}.values():
+        # Per group: its parameters with a gradient (in fused mode those
+        # without a hook). Everything is checked before anything is updated,
+        # so that a bad gradient or hyperparameter leaves every parameter as
+        # it was. Loops per group, not per parameter with its group: this
+        # runs for every parameter at every step.
+        todo = []
+        for group in self.param_groups:
+            ps = [p for p in group["params"] if p.grad is not None]
+            if self.fused:
+                ps = [p for p in ps if self._param_index[p] not in self._hooked]
+            if ps:
+                todo.append((group, ps))
+        check = self._check
+        for group, ps in todo:
             key = _group_key(group)
             if key is None or self._valid_groups.get(id(group)) != key:
                 try:
@@ -712,27 +720,28 @@ class Automagic3(torch.optim.Optimizer):
                 if key is not None:
                     self._valid_groups[id(group)] = key
             self._lr_scale(group)
-        for p, _ in todo:
-            self._check(p, p.grad)
+            for p in ps:
+                check(p, p.grad)
         if todo and self.fused:
             self._warn_once("nohook", "a parameter of shape %s has a gradient but "
                             "no backward hook (it did not require grad when it "
-                            "was added); step() updates it" % (tuple(todo[0][0].shape),))
-        threads = torch.get_num_threads()
-        _lib.lib.am_set_num_threads(threads)
-        per_group = {}
+                            "was added); step() updates it" % (tuple(todo[0][1][0].shape),))
+        _lib.lib.am_set_num_threads(torch.get_num_threads())
+        # (nonfinite="raise" stops at the first skip: one at a time)
+        batched = self.batch_updates and self.nonfinite != "raise"
         batch = []
-        for p, group in todo:
-            g = per_group.get(id(group))
-            if g is None:
-                g = per_group[id(group)] = (self._lr_scale(group), self._hsig(group))
-            if p.is_cuda:
-                _cuda.update_param(self, p, group, AutomagicError)
-            elif self.batch_updates and self.nonfinite != "raise":
-                # (nonfinite="raise" stops at the first skip, one at a time)
-                batch.append((p, group, g[0], g[1]))
-            else:
-                self._apply(p, group, g[0], g[1])
+        for group, ps in todo:
+            scale, hsig = self._lr_scale(group), self._hsig(group)
+            if batched and not any(p.is_cuda for p in ps):
+                batch += [(p, group, scale, hsig) for p in ps]
+                continue
+            for p in ps:
+                if p.is_cuda:
+                    _cuda.update_param(self, p, group, AutomagicError)
+                elif batched:
+                    batch.append((p, group, scale, hsig))
+                else:
+                    self._apply(p, group, scale, hsig)
         if len(batch) == 1:
             self._apply(*batch[0])
         elif batch:
