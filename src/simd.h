@@ -117,6 +117,17 @@ void am_avx2_stats_u2_mats(const void *g, int gdt, int64_t R, int64_t C, int64_t
                            float *nc, float *rf, float *cf, float *rmean, double *out,
                            float *fmin, float *orow, float *ocol);
 
+/* Rows i0, i0 + 8, ... (while 8 remain) of the AVX2 stats_tile slot for a
+ * tile of whole rows of a matrix exactly C = 4, 8, 16 or 32 columns wide
+ * (kernels_avx2_narrow.c), with that slot's arguments (pm NULL: no
+ * agreement count), colpart and ws->wpart already zeroed; minbits: the
+ * slot's running minimum of the positive elements, 8 unsigned lanes of
+ * (bits of x) - 1, updated. Returns the first row not done (i0 for other
+ * widths). */
+int64_t am_avx2_stats_narrow(const void *g, int gdt, int64_t C, int64_t i0, int64_t i1,
+                             float *rowpart, float *colpart, const am_polmap *pm,
+                             int32_t *rowmatch, uint32_t *minbits, const am_wsum *ws);
+
 /* Philox words of 32 consecutive quads (SPEC 5): out[4k + w] is word w of
  * am_rng_quad(seed, pid, step, q0 + k), k < 32, w < 4 (128 words). */
 typedef void (*am_philox_fn)(uint64_t seed, uint32_t pid, int64_t step,

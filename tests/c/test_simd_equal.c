@@ -540,6 +540,79 @@ static void check_count_pos(const am_kernels *a, const am_kernels *b, uint64_t *
         }
 }
 
+/* The plain AVX2 stats of matrices exactly 4, 8, 16 and 32 columns wide
+ * (kernels_avx2_narrow.c: 8 rows at a time; on an AVX-512 CPU the update
+ * uses AVX-512 there, so only this test runs them) against the reference
+ * slot: row and column sums, agreement counts, the smallest positive
+ * element, W sums and new row moments, from rows 0 and 3 of 37 (tails of 5
+ * and 2 rows), lr-rows of one matrix row and of three. */
+static void test_narrow_stats(void **unused) {
+    static const int64_t widths[] = {4, 8, 16, 32};
+    enum { R = 37 };
+    const am_kernels *a = &am_kernels_ref, *b = am_kernels_avx2_plain();
+    am_hparams hp = am_hparams_default();
+    const am_consts k = am_consts_from(&hp);
+    uint64_t s = g_seed ^ 0x6e6172726f77ull;
+    int wi, gdt, rpl, i0, cnt, wsum;
+    (void)unused;
+    if (!b || !am_cpu_has_avx2()) {
+        print_message("SKIPPED: no AVX2 kernels on this build/CPU; nothing to compare\n");
+        skip();
+    }
+    for (wi = 0; wi < 4; wi++)
+        for (gdt = 0; gdt < 3; gdt++)
+            for (rpl = 1; rpl <= 3; rpl += 2) {
+                const int64_t C = widths[wi], n = R * C, lrb = 8 * ((rpl * C + 7) / 8);
+                const int64_t nbits = (R + rpl - 1) / rpl * lrb / 8 + 8;
+                void *g = xmalloc((size_t)n * am_dtype_size((am_dtype)gdt));
+                uint8_t *bits = xmalloc((size_t)nbits);
+                float row_old[R];
+                int64_t i;
+                am_polmap pm;
+                fill(g, gdt, n, &s, 0);
+                for (i = 0; i < n; i += 13) set_value(g, gdt, i, 0.0f); /* not positive */
+                for (i = 0; i < nbits; i++) bits[i] = (uint8_t)rng_next(&s);
+                for (i = 0; i < R; i++) row_old[i] = rand_value(&s) * rand_value(&s);
+                pm.bits = bits;
+                pm.r0 = 0;
+                pm.rows_per_lr = rpl;
+                pm.lr_bits = lrb;
+                pm.C = C;
+                for (i0 = 0; i0 <= 3; i0 += 3)
+                    for (cnt = 0; cnt < 2; cnt++)
+                        for (wsum = 0; wsum < 2; wsum++) {
+                            float rp[2][R], cp[2][32], nr[2][R], wp[2][32], mp[2] = {0, 0};
+                            int32_t m[2][R];
+                            am_wsum ws[2];
+                            int x;
+                            memset(nr, 0, sizeof nr);
+                            memset(m, 0, sizeof m);
+                            for (x = 0; x < 2; x++) {
+                                ws[x].row_old = row_old;
+                                ws[x].nr = nr[x];
+                                ws[x].wpart = wp[x];
+                                ws[x].k = &k;
+                                ws[x].Cinv = am_inv_count(C);
+                                (x ? b : a)->stats_tile(g, gdt, C, i0, R, 0, C, rp[x], cp[x],
+                                                        cnt ? &pm : NULL, m[x], &mp[x],
+                                                        wsum ? &ws[x] : NULL);
+                            }
+                            assert_memory_equal(rp[0], rp[1], 4 * (size_t)(R - i0));
+                            assert_memory_equal(cp[0], cp[1], 4 * (size_t)C);
+                            if (cnt) {
+                                assert_memory_equal(m[0], m[1], 4 * (size_t)(R - i0));
+                                assert_memory_equal(&mp[0], &mp[1], sizeof mp[0]);
+                            }
+                            if (wsum) {
+                                assert_memory_equal(nr[0], nr[1], sizeof nr[0]);
+                                assert_memory_equal(wp[0], wp[1], 4 * (size_t)C);
+                            }
+                        }
+                free(g);
+                free(bits);
+            }
+}
+
 static void test_mats_slots(void **unused) {
     static const int64_t shapes[][2] = {{1, 1}, {3, 3}, {1, 3}, {3, 1}, {2, 5}, {4, 16},
                                         {8, 8}, {7, 9}, {1, 64}, {64, 1}, {9, 8}, {65, 1},
@@ -929,7 +1002,7 @@ static am_shape mk(int nd, int64_t a, int64_t b, int64_t c, int64_t d) {
 static void test_updates(void **unused) {
     static const int64_t rows[] = {1, 3, 17};
     int failures = 0, si, ri, x;
-    am_shape extra[32];
+    am_shape extra[40];
     int nextra = 0;
     (void)unused;
     for (si = 0; si < NSIZES; si++) {
@@ -970,6 +1043,12 @@ static void test_updates(void **unused) {
     extra[nextra++] = mk(2, 1101, 8, 0, 0);     /* rows of 8: pairs, an odd last row */
     extra[nextra++] = mk(2, 1030, 32, 0, 0);    /* rows of 32: 16 at a time, a tail */
     extra[nextra++] = mk(2, 1037, 4, 0, 0);     /* rows of 4: four a vector, a tail */
+    /* narrow matrices whose lr-rows hold many rows (AVX2 stats, 8 rows at
+     * a time: each row's polarity found by am_polmap_bit) */
+    extra[nextra++] = mk(3, 5, 40, 8, 0);
+    extra[nextra++] = mk(3, 3, 33, 4, 0);
+    extra[nextra++] = mk(3, 2, 20, 16, 0);
+    extra[nextra++] = mk(3, 2, 17, 32, 0);
     for (x = 0; x < nextra; x++) check_shape(&extra[x], x & 1 ? 0.1 : 0.0, &failures);
     {   /* 65536 3x3 matrices: big enough that every pass engages threads */
         am_shape big = mk(4, 256, 256, 3, 3);
@@ -1021,6 +1100,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_philox),
         cmocka_unit_test(test_slots),
+        cmocka_unit_test(test_narrow_stats),
         cmocka_unit_test(test_mats_slots),
         cmocka_unit_test(test_agree_underflow),
         cmocka_unit_test(test_flat_underflow),
