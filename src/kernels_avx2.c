@@ -798,6 +798,57 @@ AM_INLINE void apply_rows_short(void *p, const int pdt, const void *g, const int
     }
 }
 
+/* apply_rows_short for rows of 4 (C == 4, e.g. LoRA's (1024, 4)): two rows
+ * a vector, each with its own rf and lr, its 4 bits in the low half of its
+ * own byte (the high half kept, as the bit writer keeps it). Returns the
+ * first row not done (r1, or r1 - 1 when an odd row is left). */
+AM_INLINE int64_t apply_rows4(void *p, const int pdt, const void *g, const int gdt, int64_t R,
+                              int64_t r0, int64_t r1, const float *rf, const float *cf,
+                              __m256 iv, int unscaled, const float *lrs, __m256 wdv,
+                              int has_wd, uint8_t *pol_row, rngwin *w) {
+    const int pf = am_sw_prefetch();
+    const int64_t es = (int64_t)esize(pdt), ges = (int64_t)esize(gdt);
+    const int64_t l2ahead = AM_L2_PREFETCH_BYTES / es;
+    const float *cfb = cf + (r0 / R) * 4;
+    int64_t r, bend = (r0 / R + 1) * R;
+    for (r = r0; r + 2 <= r1; r += 2) {
+        const int64_t base = r * 4;
+        const __m128 cfa = _mm_loadu_ps(cfb);
+        __m256 fac, lrv;
+        uint32_t bits;
+        if (r + 1 == bend) { /* row r + 1 starts the next matrix */
+            cfb += 4;
+            bend += R;
+        }
+        fac = _mm256_mul_ps(
+            _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(rf[r])),
+                                 _mm_set1_ps(rf[r + 1]), 1),
+            _mm256_insertf128_ps(_mm256_castps128_ps256(cfa), _mm_loadu_ps(cfb), 1));
+        lrv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(lrs[r - r0])),
+                                   _mm_set1_ps(lrs[r + 1 - r0]), 1);
+        if ((base & 63) == 0) { /* as apply_body's 64-element blocks */
+            if (pf) {
+                _mm_prefetch((const char *)p + (base + AM_PREFETCH) * es, _MM_HINT_T0);
+                _mm_prefetch((const char *)g + (base + AM_PREFETCH) * ges, _MM_HINT_T0);
+            } else {
+                am_prefetch_l2((const char *)p + (base + l2ahead) * es, 64 * (int)es);
+                am_prefetch_l2((const char *)g + (base + l2ahead) * ges, 64 * (int)ges);
+            }
+        }
+        bits = apply_vec(p, pdt, g, gdt, base, fac, iv, unscaled, lrv, wdv, has_wd, w);
+        if (pol_row) {
+            uint8_t *b = pol_row + (r - r0);
+            b[0] = (uint8_t)((b[0] & 0xf0u) | (bits & 0xfu));
+            b[1] = (uint8_t)((b[1] & 0xf0u) | (bits >> 4 & 0xfu));
+        }
+        if (r + 2 == bend) { /* row r + 2 starts the next matrix */
+            cfb += 4;
+            bend += R;
+        }
+    }
+    return r;
+}
+
 AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
                           int64_t R, int64_t C, int64_t r0, int64_t r1,
                           const float *rf, const float *cf, float inv,
@@ -819,7 +870,11 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
                          pol_row, &w);
         return;
     }
-    for (r = r0; r < r1; r++) {
+    r = r0;
+    if (lrs && C == 4) /* pairs of rows; an odd last row below */
+        r = apply_rows4(p, pdt, g, gdt, R, r0, r1, rf, cf, iv, unscaled, lrs, wdv, has_wd,
+                        pol_row, &w);
+    for (; r < r1; r++) {
         const float *cfb = cf + (r / R) * C;
         const __m256 rfv = _mm256_set1_ps(rf[r]);
         const int64_t base = r * C;
@@ -912,7 +967,7 @@ AM_INLINE void apply_small(void *p, const int pdt, const void *g, const int gdt,
 }
 
 #define AM_APPLY_CASE(PD, GD)                                                 \
-    if (C < 8 && lrs) {                                                       \
+    if (C < 8 && C != 4 && lrs) { /* (rows of 4: apply_body, in pairs) */     \
         int64_t r_;                                                           \
         for (r_ = r0; r_ < r1; r_++)                                          \
             apply_small(p, PD, g, GD, R, C, r_, r_ + 1, rf, cf, inv,          \

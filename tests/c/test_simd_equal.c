@@ -77,7 +77,7 @@ static void *xmalloc(size_t n) {
 
 /* ------------------------------------------- 1. kernel slot by slot ---- */
 
-static const int64_t SIZES[] = {0, 1, 2, 3, 5, 7, 8, 15, 16, 17, 31, 33, 63, 65, 127, 1023, 4097};
+static const int64_t SIZES[] = {0, 1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 31, 33, 63, 65, 127, 1023, 4097};
 #define NSIZES ((int)(sizeof SIZES / sizeof SIZES[0]))
 
 static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int gdt,
@@ -308,13 +308,20 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
             b->apply_rows(p2, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 1e-12f, NULL, &k, 99, 7, 8, NULL);
             assert_memory_equal(p1, p2, (size_t)n * ps);
             { /* the largest half moved outward (p = -65504 * sign(g)): the
-               * rounding overflows to inf in some elements */
+               * rounding overflows to inf in some elements (no weight
+               * decay, which would pull them back, and lr 0.5: a step past
+               * the last half's ulp of 32 for every |g| > 0.6, about one
+               * element in five, whatever the seed) */
+                am_hparams h0 = hp;
+                am_consts k0;
                 int64_t ninf = 0;
+                h0.weight_decay = 0.0;
+                k0 = am_consts_from(&h0);
                 for (i = 0; i < n; i++)
                     ((uint16_t *)p1)[i] = ((uint16_t *)p2)[i] =
                         am_load(g, gdt, i) > 0.0f ? 0xfbffu : 0x7bffu;
-                a->apply_rows(p1, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 0.05f, NULL, &k, 99, 7, 9, NULL);
-                b->apply_rows(p2, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 0.05f, NULL, &k, 99, 7, 9, NULL);
+                a->apply_rows(p1, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 0.5f, NULL, &k0, 99, 7, 9, NULL);
+                b->apply_rows(p2, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 0.5f, NULL, &k0, 99, 7, 9, NULL);
                 assert_memory_equal(p1, p2, (size_t)n * ps);
                 for (i = 0; i < n; i++) ninf += (((uint16_t *)p1)[i] & 0x7fffu) == 0x7c00u;
                 if (n >= 64) assert_true(ninf > 0);
@@ -610,6 +617,56 @@ static void test_narrow_stats(void **unused) {
                         }
                 free(g);
                 free(bits);
+            }
+}
+
+/* The plain AVX2 apply of lr-rows of 4 elements (two rows a vector) against
+ * the reference slot: rows 1..12 of matrices of 3 rows (pairs that start a
+ * matrix, pairs across two matrices, an odd last row), each row its own
+ * lr, its bits in the low half of its byte and the high half kept. */
+static void test_rows4_apply(void **unused) {
+    enum { R = 3, NR = 13, C = 4, N = NR * C };
+    const am_kernels *a = &am_kernels_ref, *b = am_kernels_avx2_plain();
+    am_hparams hp = am_hparams_default();
+    am_consts k;
+    uint64_t s = g_seed ^ 0x726f777334ull;
+    float rf[NR], cf[(NR + R - 1) / R * C], lrs[NR];
+    int pdt, gdt, wd;
+    (void)unused;
+    if (!b || !am_cpu_has_avx2()) {
+        print_message("SKIPPED: no AVX2 kernels on this build/CPU; nothing to compare\n");
+        skip();
+    }
+    for (wd = 0; wd < 2; wd++)
+        for (pdt = 0; pdt < 3; pdt++)
+            for (gdt = 0; gdt < 3; gdt++) {
+                const size_t ps = am_dtype_size((am_dtype)pdt);
+                void *g = xmalloc(N * am_dtype_size((am_dtype)gdt)), *p1 = xmalloc(N * ps),
+                     *p2 = xmalloc(N * ps);
+                uint8_t q1[NR + 1], q2[NR + 1];
+                int i;
+                hp.weight_decay = wd ? 0.1 : 0.0;
+                k = am_consts_from(&hp);
+                fill(g, gdt, N, &s, 0);
+                fill(p1, pdt, N, &s, 1);
+                memcpy(p2, p1, N * ps);
+                for (i = 0; i < NR; i++) {
+                    rf[i] = 0.5f + rng_unit(&s) * 0.25f;
+                    lrs[i] = 1e-3f * (float)(i + 1);
+                }
+                for (i = 0; i < (int)(sizeof cf / sizeof cf[0]); i++)
+                    cf[i] = 1e3f * (1.5f + rng_unit(&s));
+                memset(q1, 0x5a, sizeof q1);
+                memset(q2, 0x5a, sizeof q2);
+                a->apply_rows(p1, pdt, g, gdt, R, C, 1, NR, rf, cf, 1.5f, 0.5f, lrs + 1, &k, 99,
+                              7, 10, q1);
+                b->apply_rows(p2, pdt, g, gdt, R, C, 1, NR, rf, cf, 1.5f, 0.5f, lrs + 1, &k, 99,
+                              7, 10, q2);
+                assert_memory_equal(p1, p2, N * ps);
+                assert_memory_equal(q1, q2, sizeof q1);
+                free(g);
+                free(p1);
+                free(p2);
             }
 }
 
@@ -1101,6 +1158,7 @@ int main(void) {
         cmocka_unit_test(test_philox),
         cmocka_unit_test(test_slots),
         cmocka_unit_test(test_narrow_stats),
+        cmocka_unit_test(test_rows4_apply),
         cmocka_unit_test(test_mats_slots),
         cmocka_unit_test(test_agree_underflow),
         cmocka_unit_test(test_flat_underflow),
