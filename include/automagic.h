@@ -570,7 +570,9 @@ AM_API am_status am_optimizer_load_memory(am_optimizer *opt,
 AM_API am_status am_cuda_workspace_bytes(const am_shape *shape, size_t *out);
 
 /* Number of CUDA devices visible to this process into *count (0 when there
- * is no device or no driver: AM_OK). Errors: AM_ERR_NULL_POINTER,
+ * is no device or no driver: AM_OK; a driver too old for the CUDA runtime
+ * the library was built with also gives 0, with a warning through the log
+ * callback saying so). Errors: AM_ERR_NULL_POINTER,
  * AM_ERR_DEVICE (the runtime failed otherwise), AM_ERR_UNSUPPORTED (library
  * built without CUDA; *count = 0). */
 AM_API am_status am_cuda_device_count(int *count);

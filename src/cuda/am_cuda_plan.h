@@ -364,7 +364,8 @@ AM_HD unsigned am_ck_agree(const am_ck_args *a, int64_t t, int64_t *kr) {
     }
     same = ~(nb ^ old) & mask;
     while (same) { n += same & 1u; same >>= 1; }
-    a->pol[t] = (uint8_t)nb;
+    /* bits past the lr-row's end kept, as the CPU's bit writer keeps them */
+    a->pol[t] = (uint8_t)((old & ~mask) | nb);
     *kr = row;
     return n;
 }
@@ -437,7 +438,8 @@ AM_HD unsigned am_ck_finish_flat(const am_ck_args *a, int64_t t) {
         }
         am_store_sr(a->p, a->pdt, e, w, nz);
     }
-    a->pol[t] = (uint8_t)nb;
+    /* bits past the tensor's end kept, as the CPU keeps them */
+    a->pol[t] = (uint8_t)((old & ~((1u << (e1 - e0)) - 1u)) | nb);
     return n;
 }
 

@@ -190,6 +190,14 @@ am_status am_cuda_device_count(int *count) {
     e = cudaGetDeviceCount(&n);
     if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver) {
         (void)cudaGetLastError();
+        /* zero devices, but say why when a GPU may be there: the CUDA
+         * runtime is linked statically, so a driver older than the toolkit
+         * this was built with cannot run it */
+        if (e == cudaErrorInsufficientDriver)
+            am_log(AM_LOG_WARNING,
+                   "am_cuda_device_count: %s (the driver is older than the CUDA %d.%d "
+                   "runtime this library was built with): no device usable",
+                   cudaGetErrorString(e), CUDART_VERSION / 1000, CUDART_VERSION % 1000 / 10);
         *count = 0;
         return AM_OK;
     }

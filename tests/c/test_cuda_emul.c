@@ -143,6 +143,10 @@ static void pair_init(pair *q, int ndim, const int64_t *dims, am_dtype pdt,
     state_alloc(&q->sz, &q->s_emu);
     assert_int_equal(am_state_init(&q->shape, &q->s_cpu, 1e-3), AM_OK);
     assert_int_equal(am_state_init(&q->shape, &q->s_emu, 1e-3), AM_OK);
+    /* previous signs at random, the unused bits past each lr-row's end
+     * included: both paths must keep those as they are */
+    for (i = 0; i < q->sz.polarity_bytes; i++)
+        q->s_cpu.polarity[i] = q->s_emu.polarity[i] = (uint8_t)rng_u32();
     q->ws_cpu = xcalloc(q->sz.workspace_bytes, 1);
     q->ws_emu = xcalloc((int64_t)q->ws_emu_bytes, 1);
 }
