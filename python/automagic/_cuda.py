@@ -161,7 +161,22 @@ def update_param(opt, p: torch.Tensor, group: dict, error_cls) -> None:
 
     with torch.cuda.device(p.device):
         stream = torch.cuda.current_stream(p.device)
+        capturing = torch.cuda.is_current_stream_capturing()
+        if capturing and (scale != 1.0 or opt.nonfinite == "raise"):
+            # Before the update queues anything: a graph would replay this
+            # step's lr scale forever, and "raise" must read the status on
+            # the host.
+            raise error_cls("Automagic3: a CUDA graph cannot capture this update: %s"
+                            % ("lr_schedule='scale' (the scale, %g now, would be fixed in "
+                               "the graph)" % scale if scale != 1.0 else
+                               "nonfinite='raise' reads each update's status on the host"))
         grad = grad.contiguous()
+        # The kernels below read grad on `stream`; p.grad is dropped at the
+        # end, so its memory must not go back to the caching allocator of
+        # the stream it was made on (backward on a side stream) before they
+        # have run. (A capture allocates from the graph's own pool.)
+        if not capturing:
+            grad.record_stream(stream)
         # scale 0: the state advances but the parameter must not move (as on
         # the CPU, the update goes to a copy that is dropped).
         target = p if p.is_contiguous() and scale != 0.0 else p.contiguous().clone()
@@ -190,8 +205,10 @@ def update_param(opt, p: torch.Tensor, group: dict, error_cls) -> None:
                                             or lib.am_status_string(status).decode()))
         dev_status = buf.report[:4].view(torch.int32)[0]
         if lr_before is not None:
-            # A 0-D device divisor: true division, as the CPU's div_.
-            div = torch.tensor(scale, dtype=torch.float32, device=p.device)
+            # A 0-D device divisor: true division, as the CPU's div_. Made by
+            # a fill kernel: torch.tensor(scale, device=...) would copy from
+            # the host and wait for the GPU at every update.
+            div = torch.full((), scale, dtype=torch.float32, device=p.device)
             state["lr"].copy_(torch.where(dev_status == 0, state["lr"] / div, lr_before))
         if opt.nonfinite == "raise":
             code = int(dev_status.item())  # synchronises: raise mode only

@@ -218,6 +218,30 @@ def test_step_captured_in_a_cuda_graph_matches_the_cpu():
         assert torch.equal(oc.state[pc]["lr"], og.state[pg]["lr"].cpu())
 
 
+@needs_gpu
+@pytest.mark.parametrize("kw", [dict(lr_schedule="scale"), dict(nonfinite="raise")])
+def test_graph_capture_refuses_what_it_cannot_replay(kw):
+    # A scale schedule would be frozen into the graph, and nonfinite="raise"
+    # reads each status on the host: a clear error, raised before anything
+    # is queued, instead of a wrong replay or a failed capture.
+    p = torch.nn.Parameter(torch.randn(8, 4, device="cuda"))
+    opt = automagic.Automagic3([p], lr=1e-3, fused=False, **kw)
+    p.grad = torch.randn_like(p)
+    opt.step()  # warm-up: the state on the device
+    if "lr_schedule" in kw:
+        opt.param_groups[0]["lr"] = 5e-4
+    p.grad = torch.randn_like(p)
+    torch.cuda.synchronize()
+    before = p.detach().clone()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(automagic.AutomagicError, match="CUDA graph cannot capture"):
+        with torch.cuda.graph(graph):
+            opt.step()
+    torch.cuda.synchronize()
+    assert torch.equal(p.detach(), before)
+    assert p.grad is not None
+
+
 def _reference_class():
     if not os.path.exists(REFERENCE):
         pytest.skip("reference class not found at %s" % REFERENCE)
