@@ -316,9 +316,43 @@ AM_HD float am_apply(float p, float u, float lr, float wd) {
     return p - lr * t;
 }
 
-/* exp for the lr bump, computed in double and rounded once: correctly
- * rounded in practice on every platform, so CPU and GPU agree. */
-AM_HD float am_expf(float x) { return (float)exp((double)x); }
+/* exp(x) for the lr bump, rounded once to float: within an ulp of the true
+ * value, and the same bits on every CPU and on the GPU. The math library's
+ * exp is not that: CUDA's double exp is within 1 ulp, glibc's nearly
+ * correctly rounded, so the two can round to different floats near a
+ * rounding midpoint (a review found no such input for lr_bump_rate 0.1, but
+ * other rates were open). Here only IEEE double operations, whose results
+ * are the same everywhere (no fused multiply-add: -ffp-contract=off on the
+ * host, --fmad=false on the device), plus floor and ldexp, which are exact:
+ * x = n ln2 + r with ln2 in two parts (the high part's 32 bits make n * hi
+ * exact), |r| <= ln2 / 2, and exp(r) by its Taylor series to r^13 / 13!
+ * (the next term is below 2^-57 of the result). */
+AM_HD float am_expf(float x) {
+    const double xd = (double)x;
+    double n, r, p;
+    int k;
+    if (xd != xd) return x;                  /* NaN */
+    if (xd > 89.0) return INFINITY;          /* e^88.73 is past FLT_MAX */
+    if (xd < -104.0) return 0.0f;            /* below half the smallest subnormal */
+    n = floor(xd * 1.4426950408889634 + 0.5); /* nearest integer to x / ln2 */
+    r = (xd - n * 6.93147180369123816490e-01) - n * 1.90821492927058770002e-10;
+    p = 1.0 / 6227020800.0; /* 1/13! */
+    p = p * r + 1.0 / 479001600.0;
+    p = p * r + 1.0 / 39916800.0;
+    p = p * r + 1.0 / 3628800.0;
+    p = p * r + 1.0 / 362880.0;
+    p = p * r + 1.0 / 40320.0;
+    p = p * r + 1.0 / 5040.0;
+    p = p * r + 1.0 / 720.0;
+    p = p * r + 1.0 / 120.0;
+    p = p * r + 1.0 / 24.0;
+    p = p * r + 1.0 / 6.0;
+    p = p * r + 0.5;
+    p = p * r + 1.0;
+    p = p * r + 1.0;
+    k = (int)n;
+    return (float)ldexp(p, k);
+}
 
 /* SPEC 3.4: lr * exp((2a - 1) * bump), clamped to [min_lr, max_lr], where
  * a = matches / m is the agreement fraction of the lr-row. */
