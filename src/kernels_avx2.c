@@ -752,8 +752,8 @@ AM_INLINE uint32_t apply_vec(void *p, const int pdt, const void *g, const int gd
     return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(u, _mm256_setzero_ps(), _CMP_GT_OQ));
 }
 
-/* apply_body's lrs mode for rows of 8 or 16 elements (e.g. LoRA's (1024, 16)
- * on CPUs without AVX-512): one or two vectors per row, the row's bits
+/* apply_body's lrs mode for rows of 8, 16 or 32 elements (e.g. LoRA's
+ * (1024, 16) on CPUs without AVX-512): C / 8 vectors per row, the row's bits
  * stored as C / 8 whole bytes (am_lrs_row_bytes) without the bit writer,
  * the column factors' matrix followed from row to row instead of a
  * division per row, the prefetch of apply_body once per 64 elements. The
@@ -771,6 +771,7 @@ AM_INLINE void apply_rows_short(void *p, const int pdt, const void *g, const int
         const int64_t base = r * C;
         const __m256 rfv = _mm256_set1_ps(rf[r]), lrv = _mm256_set1_ps(lrs[r - r0]);
         uint32_t bits;
+        int v;
         if ((base & 63) == 0) { /* as apply_body's 64-element blocks */
             if (pf) {
                 _mm_prefetch((const char *)p + (base + AM_PREFETCH) * es, _MM_HINT_T0);
@@ -782,15 +783,12 @@ AM_INLINE void apply_rows_short(void *p, const int pdt, const void *g, const int
         }
         bits = apply_vec(p, pdt, g, gdt, base, _mm256_mul_ps(rfv, _mm256_loadu_ps(cfb)), iv,
                          unscaled, lrv, wdv, has_wd, w);
-        if (C == 16)
-            bits |= apply_vec(p, pdt, g, gdt, base + 8,
-                              _mm256_mul_ps(rfv, _mm256_loadu_ps(cfb + 8)), iv, unscaled, lrv,
-                              wdv, has_wd, w)
-                    << 8;
-        if (pol_row) {
-            const uint16_t b = (uint16_t)bits;
-            memcpy(pol_row + (r - r0) * (C / 8), &b, (size_t)(C / 8));
-        }
+        for (v = 1; v < C / 8; v++)
+            bits |= apply_vec(p, pdt, g, gdt, base + 8 * v,
+                              _mm256_mul_ps(rfv, _mm256_loadu_ps(cfb + 8 * v)), iv, unscaled,
+                              lrv, wdv, has_wd, w)
+                    << (8 * v);
+        if (pol_row) memcpy(pol_row + (r - r0) * (C / 8), &bits, (size_t)(C / 8));
         if (r + 1 == bend) { /* the next matrix's column factors */
             cfb += C;
             bend += R;
@@ -865,7 +863,7 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
     rngwin w;
     int64_t r, j;
     rng_init(&w, seed, param_id, step);
-    if (lrs && (C == 8 || C == 16)) {
+    if (lrs && (C == 8 || C == 16 || C == 32)) {
         apply_rows_short(p, pdt, g, gdt, R, C, r0, r1, rf, cf, iv, unscaled, lrs, wdv, has_wd,
                          pol_row, &w);
         return;
