@@ -752,6 +752,21 @@ AM_INLINE uint32_t apply_vec(void *p, const int pdt, const void *g, const int gd
     return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(u, _mm256_setzero_ps(), _CMP_GT_OQ));
 }
 
+/* The short-row applies' prefetch from element base (once per 64
+ * elements, as apply_body's): into L1 AM_PREFETCH elements ahead, or into
+ * L2 AM_L2_PREFETCH_BYTES of the parameter ahead where software prefetch
+ * is off (simd.h). */
+AM_INLINE void short_prefetch(const void *p, const void *g, int64_t base, int64_t es,
+                              int64_t ges, int pf, int64_t l2ahead) {
+    if (pf) {
+        _mm_prefetch((const char *)p + (base + AM_PREFETCH) * es, _MM_HINT_T0);
+        _mm_prefetch((const char *)g + (base + AM_PREFETCH) * ges, _MM_HINT_T0);
+    } else {
+        am_prefetch_l2((const char *)p + (base + l2ahead) * es, 64 * (int)es);
+        am_prefetch_l2((const char *)g + (base + l2ahead) * ges, 64 * (int)ges);
+    }
+}
+
 /* apply_body's lrs mode for rows of 8, 16 or 32 elements (e.g. LoRA's
  * (1024, 16) on CPUs without AVX-512): C / 8 vectors per row, the row's bits
  * stored as C / 8 whole bytes (am_lrs_row_bytes) without the bit writer,
@@ -772,15 +787,8 @@ AM_INLINE void apply_rows_short(void *p, const int pdt, const void *g, const int
         const __m256 rfv = _mm256_set1_ps(rf[r]), lrv = _mm256_set1_ps(lrs[r - r0]);
         uint32_t bits;
         int v;
-        if ((base & 63) == 0) { /* as apply_body's 64-element blocks */
-            if (pf) {
-                _mm_prefetch((const char *)p + (base + AM_PREFETCH) * es, _MM_HINT_T0);
-                _mm_prefetch((const char *)g + (base + AM_PREFETCH) * ges, _MM_HINT_T0);
-            } else {
-                am_prefetch_l2((const char *)p + (base + l2ahead) * es, 64 * (int)es);
-                am_prefetch_l2((const char *)g + (base + l2ahead) * ges, 64 * (int)ges);
-            }
-        }
+        if ((base & 63) == 0) /* as apply_body's 64-element blocks */
+            short_prefetch(p, g, base, es, ges, pf, l2ahead);
         bits = apply_vec(p, pdt, g, gdt, base, _mm256_mul_ps(rfv, _mm256_loadu_ps(cfb)), iv,
                          unscaled, lrv, wdv, has_wd, w);
         for (v = 1; v < C / 8; v++)
@@ -824,15 +832,8 @@ AM_INLINE int64_t apply_rows4(void *p, const int pdt, const void *g, const int g
             _mm256_insertf128_ps(_mm256_castps128_ps256(cfa), _mm_loadu_ps(cfb), 1));
         lrv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(lrs[r - r0])),
                                    _mm_set1_ps(lrs[r + 1 - r0]), 1);
-        if ((base & 63) == 0) { /* as apply_body's 64-element blocks */
-            if (pf) {
-                _mm_prefetch((const char *)p + (base + AM_PREFETCH) * es, _MM_HINT_T0);
-                _mm_prefetch((const char *)g + (base + AM_PREFETCH) * ges, _MM_HINT_T0);
-            } else {
-                am_prefetch_l2((const char *)p + (base + l2ahead) * es, 64 * (int)es);
-                am_prefetch_l2((const char *)g + (base + l2ahead) * ges, 64 * (int)ges);
-            }
-        }
+        if ((base & 63) == 0) /* as apply_body's 64-element blocks */
+            short_prefetch(p, g, base, es, ges, pf, l2ahead);
         bits = apply_vec(p, pdt, g, gdt, base, fac, iv, unscaled, lrv, wdv, has_wd, w);
         if (pol_row) {
             uint8_t *b = pol_row + (r - r0);
