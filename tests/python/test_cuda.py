@@ -67,6 +67,8 @@ def test_without_a_device_the_update_fails_cleanly(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream",
                         lambda d=None: types.SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
     p = torch.nn.Parameter(torch.randn(4, 6))
     opt = automagic.Automagic3([p], fused=False)
     before = p.detach().clone()
