@@ -69,6 +69,12 @@ def lora_train_lines(result):
         s = lo["sec"]
         bare = s["bare"]
         extra = {k: s[k] - bare for k in ("adamw_fused", "ours_fused", "ours_step")}
+        if min(extra.values()) <= 0:  # a noisy minimum (--quick): no ratios
+            out.append("LoRA rank %d training step, %d thread(s): backward alone %.2f ms; "
+                       "too noisy to subtract (%s)" % (
+                           lo["rank"], lo["threads"], bare * 1e3,
+                           ", ".join("%s %.2f ms" % (k, v * 1e3) for k, v in s.items())))
+            continue
         out.append(
             "LoRA rank %d training step (backward + optimizer, %d tensors, %d parameters, "
             "float32), %d thread(s): backward alone %.2f ms; the optimizer adds: fused AdamW "

@@ -60,9 +60,13 @@ AM_INLINE __m256 gather_rows(const __m256 *w) {
     return _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-/* The stored polarity bits of row i (n of them, n <= 32). */
+/* The n stored polarity bits from bit (n = 4, 8, 16 or 32), reading only
+ * the bytes that hold them: a row of 4 starts at bit 0 or 4 of a byte and
+ * never crosses into the next (am_bits8_at would read that byte too, which
+ * is past the buffer for the last row of an lr-row of an even number of
+ * rows); longer rows start on a byte. */
 AM_INLINE uint32_t old_bits(const am_polmap *pm, int64_t bit, const int n) {
-    if (n == 4) return am_bits8_at(pm->bits, bit) & 0xfu;
+    if (n == 4) return (uint32_t)(pm->bits[bit >> 3] >> (bit & 7)) & 0xfu;
     if (n == 8) return am_bits8_at(pm->bits, bit);
     if (n == 16) return am_bits16_at(pm->bits, bit);
     return am_bits32_at(pm->bits, bit);

@@ -130,6 +130,19 @@ def library_present() -> bool:
     return os.path.exists(_library_path())
 
 
+def refuse_capture(opt, error_cls) -> None:
+    """Raises error_cls when opt's settings cannot be captured in a CUDA graph
+    (the caller knows the current stream is capturing): lr_schedule='scale'
+    (the scale, whatever its value now, would be fixed in the graph) and
+    nonfinite='raise' (it reads each update's status on the host). step()
+    asks before it updates anything, the fused path before each update."""
+    if opt.lr_schedule == "scale" or opt.nonfinite == "raise":
+        raise error_cls("Automagic3: a CUDA graph cannot capture this update: %s"
+                        % ("lr_schedule='scale' (the scale would be fixed in the graph)"
+                           if opt.lr_schedule == "scale" else
+                           "nonfinite='raise' reads each update's status on the host"))
+
+
 def update_param(opt, p: torch.Tensor, group: dict, error_cls) -> None:
     """Queues the update of CUDA parameter p from p.grad; sets p.grad = None.
 
@@ -162,14 +175,8 @@ def update_param(opt, p: torch.Tensor, group: dict, error_cls) -> None:
     with torch.cuda.device(p.device):
         stream = torch.cuda.current_stream(p.device)
         capturing = torch.cuda.is_current_stream_capturing()
-        if capturing and (scale != 1.0 or opt.nonfinite == "raise"):
-            # Before the update queues anything: a graph would replay this
-            # step's lr scale forever, and "raise" must read the status on
-            # the host.
-            raise error_cls("Automagic3: a CUDA graph cannot capture this update: %s"
-                            % ("lr_schedule='scale' (the scale, %g now, would be fixed in "
-                               "the graph)" % scale if scale != 1.0 else
-                               "nonfinite='raise' reads each update's status on the host"))
+        if capturing:
+            refuse_capture(opt, error_cls)
         grad = grad.contiguous()
         # The kernels below read grad on `stream`; p.grad is dropped at the
         # end, so its memory must not go back to the caching allocator of

@@ -61,8 +61,12 @@ class BackwardSteps:
         self._key = None        # outermost backward frame, or ("task", id)
         self._queued = set()    # graph tasks with an end-of-backward callback
         self._on_close = on_close
-        # (graph task, step key) of this thread's last enter(): the next hook
-        # of the same task belongs to the same step (enter's fast path)
+        # Steps closed so far, and (graph task, that count) at this thread's
+        # last enter(): the next hook of the same task while no step has
+        # closed since belongs to the same step (enter's fast path). A count,
+        # not the step's key: the key can be a backward pass's frame, which
+        # holds its caller's locals (a batch, a loss) alive until replaced.
+        self._gen = 0
         self._last = threading.local()
 
     @property
@@ -81,7 +85,7 @@ class BackwardSteps:
         last = self._last
         with self.lock:
             if (task >= 0 and self._key is not None and getattr(last, "task", None) == task
-                    and last.key is self._key):
+                    and last.gen == self._gen):
                 return
         frame, depth = _outer_backward()
         key = frame if frame is not None else ("task", task)
@@ -96,7 +100,7 @@ class BackwardSteps:
                 self._queued.add(task)
                 torch.autograd.Variable._execution_engine.queue_callback(
                     lambda k=key: self.close(k))
-            last.task, last.key = task, self._key
+            last.task, last.gen = task, self._gen
 
     def close(self, key=None) -> None:
         """Ends the open step (only if it is key's, when key is given)."""
@@ -106,6 +110,7 @@ class BackwardSteps:
             self._close_locked()
 
     def _close_locked(self) -> None:
+        self._gen += 1
         self._key = None
         self._queued.clear()
         self.fired.clear()

@@ -120,7 +120,7 @@ class _Plan:
         self.hp = None
         self.hsig = None
         # _apply's one-item am_update_batch: the item, the hyperparameters
-        # it points at, its workspace bytes
+        # it points at, its workspace bytes (a function of the shape only)
         self.item = (_lib.BatchItem * 1)()
         self.item_hp = None
         self.item_ws = None
@@ -512,10 +512,9 @@ class Automagic3(torch.optim.Optimizer):
         # with four plain arguments instead of eight through ctypes (0.9 us
         # a call instead of 1.5)
         item = plan.item
-        if plan.item_hp is not hp:
+        if plan.item_hp is not hp:  # (new every update under lr_schedule="scale")
             _fill_batch_item(item[0], plan, hp)
             plan.item_hp = hp
-            plan.item_ws = None
         _lib.clear_message()
         status = _lib.OK
         if plan.item_ws is None:
@@ -730,6 +729,8 @@ class Automagic3(torch.optim.Optimizer):
             self._warn_once("nohook", "a parameter of shape %s has a gradient but "
                             "no backward hook (it did not require grad when it "
                             "was added); step() updates it" % (tuple(todo[0][1][0].shape),))
+        if not cpu_only and torch.cuda.is_current_stream_capturing():
+            _cuda.refuse_capture(self, AutomagicError)  # before anything is queued
         _lib.lib.am_set_num_threads(torch.get_num_threads())
         # (nonfinite="raise" stops at the first skip: one at a time)
         batched = self.batch_updates and self.nonfinite != "raise"

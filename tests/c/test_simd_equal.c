@@ -1104,6 +1104,8 @@ static void test_updates(void **unused) {
      * a time: each row's polarity found by am_polmap_bit) */
     extra[nextra++] = mk(3, 5, 40, 8, 0);
     extra[nextra++] = mk(3, 3, 33, 4, 0);
+    extra[nextra++] = mk(3, 2, 24, 4, 0);   /* lr-rows of 24 rows of 4: the last
+                                              * row's bits end the buffer (ASan) */
     extra[nextra++] = mk(3, 2, 20, 16, 0);
     extra[nextra++] = mk(3, 2, 17, 32, 0);
     for (x = 0; x < nextra; x++) check_shape(&extra[x], x & 1 ? 0.1 : 0.0, &failures);

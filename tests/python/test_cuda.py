@@ -221,27 +221,33 @@ def test_step_captured_in_a_cuda_graph_matches_the_cpu():
 
 
 @needs_gpu
-@pytest.mark.parametrize("kw", [dict(lr_schedule="scale"), dict(nonfinite="raise")])
-def test_graph_capture_refuses_what_it_cannot_replay(kw):
-    # A scale schedule would be frozen into the graph, and nonfinite="raise"
-    # reads each status on the host: a clear error, raised before anything
-    # is queued, instead of a wrong replay or a failed capture.
-    p = torch.nn.Parameter(torch.randn(8, 4, device="cuda"))
-    opt = automagic.Automagic3([p], lr=1e-3, fused=False, **kw)
-    p.grad = torch.randn_like(p)
+@pytest.mark.parametrize("kw,lr", [(dict(lr_schedule="scale"), 1e-3),
+                                   (dict(lr_schedule="scale"), 5e-4),
+                                   (dict(nonfinite="raise"), 1e-3)])
+def test_graph_capture_refuses_what_it_cannot_replay(kw, lr):
+    # A scale schedule would be frozen into the graph (also while its scale
+    # is 1), and nonfinite="raise" reads each status on the host: a clear
+    # error, raised before anything is queued, instead of a wrong replay or
+    # a failed capture. Two parameters: neither may be touched.
+    ps = [torch.nn.Parameter(torch.randn(8, 4, device="cuda")),
+          torch.nn.Parameter(torch.randn(5, device="cuda"))]
+    opt = automagic.Automagic3(ps, lr=1e-3, fused=False, **kw)
+    for p in ps:
+        p.grad = torch.randn_like(p)
     opt.step()  # warm-up: the state on the device
-    if "lr_schedule" in kw:
-        opt.param_groups[0]["lr"] = 5e-4
-    p.grad = torch.randn_like(p)
+    opt.param_groups[0]["lr"] = lr
+    for p in ps:
+        p.grad = torch.randn_like(p)
     torch.cuda.synchronize()
-    before = p.detach().clone()
+    before = [p.detach().clone() for p in ps]
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(automagic.AutomagicError, match="CUDA graph cannot capture"):
         with torch.cuda.graph(graph):
             opt.step()
     torch.cuda.synchronize()
-    assert torch.equal(p.detach(), before)
-    assert p.grad is not None
+    for p, b in zip(ps, before):
+        assert torch.equal(p.detach(), b)
+        assert p.grad is not None
 
 
 def _reference_class():

@@ -1,7 +1,9 @@
 """Fused mode (updates inside backward): accumulation, exactly-once updates,
 checkpointing, tied weights, misuse detection, torch.compile."""
 import copy
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -122,6 +124,24 @@ def test_create_graph_backward_updates_like_step_mode():
         assert torch.equal(a, b)
         assert not b.grad_fn  # still leaves: nothing was recorded
     assert all(o_fused.state[q]["step"] == 3 for q in p_fused)
+
+
+def test_fused_steps_keep_no_training_locals_alive():
+    # The step tracker remembers the last graph task it saw; it must not
+    # keep that backward pass's frame, which holds the caller's locals (a
+    # batch, the loss) alive until the next backward.
+    m = make()
+    automagic.Automagic3(m.parameters())
+
+    def train_step(b):
+        marker = torch.ones(1 << 16)
+        loss_of(m, b).backward()
+        return weakref.ref(marker)
+
+    for b in batches(2, seed=8):
+        ref = train_step(b)
+        gc.collect()
+        assert ref() is None
 
 
 def test_reentrant_checkpoint_updates_exactly_once():
