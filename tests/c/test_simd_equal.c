@@ -547,6 +547,16 @@ static void check_count_pos(const am_kernels *a, const am_kernels *b, uint64_t *
         }
 }
 
+/* The plain AVX2 set (what CPUs without AVX-512 run); the test is skipped
+ * when this build or CPU has none. */
+static const am_kernels *plain_avx2_or_skip(void) {
+    if (!am_kernels_avx2_plain() || !am_cpu_has_avx2()) {
+        print_message("SKIPPED: no AVX2 kernels on this build/CPU; nothing to compare\n");
+        skip();
+    }
+    return am_kernels_avx2_plain();
+}
+
 /* The plain AVX2 stats of matrices exactly 4, 8, 16 and 32 columns wide
  * (kernels_avx2_narrow.c: 8 rows at a time; on an AVX-512 CPU the update
  * uses AVX-512 there, so only this test runs them) against the reference
@@ -556,16 +566,12 @@ static void check_count_pos(const am_kernels *a, const am_kernels *b, uint64_t *
 static void test_narrow_stats(void **unused) {
     static const int64_t widths[] = {4, 8, 16, 32};
     enum { R = 37 };
-    const am_kernels *a = &am_kernels_ref, *b = am_kernels_avx2_plain();
+    const am_kernels *a = &am_kernels_ref, *b = plain_avx2_or_skip();
     am_hparams hp = am_hparams_default();
     const am_consts k = am_consts_from(&hp);
     uint64_t s = g_seed ^ 0x6e6172726f77ull;
     int wi, gdt, rpl, i0, cnt, wsum;
     (void)unused;
-    if (!b || !am_cpu_has_avx2()) {
-        print_message("SKIPPED: no AVX2 kernels on this build/CPU; nothing to compare\n");
-        skip();
-    }
     for (wi = 0; wi < 4; wi++)
         for (gdt = 0; gdt < 3; gdt++)
             for (rpl = 1; rpl <= 3; rpl += 2) {
@@ -626,17 +632,13 @@ static void test_narrow_stats(void **unused) {
  * lr, its bits in the low half of its byte and the high half kept. */
 static void test_rows4_apply(void **unused) {
     enum { R = 3, NR = 13, C = 4, N = NR * C };
-    const am_kernels *a = &am_kernels_ref, *b = am_kernels_avx2_plain();
+    const am_kernels *a = &am_kernels_ref, *b = plain_avx2_or_skip();
     am_hparams hp = am_hparams_default();
     am_consts k;
     uint64_t s = g_seed ^ 0x726f777334ull;
     float rf[NR], cf[(NR + R - 1) / R * C], lrs[NR];
     int pdt, gdt, wd;
     (void)unused;
-    if (!b || !am_cpu_has_avx2()) {
-        print_message("SKIPPED: no AVX2 kernels on this build/CPU; nothing to compare\n");
-        skip();
-    }
     for (wd = 0; wd < 2; wd++)
         for (pdt = 0; pdt < 3; pdt++)
             for (gdt = 0; gdt < 3; gdt++) {
