@@ -558,8 +558,8 @@ static const am_kernels *plain_avx2_or_skip(void) {
 }
 
 /* The plain AVX2 stats of matrices exactly 4, 8, 16 and 32 columns wide
- * (kernels_avx2_narrow.c: 8 rows at a time; on an AVX-512 CPU the update
- * uses AVX-512 there, so only this test runs them) against the reference
+ * (kernels_avx2_narrow.c: 8 rows at a time; both sets use them, and
+ * test_updates checks whole updates of such shapes) against the reference
  * slot: row and column sums, agreement counts, the smallest positive
  * element, W sums and new row moments, from rows 0 and 3 of 37 (tails of 5
  * and 2 rows), lr-rows of one matrix row and of three. */
