@@ -455,8 +455,7 @@ AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C
         wg.wpart = ws->wpart;
         for (j = 0; j < n; j++) ws->wpart[j] = 0.0f;
     }
-    i = i0;
-    for (; i + 4 <= i1; i += 4) {
+    for (i = i0; i + 4 <= i1; i += 4) {
         stats_rows(g, gdt, cnt, 4, C, i, j0, n, rowpart + (i - i0), colpart, pm,
                    cnt ? rowmatch + (i - i0) : NULL, &mn, &mp, pending ? &wg : NULL,
                    i + 8 <= i1 ? pfmode : 0);
