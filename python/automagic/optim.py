@@ -267,6 +267,8 @@ class Automagic3(torch.optim.Optimizer):
         # am_update_batch call (whole parameters on separate threads, the
         # same bits; docs/PYTORCH.md "Threads"). False: one at a time.
         self.batch_updates = True
+        # fused mode: small CPU parameters' updates queued (the property)
+        self._fused_batch_bytes = 4 << 20
         self._init_runtime()
         defaults = dict(lr=lr, min_lr=min_lr, max_lr=max_lr, lr_bump_rate=lr_bump_rate,
                         beta2=beta2, eps=eps, clip_threshold=clip_threshold,
@@ -277,6 +279,21 @@ class Automagic3(torch.optim.Optimizer):
             warnings.warn("Automagic3: fused=True updates each parameter inside backward, "
                           "before data-parallel gradient reduction; use fused=False and "
                           "call step() after backward", UserWarning, stacklevel=2)
+
+    @property
+    def fused_batch_bytes(self) -> int:
+        """Fused mode: CPU parameters whose gradient is at most a quarter of
+        this are queued and updated together when the queued gradients
+        reach it, and at the end of backward (docs/PYTORCH.md); 0: every
+        parameter in its own hook."""
+        return self._fused_batch_bytes
+
+    @fused_batch_bytes.setter
+    def fused_batch_bytes(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError("Automagic3: fused_batch_bytes must be an int >= 0, got %r"
+                             % (value,))
+        self._fused_batch_bytes = value
 
     def _init_runtime(self) -> None:
         """Attributes that are rebuilt, not copied, by pickle and deepcopy."""
@@ -292,7 +309,11 @@ class Automagic3(torch.optim.Optimizer):
         self._skipped = {}             # index -> non-finite updates skipped
         self._plans = {}               # index -> _Plan (C views of one parameter)
         self._valid_groups = {}        # id(group) -> _group_key last validated
-        self._batch_cache = None       # _apply_batch's items of the last step
+        self._batch_cache = {}         # _apply_batch's items, by caller's key
+        self._queue = []               # fused mode: small updates not yet run
+        self._queued = set()           # their indices
+        self._queue_bytes = 0          # their gradients' bytes
+        self._batches = 0              # queues run in this step
 
     def _warn_once(self, key: str, msg: str, category=UserWarning) -> None:
         if key not in self._warned:
@@ -345,16 +366,20 @@ class Automagic3(torch.optim.Optimizer):
 
     # ----------------------------------------------------------- fused
     def _on_grad_ready(self, p: torch.Tensor, group: dict, index: int) -> None:
-        """A hook fired for parameter index: update now, or leave p.grad to
+        """A hook fired for parameter index: update now, queue a small CPU
+        parameter's update for the next batch, or leave p.grad to
         accumulate."""
         steps = self._steps
         steps.enter()
+        batch = key = None
         with steps.lock:
             if index in steps.fired:
                 # Second hook in one step: a weight used on both sides of a
                 # reentrant checkpoint. From now on wait for the end of the
                 # backward pass to update it with the whole gradient.
                 self._deferred.add(index)
+                if index in self._queued:
+                    return  # not updated yet: p.grad now holds both parts
                 if index in self._updated:
                     p.grad = None
                     self._warn_once(
@@ -370,10 +395,71 @@ class Automagic3(torch.optim.Optimizer):
                     or index in self._updated):
                 return  # applied by _flush when the window closes
             self._updated.add(index)
-        self._update_param(p, group)
+            grad = p.grad
+            if grad is not None and p.is_cpu and self.nonfinite != "raise":
+                nbytes = grad.numel() * grad.element_size()
+                if 0 < nbytes <= self._fused_batch_bytes // 4:
+                    self._queue.append((p, group))
+                    self._queued.add(index)
+                    self._queue_bytes += nbytes
+                    if self._queue_bytes < self._fused_batch_bytes:
+                        return
+                    batch, key = self._take_queue()
+        if batch is not None:
+            self._run_queue(batch, key)
+        else:
+            self._update_param(p, group)
+
+    def _take_queue(self):
+        """(the queued updates, their batch's number in this step), the
+        queue emptied; the lock held."""
+        batch = self._queue
+        self._queue, self._queue_bytes = [], 0
+        self._queued = set()
+        self._batches += 1
+        return batch, self._batches
+
+    def _run_queue(self, batch, key) -> None:
+        """Runs queued updates [(p, group)] in one am_update_batch call (the
+        same bits as one at a time). A parameter that cannot be updated
+        keeps its gradient; the others are updated, then the first error is
+        raised, as hooks one after another would have."""
+        jobs, error, hyper = [], None, {}
+        with torch.no_grad():
+            for p, group in batch:
+                if p.grad is None:  # dropped since it was queued
+                    continue
+                try:
+                    self._check(p, p.grad)
+                    if id(group) not in hyper:
+                        hyper[id(group)] = (self._lr_scale(group), self._hsig(group))
+                except AutomagicError as e:
+                    error = error or e
+                    continue
+                jobs.append((p, group) + hyper[id(group)])
+            _lib.lib.am_set_num_threads(torch.get_num_threads())
+            try:
+                if len(jobs) == 1:
+                    self._apply(*jobs[0])
+                elif jobs:
+                    # the key-th batch of each step keeps its own item array
+                    self._apply_batch(jobs, ("fused", key))
+            finally:
+                if error is not None:
+                    raise error
 
     def _on_step_closed(self) -> None:
-        """A backward pass (fused step) ended; maybe the window too."""
+        """A backward pass (fused step) ended: the queued updates run; maybe
+        the window ends too."""
+        batch, key = self._take_queue()
+        self._batches = 0
+        try:
+            if batch:
+                self._run_queue(batch, key)
+        finally:
+            self._count_micro_step()
+
+    def _count_micro_step(self) -> None:
         self._micro += 1
         if self._micro < self.accumulation_steps:
             return
@@ -616,11 +702,12 @@ class Automagic3(torch.optim.Optimizer):
                             RuntimeWarning)
         p.grad = None
 
-    def _apply_batch(self, jobs) -> None:
+    def _apply_batch(self, jobs, cache_key="step") -> None:
         """The updates of jobs [(p, group, scale, hsig)], checked CPU
         parameters, in one am_update_batch call: whole parameters on separate
         threads (the same bits as _apply on each in turn; docs/PYTORCH.md).
-        The item array and its workspace size are kept from the last step
+        The item array and its workspace size are kept, under cache_key
+        (step() and each of fused mode's batches of a step have their own),
         while the same plans and hyperparameters come in the same order
         (rebuilding them cost about 2 us per parameter)."""
         calls = self._prepare_calls(jobs)
@@ -628,7 +715,7 @@ class Automagic3(torch.optim.Optimizer):
         threads = torch.get_num_threads()
         plans = [c[1] for c in calls]
         hps = [c[4] for c in calls]
-        cached = self._batch_cache
+        cached = self._batch_cache.get(cache_key)
         if cached is not None and cached[0] == plans and cached[1] == hps:
             items, sizes = cached[2], cached[3]
         else:
@@ -638,7 +725,7 @@ class Automagic3(torch.optim.Optimizer):
             sizes = {}
             # (hps compare by identity: plan.hp objects are rebuilt when the
             # group's values change; scaled ones are new every step)
-            self._batch_cache = (plans, hps, items, sizes)
+            self._batch_cache[cache_key] = (plans, hps, items, sizes)
         _lib.clear_message()
         nbytes = sizes.get(threads)
         status = _lib.OK
@@ -653,7 +740,7 @@ class Automagic3(torch.optim.Optimizer):
             # Nothing ran (e.g. two parameters share memory, which the batch
             # refuses): every parameter as it was; one at a time instead,
             # which updates them in turn or raises what it always raised.
-            self._batch_cache = None
+            self._batch_cache.pop(cache_key, None)
             for call in calls:
                 if call[5] is not None:  # lr_schedule="scale": lrs back
                     call[6]["lr"].copy_(call[5])
@@ -876,13 +963,14 @@ class Automagic3(torch.optim.Optimizer):
                     seed=self.seed, fused=self.fused,
                     accumulation_steps=self.accumulation_steps, nonfinite=self.nonfinite,
                     lr_schedule=self.lr_schedule, nonfinite_skips=self.nonfinite_skips,
-                    batch_updates=self.batch_updates,
+                    batch_updates=self.batch_updates, fused_batch_bytes=self.fused_batch_bytes,
                     micro=self._micro, deferred=set(self._deferred),
                     warned=set(self._warned), skipped=dict(self._skipped))
 
     def __setstate__(self, d: dict) -> None:
         extra = {k: d.pop(k) for k in ("micro", "deferred", "warned", "skipped")}
-        d.setdefault("batch_updates", True)  # pickled before it was kept
+        d.setdefault("batch_updates", True)  # pickled before these were kept
+        d["_fused_batch_bytes"] = d.pop("fused_batch_bytes", 4 << 20)
         super().__setstate__(d)
         self._init_runtime()
         self._micro, self._deferred = extra["micro"], extra["deferred"]

@@ -13,6 +13,20 @@ from _frontend_models import (assert_same, batches, loss_of, make, snapshot,
                               assert_unchanged)
 
 
+# fused_batch_bytes: the default (small parameters' updates queued and run
+# in one batch at the end of backward for this model), 0 (each update at
+# once in its hook), and 256 bytes (the biases and LayerNorm's queued, a
+# batch of four of them run during backward and the last at its end).
+BATCH_BYTES = [None, 0, 256]
+
+
+def _fused(params, batch_bytes=None, **kw):
+    opt = automagic.Automagic3(params, **kw)
+    if batch_bytes is not None:
+        opt.fused_batch_bytes = batch_bytes
+    return opt
+
+
 def _train_step_mode(model, opt, data, k):
     for i, b in enumerate(data):
         loss_of(model, b).backward()
@@ -21,9 +35,10 @@ def _train_step_mode(model, opt, data, k):
             opt.zero_grad()
 
 
+@pytest.mark.parametrize("batch_bytes", BATCH_BYTES)
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("with_calls", [False, True])
-def test_accumulation_matches_step_mode(k, with_calls):
+def test_accumulation_matches_step_mode(k, with_calls, batch_bytes):
     # The last micro-batch of each window has no images, so conv's gradient
     # comes only from earlier micro-batches: the end-of-window flush applies it.
     data = batches(2 * k, seed=1, images_every=k if k > 1 else 1)
@@ -33,7 +48,7 @@ def test_accumulation_matches_step_mode(k, with_calls):
     m_step = make()
     m_fused = copy.deepcopy(m_step)
     o_step = automagic.Automagic3(m_step.parameters(), fused=False, seed=3)
-    o_fused = automagic.Automagic3(m_fused.parameters(), accumulation_steps=k, seed=3)
+    o_fused = _fused(m_fused.parameters(), batch_bytes, accumulation_steps=k, seed=3)
     _train_step_mode(m_step, o_step, data, k)
     for i, b in enumerate(data):
         loss_of(m_fused, b).backward()
@@ -68,13 +83,14 @@ def test_mid_window_params_untouched_and_grads_kept():
     assert len(opt.state) == 0
 
 
-def test_tied_weights_fused_equals_step_mode():
+@pytest.mark.parametrize("batch_bytes", BATCH_BYTES)
+def test_tied_weights_fused_equals_step_mode(batch_bytes):
     data = batches(4, seed=4)
     m_step = make(tied=True)
     m_fused = copy.deepcopy(m_step)
     assert m_fused.head.weight is m_fused.emb.weight
     o_step = automagic.Automagic3(m_step.parameters(), fused=False)
-    o_fused = automagic.Automagic3(m_fused.parameters())
+    o_fused = _fused(m_fused.parameters(), batch_bytes)
     _train_step_mode(m_step, o_step, data, 1)
     for b in data:
         loss_of(m_fused, b).backward()
@@ -82,12 +98,13 @@ def test_tied_weights_fused_equals_step_mode():
     assert o_fused.state[m_fused.emb.weight]["step"] == 4
 
 
-def test_nonreentrant_checkpoint_equals_step_mode():
+@pytest.mark.parametrize("batch_bytes", BATCH_BYTES)
+def test_nonreentrant_checkpoint_equals_step_mode(batch_bytes):
     data = batches(3, seed=5)
     m_step = make(ckpt="nonreentrant")
     m_fused = copy.deepcopy(m_step)
     o_step = automagic.Automagic3(m_step.parameters(), fused=False)
-    o_fused = automagic.Automagic3(m_fused.parameters())
+    o_fused = _fused(m_fused.parameters(), batch_bytes)
     _train_step_mode(m_step, o_step, data, 1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -97,7 +114,8 @@ def test_nonreentrant_checkpoint_equals_step_mode():
 
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
-def test_create_graph_backward_updates_like_step_mode():
+@pytest.mark.parametrize("batch_bytes", BATCH_BYTES)
+def test_create_graph_backward_updates_like_step_mode(batch_bytes):
     # backward(create_graph=True) runs the hooks with grad mode on: the
     # update must still not be recorded by autograd. The non-contiguous
     # parameter is updated through a copy written back in place, which
@@ -110,7 +128,7 @@ def test_create_graph_backward_updates_like_step_mode():
     p_step, p_fused = params(), params()
     assert not p_fused[0].is_contiguous()
     o_step = automagic.Automagic3(p_step, fused=False, seed=2)
-    o_fused = automagic.Automagic3(p_fused, seed=2)
+    o_fused = _fused(p_fused, batch_bytes, seed=2)
 
     def loss(ps):
         return sum((q.float() ** 2).sum() * (i + 1) for i, q in enumerate(ps))
@@ -146,10 +164,11 @@ def test_fused_steps_keep_no_training_locals_alive():
 
 def test_reentrant_checkpoint_updates_exactly_once():
     # `shared` is used inside the reentrant checkpoint and outside it: its
-    # hook fires twice per backward pass.
+    # hook fires twice per backward pass. Updated at once (batch_bytes 0),
+    # it gets the first part of its gradient in the first step.
     data = batches(5, seed=6)
     m = make(ckpt="reentrant")
-    opt = automagic.Automagic3(m.parameters())
+    opt = _fused(m.parameters(), 0)
     with pytest.warns(UserWarning, match="arrived in two parts"):
         loss_of(m, data[0]).backward()
     assert all(opt.state[p]["step"] == 1 for p in m.parameters())
@@ -166,6 +185,54 @@ def test_reentrant_checkpoint_updates_exactly_once():
     _train_step_mode(m_ref, o_ref, data[1:], 1)
     assert_same(m_ref, o_ref, m, opt)
     assert all(opt.state[p]["step"] == 5 for p in m.parameters())
+
+
+def test_reentrant_checkpoint_queued_update_gets_the_whole_gradient():
+    # Queued (the default for a small parameter), the shared weight's
+    # update has not run when its second part arrives: it runs with the
+    # whole gradient from the first step, as step mode does.
+    data = batches(4, seed=6)
+    m = make(ckpt="reentrant")
+    m_ref = copy.deepcopy(m)
+    opt = automagic.Automagic3(m.parameters())
+    o_ref = automagic.Automagic3(m_ref.parameters(), fused=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for b in data:
+            loss_of(m, b).backward()
+    _train_step_mode(m_ref, o_ref, data, 1)
+    assert_same(m_ref, o_ref, m, opt)
+    assert all(opt.state[p]["step"] == 4 and p.grad is None for p in m.parameters())
+
+
+def test_queued_gradients_stay_within_the_budget():
+    # A chain of small layers: the gradients held by queued updates never
+    # reach fused_batch_bytes (observed from tensor hooks on the
+    # activations, which fire between the layers' parameter hooks), and
+    # the queue is used; with 0 no gradient is held at all.
+    def run(batch_bytes):
+        torch.manual_seed(3)
+        layers = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(12)])
+        opt = _fused(layers.parameters(), batch_bytes)
+        held = []
+
+        def watch(g):
+            held.append(sum(p.grad.numel() * p.grad.element_size()
+                            for p in layers.parameters() if p.grad is not None))
+        for _ in range(2):
+            h = torch.randn(4, 16)
+            for layer in layers:
+                h = layer(h)
+                h.register_hook(watch)
+            h.square().sum().backward()
+            assert all(p.grad is None and opt.state[p]["step"] >= 1
+                       for p in layers.parameters())
+        return held
+    # each layer: 1024 + 64 gradient bytes; a budget of 4 KB holds at most
+    # 3 layers' (a batch runs when the bytes reach 4096)
+    held = run(4096)
+    assert max(held) < 4096 and max(held) >= 2 * 1088, held
+    assert max(run(0)) == 0
 
 
 def test_reentrant_checkpoint_with_accumulation():
@@ -258,3 +325,15 @@ def test_fused_warns_under_data_parallel(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         automagic.Automagic3(make().parameters(), fused=False)
+
+
+def test_fused_batch_bytes_is_checked_and_pickled():
+    import pickle
+    opt = automagic.Automagic3(make().parameters())
+    assert opt.fused_batch_bytes == 4 << 20
+    for bad in (-1, 1.5, True, "4M"):
+        with pytest.raises(ValueError, match="fused_batch_bytes"):
+            opt.fused_batch_bytes = bad
+    assert opt.fused_batch_bytes == 4 << 20
+    opt.fused_batch_bytes = 1000
+    assert pickle.loads(pickle.dumps(opt)).fused_batch_bytes == 1000
