@@ -421,7 +421,8 @@ class Automagic3(torch.optim.Optimizer):
 
     def _run_queue(self, batch, key) -> None:
         """Runs queued updates [(p, group)] in one am_update_batch call (the
-        same bits as one at a time). A parameter that cannot be updated
+        same bits as one at a time; one at a time when batch_updates is
+        False). A parameter that cannot be updated
         keeps its gradient; the others are updated, then the first error is
         raised, as hooks one after another would have."""
         jobs, error, hyper = [], None, {}
@@ -438,15 +439,14 @@ class Automagic3(torch.optim.Optimizer):
                     continue
                 jobs.append((p, group) + hyper[id(group)])
             _lib.lib.am_set_num_threads(torch.get_num_threads())
-            try:
-                if len(jobs) == 1:
-                    self._apply(*jobs[0])
-                elif jobs:
-                    # the key-th batch of each step keeps its own item array
-                    self._apply_batch(jobs, ("fused", key))
-            finally:
-                if error is not None:
-                    raise error
+            if len(jobs) > 1 and self.batch_updates:
+                # the key-th batch of each step keeps its own item array
+                self._apply_batch(jobs, ("fused", key))
+            else:
+                for job in jobs:
+                    self._apply(*job)
+        if error is not None:
+            raise error
 
     def _on_step_closed(self) -> None:
         """A backward pass (fused step) ended: the queued updates run; maybe

@@ -15,13 +15,17 @@ from _frontend_models import (assert_same, batches, loss_of, make, snapshot,
 
 # fused_batch_bytes: the default (small parameters' updates queued and run
 # in one batch at the end of backward for this model), 0 (each update at
-# once in its hook), and 256 bytes (the biases and LayerNorm's queued, a
-# batch of four of them run during backward and the last at its end).
-BATCH_BYTES = [None, 0, 256]
+# once in its hook), 256 bytes (the biases and LayerNorm's queued, a batch
+# of four of them run during backward and the last at its end), and that
+# budget with batch_updates False (the queue's updates one at a time).
+BATCH_BYTES = [None, 0, 256, "256, one at a time"]
 
 
 def _fused(params, batch_bytes=None, **kw):
     opt = automagic.Automagic3(params, **kw)
+    if isinstance(batch_bytes, str):
+        opt.batch_updates = False
+        batch_bytes = int(batch_bytes.split(",")[0])
     if batch_bytes is not None:
         opt.fused_batch_bytes = batch_bytes
     return opt
