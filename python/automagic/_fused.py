@@ -9,14 +9,18 @@ firings into steps:
   (reentrant activation checkpointing runs a backward inside a backward).
 
 It ends when that backward pass ends (an autograd graph-task callback queued
-from the first hook that fires in it), or at the latest at the next
-``opt.step()`` / ``opt.zero_grad()`` or the first hook of a later backward
-pass. Nesting is found from the Python stack: each backward pass run from
-Python on this thread has one frame of ``torch.autograd.graph.
-_engine_run_backward``; the outermost such frame identifies the step. Hooks
-that run on autograd's device threads (no Python backward frame on their
-stack) fall back to the graph-task id, so there a nested backward counts as
-its own step.
+from the first hook that fires in it outside any nested pass), or at the
+latest at the next ``opt.step()`` / ``opt.zero_grad()`` or the first hook of
+a later backward pass. Only the callback says the pass ended; the others
+also close a pass that failed (autograd runs no callbacks then).
+
+Nesting is found from the Python stack: each backward pass run from Python
+on this thread has one frame of ``torch.autograd.graph._engine_run_backward``;
+the outermost such frame identifies the step. Hooks that run on autograd's
+device threads (no Python backward frame on their stack) are matched by
+graph task: one of a task the step has seen continues it, so a pass whose
+hooks run on both threads is one step; there a nested backward whose hooks
+all run on a device thread counts as its own step.
 """
 import sys
 import threading
@@ -43,14 +47,13 @@ def _outer_backward():
     return outer, depth
 
 
-def _same(a, b) -> bool:
-    return a is b or (isinstance(a, tuple) and a == b)
-
-
 class BackwardSteps:
     """Tracks the open step and which parameters' hooks fired in it.
 
-    on_close() is called (with the lock held) each time a step ends. The
+    on_close(ended) is called (with the lock held) each time a step ends:
+    ended is True when the backward pass's end-of-backward callback closed
+    it, False when something else did (step(), zero_grad(), a later
+    backward pass, a failed pass that never reached its callback). The
     frame that identifies an open step is referenced until the step closes,
     so its identity cannot be reused by a later backward pass.
     """
@@ -58,60 +61,81 @@ class BackwardSteps:
     def __init__(self, on_close):
         self.lock = threading.RLock()
         self.fired = set()      # parameter indices whose hook fired this step
-        self._key = None        # outermost backward frame, or ("task", id)
+        self._open = False
+        self._frame = None      # the step's outermost backward frame, if seen
+        self._tasks = set()     # graph tasks seen in the open step
         self._queued = set()    # graph tasks with an end-of-backward callback
         self._on_close = on_close
         # Steps closed so far, and (graph task, that count) at this thread's
         # last enter(): the next hook of the same task while no step has
         # closed since belongs to the same step (enter's fast path). A count,
-        # not the step's key: the key can be a backward pass's frame, which
-        # holds its caller's locals (a batch, a loss) alive until replaced.
+        # not the frame: a backward pass's frame holds its caller's locals (a
+        # batch, a loss) alive while referenced.
         self._gen = 0
         self._last = threading.local()
 
     @property
     def is_open(self) -> bool:
-        return self._key is not None
+        return self._open
 
-    def enter(self) -> None:
-        """Called first thing in every hook: opens (or continues) a step.
+    def enter(self) -> int:
+        """Called first thing in every hook: opens (or continues) a step;
+        returns the graph task's id (-1 outside one).
 
-        A hook of the graph task whose hook this thread saw last, while the
-        step that hook opened or continued is still open, continues it: the
-        same backward pass, so the same outermost frame and nesting, and its
-        end-of-backward callback already queued. Only the first hook of each
-        task walks the stack (about 1 us a hook, more under a deep stack)."""
+        A hook continues the open step when its outermost backward frame is
+        the step's, or its graph task is one the step has seen (a hook on
+        an autograd device thread, which has no backward frame, in the same
+        pass as hooks on the calling thread). A hook of the graph task whose
+        hook this thread saw last, while that step is still open, continues
+        it without walking the stack (about 1 us a hook, more under a deep
+        stack): only the first hook of each task walks it."""
         task = torch._C._current_graph_task_id()
         last = self._last
         with self.lock:
-            if (task >= 0 and self._key is not None and getattr(last, "task", None) == task
+            if (task >= 0 and self._open and getattr(last, "task", None) == task
                     and last.gen == self._gen):
-                return
+                return task
         frame, depth = _outer_backward()
-        key = frame if frame is not None else ("task", task)
         with self.lock:
-            if self._key is not None and not _same(self._key, key):
+            if self._open and not ((frame is not None and frame is self._frame)
+                                   or (task >= 0 and task in self._tasks)):
                 self._close_locked()
-            if self._key is None:
-                self._key = key
+            self._open = True
+            if frame is not None:
+                self._frame = frame
+            if task >= 0:
+                self._tasks.add(task)
             # Only the outermost pass may end the step: a nested (reentrant)
             # pass ends while its outer pass still has gradients to deliver.
             if depth <= 1 and task >= 0 and task not in self._queued:
                 self._queued.add(task)
                 torch.autograd.Variable._execution_engine.queue_callback(
-                    lambda k=key: self.close(k))
+                    lambda gen=self._gen: self._end_of_backward(gen))
             last.task, last.gen = task, self._gen
+        return task
 
-    def close(self, key=None) -> None:
-        """Ends the open step (only if it is key's, when key is given)."""
+    def _end_of_backward(self, gen: int) -> None:
+        """A callback queued in step gen: its backward pass ended."""
         with self.lock:
-            if self._key is None or (key is not None and not _same(self._key, key)):
-                return
-            self._close_locked()
+            if self._open and self._gen == gen:
+                self._close_locked(ended=True)
 
-    def _close_locked(self) -> None:
+    def has_end_callback(self, task: int) -> bool:
+        """Whether graph task task will close the step when it ends."""
+        return task in self._queued
+
+    def close(self) -> None:
+        """Ends the open step, if any, from outside backward (step(),
+        zero_grad(), load_state_dict(), remove_hooks())."""
+        with self.lock:
+            if self._open:
+                self._close_locked()
+
+    def _close_locked(self, ended: bool = False) -> None:
         self._gen += 1
-        self._key = None
+        self._open = False
+        self._frame = None
+        self._tasks.clear()
         self._queued.clear()
         self.fired.clear()
-        self._on_close()
+        self._on_close(ended)

@@ -314,6 +314,7 @@ class Automagic3(torch.optim.Optimizer):
         self._queued = set()           # their indices
         self._queue_bytes = 0          # their gradients' bytes
         self._batches = 0              # queues run in this step
+        self._flush_tasks = set()      # nested graph tasks that run the queue
 
     def _warn_once(self, key: str, msg: str, category=UserWarning) -> None:
         if key not in self._warned:
@@ -370,7 +371,7 @@ class Automagic3(torch.optim.Optimizer):
         parameter's update for the next batch, or leave p.grad to
         accumulate."""
         steps = self._steps
-        steps.enter()
+        task = steps.enter()
         batch = key = None
         with steps.lock:
             if index in steps.fired:
@@ -396,12 +397,19 @@ class Automagic3(torch.optim.Optimizer):
                 return  # applied by _flush when the window closes
             self._updated.add(index)
             grad = p.grad
-            if grad is not None and p.is_cpu and self.nonfinite != "raise":
+            if grad is not None and p.is_cpu and self.nonfinite != "raise" and task >= 0:
                 nbytes = grad.numel() * grad.element_size()
                 if 0 < nbytes <= self._fused_batch_bytes // 4:
                     self._queue.append((p, group))
                     self._queued.add(index)
                     self._queue_bytes += nbytes
+                    if not steps.has_end_callback(task) and task not in self._flush_tasks:
+                        # a nested pass (reentrant checkpoint) whose outer
+                        # pass has no hook of its own may never close the
+                        # step: its queue runs when it ends
+                        self._flush_tasks.add(task)
+                        torch.autograd.Variable._execution_engine.queue_callback(
+                            self._run_queued)
                     if self._queue_bytes < self._fused_batch_bytes:
                         return
                     batch, key = self._take_queue()
@@ -418,6 +426,13 @@ class Automagic3(torch.optim.Optimizer):
         self._queued = set()
         self._batches += 1
         return batch, self._batches
+
+    def _run_queued(self) -> None:
+        """The end of a nested backward pass that queued updates: runs them."""
+        with self._steps.lock:
+            batch, key = self._take_queue()
+        if batch:
+            self._run_queue(batch, key)
 
     def _run_queue(self, batch, key) -> None:
         """Runs queued updates [(p, group)] in one am_update_batch call (the
@@ -448,14 +463,24 @@ class Automagic3(torch.optim.Optimizer):
         if error is not None:
             raise error
 
-    def _on_step_closed(self) -> None:
-        """A backward pass (fused step) ended: the queued updates run; maybe
-        the window ends too."""
+    def _on_step_closed(self, ended: bool) -> None:
+        """A step closed: the queued updates run if its backward pass ended
+        (ended), else they are dropped (a pass that failed: running them
+        now could change weights a later forward has used); maybe the
+        window ends too."""
         batch, key = self._take_queue()
         self._batches = 0
+        self._flush_tasks = set()
         try:
-            if batch:
+            if batch and ended:
                 self._run_queue(batch, key)
+            elif batch:
+                warnings.warn(
+                    "Automagic3: a backward pass did not reach its end (an exception "
+                    "inside backward?): the updates of %d parameters queued in it were not "
+                    "run. Their gradients are kept in .grad, and a later backward pass adds "
+                    "to them as PyTorch accumulates; call zero_grad() to drop them"
+                    % len(batch), RuntimeWarning, stacklevel=4)
         finally:
             self._count_micro_step()
 

@@ -2,6 +2,7 @@
 checkpointing, tied weights, misuse detection, torch.compile."""
 import copy
 import gc
+import threading
 import warnings
 import weakref
 
@@ -327,3 +328,117 @@ def test_fused_batch_bytes_is_checked_and_pickled():
     assert opt.fused_batch_bytes == 4 << 20
     opt.fused_batch_bytes = 1000
     assert pickle.loads(pickle.dumps(opt)).fused_batch_bytes == 1000
+
+
+@pytest.mark.parametrize("batch_bytes", BATCH_BYTES)
+def test_reentrant_checkpoint_with_every_parameter_inside(batch_bytes):
+    # LoRA-style: nothing trainable outside a reentrant checkpoint (the
+    # input requires grad), so every hook fires in the nested backward pass,
+    # which cannot end the step. Each backward must still apply every
+    # update before it returns, as step mode does.
+    from torch.utils.checkpoint import checkpoint
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(),
+                                   torch.nn.Linear(8, 8))
+
+    def loss(m, i):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i), requires_grad=True)
+        return checkpoint(m, x, use_reentrant=True).square().sum()
+    m, m_ref = model(), model()
+    opt = _fused(m.parameters(), batch_bytes, seed=1)
+    o_ref = automagic.Automagic3(m_ref.parameters(), fused=False, seed=1)
+    for i in range(3):
+        loss(m, i).backward()
+        assert all(p.grad is None and opt.state[p]["step"] == i + 1 for p in m.parameters())
+        loss(m_ref, i).backward()
+        o_ref.step()
+        o_ref.zero_grad()
+    assert_same(m_ref, o_ref, m, opt)
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("failing backward")
+
+
+def test_failed_backward_drops_its_queued_updates():
+    # The parameters' hooks fire (their updates are queued), then backward
+    # raises before its end: the queued updates must not run later, on
+    # weights a later forward has used (the next backward would fail) or on
+    # weights just restored from a snapshot.
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = automagic.Automagic3(m.parameters(), seed=1)
+    m(torch.randn(4, 8)).square().sum().backward()  # one good step
+    good_m, good_o = copy.deepcopy(m.state_dict()), copy.deepcopy(opt.state_dict())
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="failing backward"):
+        m(_FailingBackward.apply(x)).square().sum().backward()
+    assert all(p.grad is not None for p in m.parameters())
+    # rolling back: the queued updates are dropped, not run on the restored
+    # weights
+    with pytest.warns(RuntimeWarning, match="did not reach its end"):
+        opt.load_state_dict(good_o)
+    m.load_state_dict(good_m)
+    assert all(torch.equal(v, good_m[k]) for k, v in m.state_dict().items())
+    assert all(opt.state[p]["step"] == 1 for p in m.parameters())
+    # zero_grad() after a failed backward drops its queued updates and
+    # gradients; training goes on
+    with pytest.raises(RuntimeError, match="failing backward"):
+        m(_FailingBackward.apply(x)).square().sum().backward()
+    with pytest.warns(RuntimeWarning, match="did not reach its end"):
+        opt.zero_grad()
+    assert all(p.grad is None and opt.state[p]["step"] == 1 for p in m.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m(torch.randn(4, 8)).square().sum().backward()
+    assert all(p.grad is None and opt.state[p]["step"] == 2 for p in m.parameters())
+    # no zero_grad(): the next backward drops them at its first hook (its
+    # gradients add to the kept ones, as PyTorch accumulates) and updates
+    # every parameter once, without touching a weight it still needs
+    with pytest.raises(RuntimeError, match="failing backward"):
+        m(_FailingBackward.apply(x)).square().sum().backward()
+    with pytest.warns(RuntimeWarning, match="did not reach its end"):
+        m(torch.randn(4, 8)).square().sum().backward()
+    assert all(p.grad is None and opt.state[p]["step"] == 3 for p in m.parameters())
+
+
+def test_hooks_of_one_pass_on_two_threads_are_one_step(monkeypatch):
+    # Hooks on autograd's device threads have no backward frame on their
+    # stack; one of a graph task the step has seen continues the step (a
+    # model with CPU and CUDA parameters). Simulated: the task id and the
+    # stack walk are faked, the second hook runs on another thread.
+    from automagic import _fused
+    closes, callbacks = [], []
+    steps = _fused.BackwardSteps(closes.append)
+    frame = object()
+    monkeypatch.setattr(torch._C, "_current_graph_task_id", lambda: 7)
+    monkeypatch.setattr(torch.autograd.Variable, "_execution_engine", type(
+        "E", (), {"queue_callback": staticmethod(callbacks.append)})())
+    monkeypatch.setattr(_fused, "_outer_backward", lambda: (frame, 1))
+    assert steps.enter() == 7
+    monkeypatch.setattr(_fused, "_outer_backward", lambda: (None, 0))
+    t = threading.Thread(target=steps.enter)
+    t.start()
+    t.join()
+    assert closes == [] and steps.is_open
+    assert len(callbacks) == 1  # the pass's one end-of-backward callback
+    callbacks[0]()
+    assert closes == [True] and not steps.is_open
+    # a hook of another task without a frame: a new step (the old one
+    # closed, not by its end-of-backward callback)
+    monkeypatch.setattr(_fused, "_outer_backward", lambda: (frame, 1))
+    steps.enter()
+    monkeypatch.setattr(torch._C, "_current_graph_task_id", lambda: 8)
+    monkeypatch.setattr(_fused, "_outer_backward", lambda: (None, 0))
+    t = threading.Thread(target=steps.enter)
+    t.start()
+    t.join()
+    assert closes == [True, False] and steps.is_open
