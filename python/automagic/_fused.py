@@ -58,11 +58,13 @@ class BackwardSteps:
     so its identity cannot be reused by a later backward pass.
     """
 
-    def __init__(self, on_close):
+    def __init__(self, on_close, error=RuntimeError):
         self.lock = threading.RLock()
+        self._error = error     # raised for two backward passes at once
         self.fired = set()      # parameter indices whose hook fired this step
         self._open = False
         self._frame = None      # the step's outermost backward frame, if seen
+        self._thread = None     # the thread running that frame
         self._tasks = set()     # graph tasks seen in the open step
         self._queued = set()    # graph tasks with an end-of-backward callback
         self._on_close = on_close
@@ -96,13 +98,24 @@ class BackwardSteps:
                     and last.gen == self._gen):
                 return task
         frame, depth = _outer_backward()
+        me = threading.get_ident()
         with self.lock:
             if self._open and not ((frame is not None and frame is self._frame)
                                    or (task >= 0 and task in self._tasks)):
+                if frame is not None and self._frame is not None and self._thread != me:
+                    # Another thread's backward pass has not ended: closing
+                    # its step would run or drop its updates mid-pass.
+                    raise self._error(
+                        "Automagic3 (fused mode): a backward pass started on one thread "
+                        "while another thread's had not ended; fused mode follows one "
+                        "backward pass at a time. Use fused=False (step() after each "
+                        "backward, one thread at a time) or one optimizer per thread. If "
+                        "the other thread's backward failed with an exception, call "
+                        "zero_grad() before the next backward")
                 self._close_locked()
             self._open = True
             if frame is not None:
-                self._frame = frame
+                self._frame, self._thread = frame, me
             if task >= 0:
                 self._tasks.add(task)
             # Only the outermost pass may end the step: a nested (reentrant)
@@ -134,7 +147,7 @@ class BackwardSteps:
     def _close_locked(self, ended: bool = False) -> None:
         self._gen += 1
         self._open = False
-        self._frame = None
+        self._frame = self._thread = None
         self._tasks.clear()
         self._queued.clear()
         self.fired.clear()

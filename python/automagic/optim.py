@@ -301,7 +301,7 @@ class Automagic3(torch.optim.Optimizer):
         self._hooked = set()           # indices of parameters with a hook
         self._param_index = {}         # parameter -> index (its rng param_id)
         self._tls = threading.local()  # per-thread workspace
-        self._steps = BackwardSteps(self._on_step_closed)
+        self._steps = BackwardSteps(self._on_step_closed, AutomagicError)
         self._micro = 0                # backward passes done in this window
         self._updated = set()          # indices updated in this window
         self._deferred = set()         # indices whose hook fires twice a step

@@ -442,3 +442,45 @@ def test_hooks_of_one_pass_on_two_threads_are_one_step(monkeypatch):
     t.start()
     t.join()
     assert closes == [True, False] and steps.is_open
+
+
+def test_backward_passes_on_two_threads_at_once_are_a_clear_error():
+    # Each thread has its own model; thread A's backward waits in the
+    # middle (its first hooks have fired) while thread B runs a backward:
+    # B's first hook must raise a clear error, not close A's step (which
+    # ran or dropped A's updates mid-pass); A's pass then ends normally.
+    torch.manual_seed(0)
+    ma = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    mb = torch.nn.Linear(8, 8)
+    opt = automagic.Automagic3(list(ma.parameters()) + list(mb.parameters()))
+    a_open, b_done, errors = threading.Event(), threading.Event(), []
+
+    class Wait(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            assert opt._steps.is_open  # ma[2]'s hooks fired first
+            a_open.set()
+            assert b_done.wait(10)
+            return g
+
+    def thread_a():
+        ma[2](Wait.apply(ma[1](ma[0](torch.randn(4, 8))))).square().sum().backward()
+
+    def thread_b():
+        assert a_open.wait(10)
+        try:
+            mb(torch.randn(4, 8)).square().sum().backward()
+        except automagic.AutomagicError as e:
+            errors.append(str(e))
+        b_done.set()
+    ts = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert len(errors) == 1 and "one backward pass at a time" in errors[0]
+    assert all(p.grad is None and opt.state[p]["step"] == 1 for p in ma.parameters())
