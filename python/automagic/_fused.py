@@ -19,8 +19,10 @@ on this thread has one frame of ``torch.autograd.graph._engine_run_backward``;
 the outermost such frame identifies the step. Hooks that run on autograd's
 device threads (no Python backward frame on their stack) are matched by
 graph task: one of a task the step has seen continues it, so a pass whose
-hooks run on both threads is one step; there a nested backward whose hooks
-all run on a device thread counts as its own step.
+hooks run on both threads is one step. A nested pass run from a device
+thread (reentrant checkpointing on an accelerator) has a backward frame of
+its own there, so it counts as its own step and closes the outer one while
+the outer pass still runs (pass_running() tells the two closes apart).
 """
 import sys
 import threading
@@ -58,13 +60,14 @@ class BackwardSteps:
     so its identity cannot be reused by a later backward pass.
     """
 
-    def __init__(self, on_close, error=RuntimeError):
+    def __init__(self, on_close):
         self.lock = threading.RLock()
-        self._error = error     # raised for two backward passes at once
         self.fired = set()      # parameter indices whose hook fired this step
         self._open = False
         self._frame = None      # the step's outermost backward frame, if seen
-        self._thread = None     # the thread running that frame
+        # whether the last step closed was closed by its end-of-backward
+        # callback (False at first: under compiled autograd none runs)
+        self.last_ended = False
         self._tasks = set()     # graph tasks seen in the open step
         self._queued = set()    # graph tasks with an end-of-backward callback
         self._on_close = on_close
@@ -98,24 +101,13 @@ class BackwardSteps:
                     and last.gen == self._gen):
                 return task
         frame, depth = _outer_backward()
-        me = threading.get_ident()
         with self.lock:
             if self._open and not ((frame is not None and frame is self._frame)
                                    or (task >= 0 and task in self._tasks)):
-                if frame is not None and self._frame is not None and self._thread != me:
-                    # Another thread's backward pass has not ended: closing
-                    # its step would run or drop its updates mid-pass.
-                    raise self._error(
-                        "Automagic3 (fused mode): a backward pass started on one thread "
-                        "while another thread's had not ended; fused mode follows one "
-                        "backward pass at a time. Use fused=False (step() after each "
-                        "backward, one thread at a time) or one optimizer per thread. If "
-                        "the other thread's backward failed with an exception, call "
-                        "zero_grad() before the next backward")
                 self._close_locked()
             self._open = True
-            if frame is not None:
-                self._frame, self._thread = frame, me
+            if frame is not None and self._frame is None:
+                self._frame = frame
             if task >= 0:
                 self._tasks.add(task)
             # Only the outermost pass may end the step: a nested (reentrant)
@@ -137,6 +129,20 @@ class BackwardSteps:
         """Whether graph task task will close the step when it ends."""
         return task in self._queued
 
+    def pass_running(self) -> bool:
+        """For on_close: whether the closing step's outermost backward pass
+        is still running (its frame on a thread's stack): False once it has
+        returned or raised."""
+        frame = self._frame
+        if frame is None:
+            return False
+        for f in sys._current_frames().values():
+            while f is not None:
+                if f is frame:
+                    return True
+                f = f.f_back
+        return False
+
     def close(self) -> None:
         """Ends the open step, if any, from outside backward (step(),
         zero_grad(), load_state_dict(), remove_hooks())."""
@@ -147,8 +153,11 @@ class BackwardSteps:
     def _close_locked(self, ended: bool = False) -> None:
         self._gen += 1
         self._open = False
-        self._frame = self._thread = None
         self._tasks.clear()
         self._queued.clear()
         self.fired.clear()
-        self._on_close(ended)
+        try:
+            self._on_close(ended)
+        finally:
+            self._frame = None
+            self.last_ended = ended

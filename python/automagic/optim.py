@@ -301,7 +301,7 @@ class Automagic3(torch.optim.Optimizer):
         self._hooked = set()           # indices of parameters with a hook
         self._param_index = {}         # parameter -> index (its rng param_id)
         self._tls = threading.local()  # per-thread workspace
-        self._steps = BackwardSteps(self._on_step_closed, AutomagicError)
+        self._steps = BackwardSteps(self._on_step_closed)
         self._micro = 0                # backward passes done in this window
         self._updated = set()          # indices updated in this window
         self._deferred = set()         # indices whose hook fires twice a step
@@ -314,7 +314,6 @@ class Automagic3(torch.optim.Optimizer):
         self._queued = set()           # their indices
         self._queue_bytes = 0          # their gradients' bytes
         self._batches = 0              # queues run in this step
-        self._flush_tasks = set()      # nested graph tasks that run the queue
 
     def _warn_once(self, key: str, msg: str, category=UserWarning) -> None:
         if key not in self._warned:
@@ -397,19 +396,17 @@ class Automagic3(torch.optim.Optimizer):
                 return  # applied by _flush when the window closes
             self._updated.add(index)
             grad = p.grad
-            if grad is not None and p.is_cpu and self.nonfinite != "raise" and task >= 0:
+            # Queued only where the end of backward is sure to run the
+            # queue: in a pass whose end-of-backward callback is queued (not
+            # a nested one), after a step that such a callback closed (none
+            # runs under compiled autograd).
+            if (grad is not None and p.is_cpu and self.nonfinite != "raise"
+                    and steps.last_ended and steps.has_end_callback(task)):
                 nbytes = grad.numel() * grad.element_size()
                 if 0 < nbytes <= self._fused_batch_bytes // 4:
                     self._queue.append((p, group))
                     self._queued.add(index)
                     self._queue_bytes += nbytes
-                    if not steps.has_end_callback(task) and task not in self._flush_tasks:
-                        # a nested pass (reentrant checkpoint) whose outer
-                        # pass has no hook of its own may never close the
-                        # step: its queue runs when it ends
-                        self._flush_tasks.add(task)
-                        torch.autograd.Variable._execution_engine.queue_callback(
-                            self._run_queued)
                     if self._queue_bytes < self._fused_batch_bytes:
                         return
                     batch, key = self._take_queue()
@@ -426,13 +423,6 @@ class Automagic3(torch.optim.Optimizer):
         self._queued = set()
         self._batches += 1
         return batch, self._batches
-
-    def _run_queued(self) -> None:
-        """The end of a nested backward pass that queued updates: runs them."""
-        with self._steps.lock:
-            batch, key = self._take_queue()
-        if batch:
-            self._run_queue(batch, key)
 
     def _run_queue(self, batch, key) -> None:
         """Runs queued updates [(p, group)] in one am_update_batch call (the
@@ -465,14 +455,13 @@ class Automagic3(torch.optim.Optimizer):
 
     def _on_step_closed(self, ended: bool) -> None:
         """A step closed: the queued updates run if its backward pass ended
-        (ended), else they are dropped (a pass that failed: running them
-        now could change weights a later forward has used); maybe the
-        window ends too."""
+        (ended) or is still running (a hook of another pass closed it), else
+        they are dropped (the pass raised: running them now could change
+        weights a later forward has used); maybe the window ends too."""
         batch, key = self._take_queue()
         self._batches = 0
-        self._flush_tasks = set()
         try:
-            if batch and ended:
+            if batch and (ended or self._steps.pass_running()):
                 self._run_queue(batch, key)
             elif batch:
                 warnings.warn(
