@@ -125,9 +125,16 @@ class BackwardSteps:
             if self._open and self._gen == gen:
                 self._close_locked(ended=True)
 
-    def has_end_callback(self, task: int) -> bool:
-        """Whether graph task task will close the step when it ends."""
-        return task in self._queued
+    def can_queue(self, task: int) -> bool:
+        """Whether an update may wait for the end of the backward pass of
+        graph task task: the task will close the step by its callback (not
+        a nested pass), the last step was closed by its callback, the step's
+        backward frame is known (pass_running can judge it), and compiled
+        autograd, which runs no such callbacks, is not running the pass."""
+        if not (self.last_ended and task in self._queued and self._frame is not None):
+            return False
+        ca = sys.modules.get("torch._dynamo.compiled_autograd")
+        return not (ca is not None and getattr(ca, "in_compiled_autograd_region", False))
 
     def pass_running(self) -> bool:
         """For on_close: whether the closing step's outermost backward pass

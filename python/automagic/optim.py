@@ -397,11 +397,9 @@ class Automagic3(torch.optim.Optimizer):
             self._updated.add(index)
             grad = p.grad
             # Queued only where the end of backward is sure to run the
-            # queue: in a pass whose end-of-backward callback is queued (not
-            # a nested one), after a step that such a callback closed (none
-            # runs under compiled autograd).
+            # queue (BackwardSteps.can_queue)
             if (grad is not None and p.is_cpu and self.nonfinite != "raise"
-                    and steps.last_ended and steps.has_end_callback(task)):
+                    and steps.can_queue(task)):
                 nbytes = grad.numel() * grad.element_size()
                 if 0 < nbytes <= self._fused_batch_bytes // 4:
                     self._queue.append((p, group))

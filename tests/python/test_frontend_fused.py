@@ -545,3 +545,75 @@ def test_nested_pass_on_another_thread_runs_the_queue():
     for a, b in zip(list(i_ref.parameters()) + list(o_ref_m.parameters()),
                     list(inner.parameters()) + list(outer.parameters())):
         assert torch.equal(a, b) and b.grad is None and opt.state[b]["step"] == 4
+
+
+def test_compiled_autograd_after_eager_steps_does_not_queue(monkeypatch):
+    # An eager step (its callback runs: the queue may be used), then passes
+    # run by compiled autograd, which runs no end-of-backward callbacks:
+    # those must not queue (the updates would wait past backward and be
+    # dropped). Simulated: the compiled-autograd flag set and callbacks
+    # accepted but never run.
+    ca = pytest.importorskip("torch._dynamo.compiled_autograd")
+    data = batches(4, seed=12)
+    m, m_ref = make(), make()
+    opt = automagic.Automagic3(m.parameters())
+    o_ref = automagic.Automagic3(m_ref.parameters(), fused=False)
+    engine = torch.autograd.Variable._execution_engine
+
+    class NoCallbacks:
+        def queue_callback(self, f):
+            pass
+
+        def __getattr__(self, name):
+            return getattr(engine, name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i, b in enumerate(data):
+            if i == 1:
+                monkeypatch.setattr(ca, "in_compiled_autograd_region", True)
+                monkeypatch.setattr(torch.autograd.Variable, "_execution_engine", NoCallbacks())
+            loss_of(m, b).backward()
+            assert all(p.grad is None for p in m.parameters())
+            opt.step()
+            opt.zero_grad()
+    _train_step_mode(m_ref, o_ref, data, 1)
+    assert_same(m_ref, o_ref, m, opt)
+
+
+def test_backward_from_the_engine_directly_with_a_reentrant_checkpoint():
+    # A backward started by calling autograd's engine directly (as some
+    # training frameworks do) has no backward frame on the stack; with a
+    # reentrant checkpoint inside, its nested pass closes the step while
+    # the outer pass runs. Nothing may be queued then (whether the pass
+    # still runs cannot be told), so nothing is dropped or warned.
+    from torch.utils.checkpoint import checkpoint
+
+    def direct_backward(loss):
+        torch.autograd.Variable._execution_engine.run_backward(
+            tensors=(loss,), grad_tensors=(torch.ones_like(loss),), keep_graph=False,
+            create_graph=False, inputs=tuple(), allow_unreachable=True, accumulate_grad=True)
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(),
+                                   torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+
+    def loss(m, i):
+        h = m[0](torch.randn(4, 8, generator=torch.Generator().manual_seed(i)))
+        h = checkpoint(lambda t: m[2](m[1](t)), h, use_reentrant=True)
+        return m[4](m[3](h)).square().sum()
+    m, m_ref = model(), model()
+    opt = automagic.Automagic3(m.parameters(), seed=1)
+    o_ref = automagic.Automagic3(m_ref.parameters(), seed=1, fused=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(4):
+            direct_backward(loss(m, i))
+            assert all(p.grad is None for p in m.parameters())
+            opt.step()
+            opt.zero_grad()
+            loss(m_ref, i).backward()
+            o_ref.step()
+            o_ref.zero_grad()
+    for a, b in zip(m_ref.parameters(), m.parameters()):
+        assert torch.equal(a, b)
