@@ -467,11 +467,9 @@ def test_hooks_of_one_pass_on_two_threads_are_one_step(monkeypatch):
     assert closes == [True, False] and steps.is_open
 
 
-def test_without_end_of_backward_callbacks_nothing_is_queued(monkeypatch):
-    # Under compiled autograd the end-of-backward callbacks never run: the
-    # queue must not be used (it would wait past the next forward), and
-    # training equals step mode without warnings. Simulated: callbacks are
-    # accepted and never run.
+def _engine_without_callbacks():
+    """autograd's engine, except that queue_callback accepts callbacks and
+    never runs them (as under compiled autograd)."""
     engine = torch.autograd.Variable._execution_engine
 
     class NoCallbacks:
@@ -480,7 +478,16 @@ def test_without_end_of_backward_callbacks_nothing_is_queued(monkeypatch):
 
         def __getattr__(self, name):
             return getattr(engine, name)
-    monkeypatch.setattr(torch.autograd.Variable, "_execution_engine", NoCallbacks())
+    return NoCallbacks()
+
+
+def test_without_end_of_backward_callbacks_nothing_is_queued(monkeypatch):
+    # Under compiled autograd the end-of-backward callbacks never run: the
+    # queue must not be used (it would wait past the next forward), and
+    # training equals step mode without warnings. Simulated: callbacks are
+    # accepted and never run.
+    monkeypatch.setattr(torch.autograd.Variable, "_execution_engine",
+                        _engine_without_callbacks())
     data = batches(4, seed=11)
     m, m_ref = make(), make()
     opt = automagic.Automagic3(m.parameters())
@@ -558,20 +565,13 @@ def test_compiled_autograd_after_eager_steps_does_not_queue(monkeypatch):
     m, m_ref = make(), make()
     opt = automagic.Automagic3(m.parameters())
     o_ref = automagic.Automagic3(m_ref.parameters(), fused=False)
-    engine = torch.autograd.Variable._execution_engine
-
-    class NoCallbacks:
-        def queue_callback(self, f):
-            pass
-
-        def __getattr__(self, name):
-            return getattr(engine, name)
+    no_callbacks = _engine_without_callbacks()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for i, b in enumerate(data):
             if i == 1:
                 monkeypatch.setattr(ca, "in_compiled_autograd_region", True)
-                monkeypatch.setattr(torch.autograd.Variable, "_execution_engine", NoCallbacks())
+                monkeypatch.setattr(torch.autograd.Variable, "_execution_engine", no_callbacks)
             loss_of(m, b).backward()
             assert all(p.grad is None for p in m.parameters())
             opt.step()
