@@ -19,10 +19,11 @@ on this thread has one frame of ``torch.autograd.graph._engine_run_backward``;
 the outermost such frame identifies the step. Hooks that run on autograd's
 device threads (no Python backward frame on their stack) are matched by
 graph task: one of a task the step has seen continues it, so a pass whose
-hooks run on both threads is one step. A nested pass run from a device
+hooks run on both threads is one step; such a step takes the backward frame
+of the thread that waits for the pass. A nested pass run from a device
 thread (reentrant checkpointing on an accelerator) has a backward frame of
-its own there, so it counts as its own step and closes the outer one while
-the outer pass still runs (pass_running() tells the two closes apart).
+its own there: a hook of another pass while the step's pass still runs
+(pass_running()) belongs to that step, and its pass cannot end the step.
 """
 import sys
 import threading
@@ -47,6 +48,27 @@ def _outer_backward():
             outer, depth = f, depth + 1
         f = f.f_back
     return outer, depth
+
+
+def _backward_frame_elsewhere():
+    """The outermost backward frame of the one thread running a backward
+    pass from Python, or None (none, or several threads): for a hook on an
+    autograd device thread, whose own stack has no such frame, the frame of
+    the pass it serves (its caller waits in it on its own thread)."""
+    if _ENGINE_CODE is None:
+        return None
+    found = None
+    for f in sys._current_frames().values():
+        outer = None
+        while f is not None:
+            if f.f_code is _ENGINE_CODE:
+                outer = f
+            f = f.f_back
+        if outer is not None:
+            if found is not None:
+                return None
+            found = outer
+    return found
 
 
 class BackwardSteps:
@@ -102,17 +124,24 @@ class BackwardSteps:
                 return task
         frame, depth = _outer_backward()
         with self.lock:
+            nested = False
             if self._open and not ((frame is not None and frame is self._frame)
                                    or (task >= 0 and task in self._tasks)):
-                self._close_locked()
+                # Another pass. While the step's own pass still runs, it is
+                # a pass nested in it that runs on another thread (reentrant
+                # checkpointing on an accelerator: the checkpoint's backward,
+                # on the device thread, starts it); else the step is over.
+                nested = self.pass_running()
+                if not nested:
+                    self._close_locked()
             self._open = True
-            if frame is not None and self._frame is None:
-                self._frame = frame
+            if self._frame is None:
+                self._frame = frame if frame is not None else _backward_frame_elsewhere()
             if task >= 0:
                 self._tasks.add(task)
             # Only the outermost pass may end the step: a nested (reentrant)
             # pass ends while its outer pass still has gradients to deliver.
-            if depth <= 1 and task >= 0 and task not in self._queued:
+            if not nested and depth <= 1 and task >= 0 and task not in self._queued:
                 self._queued.add(task)
                 torch.autograd.Variable._execution_engine.queue_callback(
                     lambda gen=self._gen: self._end_of_backward(gen))

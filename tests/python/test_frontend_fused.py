@@ -502,17 +502,29 @@ def test_without_end_of_backward_callbacks_nothing_is_queued(monkeypatch):
     assert_same(m_ref, o_ref, m, opt)
 
 
-def test_nested_pass_on_another_thread_runs_the_queue():
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("outer_hooks_see_a_frame", [True, False])
+def test_nested_pass_on_another_thread_is_part_of_the_step(k, outer_hooks_see_a_frame,
+                                                           monkeypatch):
     # Reentrant checkpointing on an accelerator: the checkpoint's nested
-    # backward runs on autograd's device thread, with its own backward frame,
-    # and its hooks close the step while the outer pass still runs; the
-    # updates the outer pass queued must run then, not be dropped.
-    # Simulated on the CPU with a Python thread.
+    # backward runs on autograd's device thread, with its own backward frame.
+    # It belongs to the outer pass's step (one step per backward, so
+    # accumulation windows count right) and the outer pass's queued updates
+    # run at its end, none dropped. Simulated on the CPU with a Python
+    # thread. Without a frame, the outer pass's hooks are like those on a
+    # device thread (all of them, for a model all on the accelerator): the
+    # step takes the frame of the thread waiting for the pass.
+    if not outer_hooks_see_a_frame:
+        from automagic import _fused
+        real = _fused._outer_backward
+        main = threading.current_thread()
+        monkeypatch.setattr(_fused, "_outer_backward", lambda: (
+            (None, 0) if threading.current_thread() is main else real()))
     def model():
         torch.manual_seed(0)
-        return torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+        return torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
 
-    def fused_loss(inner, outer, x):
+    def fused_loss(first, inner, outer, x):
         class CheckpointOnAnotherThread(torch.autograd.Function):
             @staticmethod
             def forward(ctx, x):
@@ -535,22 +547,22 @@ def test_nested_pass_on_another_thread_runs_the_queue():
                 t.start()
                 t.join()
                 return out[0]
-        return outer(CheckpointOnAnotherThread.apply(x)).square().sum()
-    (inner, outer), (i_ref, o_ref_m) = model(), model()
-    opt = automagic.Automagic3(list(inner.parameters()) + list(outer.parameters()))
-    o_ref = automagic.Automagic3(list(i_ref.parameters()) + list(o_ref_m.parameters()),
-                                 fused=False)
+        return outer(CheckpointOnAnotherThread.apply(first(x))).square().sum()
+    ms, refs = model(), model()
+    params = [p for m in ms for p in m.parameters()]
+    ref_params = [p for m in refs for p in m.parameters()]
+    opt = automagic.Automagic3(params, accumulation_steps=k)
+    o_ref = automagic.Automagic3(ref_params, fused=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for i in range(4):
-            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i),
-                            requires_grad=True)
-            fused_loss(inner, outer, x).backward()
-            o_ref_m(torch.tanh(i_ref(x))).square().sum().backward()
-            o_ref.step()
-            o_ref.zero_grad()
-    for a, b in zip(list(i_ref.parameters()) + list(o_ref_m.parameters()),
-                    list(inner.parameters()) + list(outer.parameters())):
+        for i in range(4 * k):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+            fused_loss(*ms, x).backward()
+            refs[2](torch.tanh(refs[1](refs[0](x)))).square().sum().backward()
+            if (i + 1) % k == 0:
+                o_ref.step()
+                o_ref.zero_grad()
+    for a, b in zip(ref_params, params):
         assert torch.equal(a, b) and b.grad is None and opt.state[b]["step"] == 4
 
 
