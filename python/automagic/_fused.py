@@ -17,13 +17,13 @@ also close a pass that failed (autograd runs no callbacks then).
 Nesting is found from the Python stack: each backward pass run from Python
 on this thread has one frame of ``torch.autograd.graph._engine_run_backward``;
 the outermost such frame identifies the step. Hooks that run on autograd's
-device threads (no Python backward frame on their stack) are matched by
-graph task: one of a task the step has seen continues it, so a pass whose
-hooks run on both threads is one step; such a step takes the backward frame
-of the thread that waits for the pass. A nested pass run from a device
-thread (reentrant checkpointing on an accelerator) has a backward frame of
-its own there: a hook of another pass while the step's pass still runs
-(pass_running()) belongs to that step, and its pass cannot end the step.
+device threads (no Python backward frame on their stack) belong to the pass
+whose caller waits in a backward frame on its own thread, and are matched by
+graph task too: a pass whose hooks run on both threads is one step. A
+nested pass run from a device thread (reentrant checkpointing on an
+accelerator) has a backward frame of its own there, while another thread
+runs the outer pass: it is nested in that pass (_pass_of). Several threads
+running backward passes at once are not told apart (not supported).
 """
 import sys
 import threading
@@ -50,15 +50,16 @@ def _outer_backward():
     return outer, depth
 
 
-def _backward_frame_elsewhere():
-    """The outermost backward frame of the one thread running a backward
-    pass from Python, or None (none, or several threads): for a hook on an
-    autograd device thread, whose own stack has no such frame, the frame of
-    the pass it serves (its caller waits in it on its own thread)."""
+def _running_backward_frame(skip_thread=None):
+    """The outermost backward frame of the one thread (other than
+    skip_thread) running a backward pass from Python, or None (none, or
+    several threads)."""
     if _ENGINE_CODE is None:
         return None
     found = None
-    for f in sys._current_frames().values():
+    for tid, f in sys._current_frames().items():
+        if tid == skip_thread:
+            continue
         outer = None
         while f is not None:
             if f.f_code is _ENGINE_CODE:
@@ -69,6 +70,21 @@ def _backward_frame_elsewhere():
                 return None
             found = outer
     return found
+
+
+def _pass_of(frame, depth):
+    """(the outermost backward frame of the pass a hook belongs to, its
+    nesting depth), from the hook's own thread's (frame, depth). A hook on
+    an autograd device thread has no backward frame of its own: it serves
+    the pass whose caller waits in one on its own thread. A hook whose
+    thread runs a backward while another thread's runs (a reentrant
+    checkpoint's nested pass, started from an accelerator's device thread
+    by the checkpoint's backward) is nested in that one."""
+    if frame is None:
+        other = _running_backward_frame()
+        return (other, 1) if other is not None else (None, depth)
+    other = _running_backward_frame(threading.get_ident())
+    return (other, depth + 1) if other is not None else (frame, depth)
 
 
 class BackwardSteps:
@@ -122,26 +138,19 @@ class BackwardSteps:
             if (task >= 0 and self._open and getattr(last, "task", None) == task
                     and last.gen == self._gen):
                 return task
-        frame, depth = _outer_backward()
+        frame, depth = _pass_of(*_outer_backward())
         with self.lock:
-            nested = False
             if self._open and not ((frame is not None and frame is self._frame)
                                    or (task >= 0 and task in self._tasks)):
-                # Another pass. While the step's own pass still runs, it is
-                # a pass nested in it that runs on another thread (reentrant
-                # checkpointing on an accelerator: the checkpoint's backward,
-                # on the device thread, starts it); else the step is over.
-                nested = self.pass_running()
-                if not nested:
-                    self._close_locked()
+                self._close_locked()
             self._open = True
-            if self._frame is None:
-                self._frame = frame if frame is not None else _backward_frame_elsewhere()
+            if frame is not None and self._frame is None:
+                self._frame = frame
             if task >= 0:
                 self._tasks.add(task)
             # Only the outermost pass may end the step: a nested (reentrant)
             # pass ends while its outer pass still has gradients to deliver.
-            if not nested and depth <= 1 and task >= 0 and task not in self._queued:
+            if depth <= 1 and task >= 0 and task not in self._queued:
                 self._queued.add(task)
                 torch.autograd.Variable._execution_engine.queue_callback(
                     lambda gen=self._gen: self._end_of_backward(gen))

@@ -504,7 +504,8 @@ def test_without_end_of_backward_callbacks_nothing_is_queued(monkeypatch):
 
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("outer_hooks_see_a_frame", [True, False])
-def test_nested_pass_on_another_thread_is_part_of_the_step(k, outer_hooks_see_a_frame,
+@pytest.mark.parametrize("head", [True, False])
+def test_nested_pass_on_another_thread_is_part_of_the_step(k, outer_hooks_see_a_frame, head,
                                                            monkeypatch):
     # Reentrant checkpointing on an accelerator: the checkpoint's nested
     # backward runs on autograd's device thread, with its own backward frame.
@@ -513,7 +514,9 @@ def test_nested_pass_on_another_thread_is_part_of_the_step(k, outer_hooks_see_a_
     # run at its end, none dropped. Simulated on the CPU with a Python
     # thread. Without a frame, the outer pass's hooks are like those on a
     # device thread (all of them, for a model all on the accelerator): the
-    # step takes the frame of the thread waiting for the pass.
+    # step takes the frame of the thread waiting for the pass. Without a
+    # head after the checkpoint the step's first hook fires in the nested
+    # pass.
     if not outer_hooks_see_a_frame:
         from automagic import _fused
         real = _fused._outer_backward
@@ -522,7 +525,8 @@ def test_nested_pass_on_another_thread_is_part_of_the_step(k, outer_hooks_see_a_
             (None, 0) if threading.current_thread() is main else real()))
     def model():
         torch.manual_seed(0)
-        return torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+        ms = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+        return ms if head else ms[:2] + (torch.nn.Identity(),)
 
     def fused_loss(first, inner, outer, x):
         class CheckpointOnAnotherThread(torch.autograd.Function):
