@@ -25,6 +25,7 @@ accelerator) has a backward frame of its own there, while another thread
 runs the outer pass: it is nested in that pass (_pass_of). Several threads
 running backward passes at once are not told apart (not supported).
 """
+import gc
 import sys
 import threading
 
@@ -37,17 +38,36 @@ except (ImportError, AttributeError):  # pragma: no cover - older torch
     _ENGINE_CODE = None
 
 
-def _outer_backward():
-    """(outermost backward frame on this thread or None, nesting depth)."""
-    if _ENGINE_CODE is None:
-        return None, 0
-    f = sys._getframe(2)
+def _outermost(f):
+    """(the outermost backward frame of the stack from frame f or None,
+    how many there are)."""
     outer, depth = None, 0
     while f is not None:
         if f.f_code is _ENGINE_CODE:
             outer, depth = f, depth + 1
         f = f.f_back
     return outer, depth
+
+
+def _outer_backward():
+    """(outermost backward frame on this thread or None, nesting depth)."""
+    if _ENGINE_CODE is None:
+        return None, 0
+    return _outermost(sys._getframe(2))
+
+
+def _thread_frames() -> dict:
+    """sys._current_frames() with the garbage collector paused: CPython
+    holds its thread-list lock while it builds the frames, and a collection
+    started by that allocation which frees a threading.local takes the same
+    lock again (a deadlock seen in this project's tests, CPython 3.11)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return sys._current_frames()
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _running_backward_frame(skip_thread=None):
@@ -57,14 +77,10 @@ def _running_backward_frame(skip_thread=None):
     if _ENGINE_CODE is None:
         return None
     found = None
-    for tid, f in sys._current_frames().items():
+    for tid, f in _thread_frames().items():
         if tid == skip_thread:
             continue
-        outer = None
-        while f is not None:
-            if f.f_code is _ENGINE_CODE:
-                outer = f
-            f = f.f_back
+        outer = _outermost(f)[0]
         if outer is not None:
             if found is not None:
                 return None
@@ -181,7 +197,7 @@ class BackwardSteps:
         frame = self._frame
         if frame is None:
             return False
-        for f in sys._current_frames().values():
+        for f in _thread_frames().values():
             while f is not None:
                 if f is frame:
                     return True
