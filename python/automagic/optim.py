@@ -311,7 +311,6 @@ class Automagic3(torch.optim.Optimizer):
         self._valid_groups = {}        # id(group) -> _group_key last validated
         self._batch_cache = {}         # _apply_batch's items, by caller's key
         self._queue = []               # fused mode: small updates not yet run
-        self._queued = set()           # their indices
         self._queue_bytes = 0          # their gradients' bytes
         self._batches = 0              # queues run in this step
 
@@ -378,7 +377,7 @@ class Automagic3(torch.optim.Optimizer):
                 # reentrant checkpoint. From now on wait for the end of the
                 # backward pass to update it with the whole gradient.
                 self._deferred.add(index)
-                if index in self._queued:
+                if any(q is p for q, _ in self._queue):
                     return  # not updated yet: p.grad now holds both parts
                 if index in self._updated:
                     p.grad = None
@@ -403,7 +402,6 @@ class Automagic3(torch.optim.Optimizer):
                 nbytes = grad.numel() * grad.element_size()
                 if 0 < nbytes <= self._fused_batch_bytes // 4:
                     self._queue.append((p, group))
-                    self._queued.add(index)
                     self._queue_bytes += nbytes
                     if self._queue_bytes < self._fused_batch_bytes:
                         return
@@ -418,7 +416,6 @@ class Automagic3(torch.optim.Optimizer):
         queue emptied; the lock held."""
         batch = self._queue
         self._queue, self._queue_bytes = [], 0
-        self._queued = set()
         self._batches += 1
         return batch, self._batches
 
@@ -442,12 +439,8 @@ class Automagic3(torch.optim.Optimizer):
                     continue
                 jobs.append((p, group) + hyper[id(group)])
             _lib.lib.am_set_num_threads(torch.get_num_threads())
-            if len(jobs) > 1 and self.batch_updates:
-                # the key-th batch of each step keeps its own item array
-                self._apply_batch(jobs, ("fused", key))
-            else:
-                for job in jobs:
-                    self._apply(*job)
+            # the key-th batch of each step keeps its own item array
+            self._apply_jobs(jobs, ("fused", key))
         if error is not None:
             raise error
 
@@ -714,7 +707,17 @@ class Automagic3(torch.optim.Optimizer):
                             RuntimeWarning)
         p.grad = None
 
-    def _apply_batch(self, jobs, cache_key="step") -> None:
+    def _apply_jobs(self, jobs, cache_key) -> None:
+        """The updates of jobs [(p, group, scale, hsig)], checked CPU
+        parameters: one am_update_batch call for several (unless
+        batch_updates is False), else one at a time."""
+        if len(jobs) > 1 and self.batch_updates:
+            self._apply_batch(jobs, cache_key)
+        else:
+            for job in jobs:
+                self._apply(*job)
+
+    def _apply_batch(self, jobs, cache_key) -> None:
         """The updates of jobs [(p, group, scale, hsig)], checked CPU
         parameters, in one am_update_batch call: whole parameters on separate
         threads (the same bits as _apply on each in turn; docs/PYTORCH.md).
@@ -846,10 +849,7 @@ class Automagic3(torch.optim.Optimizer):
                     batch.append((p, group, scale, hsig))
                 else:
                     self._apply(p, group, scale, hsig)
-        if len(batch) == 1:
-            self._apply(*batch[0])
-        elif batch:
-            self._apply_batch(batch)
+        self._apply_jobs(batch, "step")
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
