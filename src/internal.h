@@ -240,6 +240,13 @@ static inline int64_t am_count_pos_tail(const void *g, int gdt, int64_t e, int64
  * own (the apply_rows slot's lrs mode below): whole bytes per row. */
 static inline int64_t am_lrs_row_bytes(int64_t C) { return (C + 7) / 8; }
 
+/* float32 matrices whose rows are at least this long reach the apply_rows
+ * slot in blocks of rows with an lr each (lrs mode; update.c,
+ * finish_short_rows_task), which the AVX-512 apply runs four rows at a
+ * time: each column factor loaded once for four rows (docs/PERFORMANCE.md,
+ * seventeenth session). */
+#define AM_LONG_ROW_MIN 3072
+
 typedef struct am_kernels {
     const char *name;
 

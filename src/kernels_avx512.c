@@ -637,6 +637,61 @@ AM_INLINE void apply_rows4(void *p, const int pdt, const void *g, const int gdt,
     }
 }
 
+/* apply_mode's lrs mode for four rows r..r+3 of a float32 parameter in one
+ * matrix (C >= AM_LONG_ROW_MIN, internal.h): 64 columns of each row in
+ * turn, the four vectors of column factors loaded once for the four rows
+ * (one row at a time re-read them from L2 for every row); each row's bits
+ * start on a byte (am_lrs_row_bytes), 8 bytes per 64 columns, then its
+ * tail as apply_mode. The same per-element operations: the same bits. */
+AM_INLINE void apply_long4(float *p, const void *g, const int gdt, int64_t r, int64_t r0,
+                           int64_t C, const float *rf, const float *cfb, float inv,
+                           const float *lrs, const am_consts *k, uint64_t seed,
+                           uint32_t param_id, int64_t step, uint8_t *pol_row,
+                           const int scaled, const int wd, rng512 *w) {
+    const int64_t n16 = C & ~(int64_t)15, n64 = C & ~(int64_t)63, rb = am_lrs_row_bytes(C);
+    const __m512 iv = _mm512_set1_ps(inv), wdv = _mm512_set1_ps(k->wd);
+    __m512 rfq[4], lrq[4];
+    int64_t j;
+    int q;
+    for (q = 0; q < 4; q++) {
+        rfq[q] = _mm512_set1_ps(rf[r + q]);
+        lrq[q] = _mm512_set1_ps(lrs[r - r0 + q]);
+    }
+    for (j = 0; j < n64; j += 64) {
+        const __m512 c0 = _mm512_loadu_ps(cfb + j), c1 = _mm512_loadu_ps(cfb + j + 16),
+                     c2 = _mm512_loadu_ps(cfb + j + 32), c3 = _mm512_loadu_ps(cfb + j + 48);
+        for (q = 0; q < 4; q++) {
+            const int64_t f = (r + q) * C + j;
+#define AM_LONG16(D, CV)                                                      \
+    apply16(p, AM_DTYPE_FLOAT32, g, gdt, f + (D), _mm512_mul_ps(rfq[q], CV), iv, lrq[q], \
+            wdv, scaled, wd, w)
+            const uint64_t bits = (uint64_t)AM_LONG16(0, c0) | (uint64_t)AM_LONG16(16, c1) << 16 |
+                                  (uint64_t)AM_LONG16(32, c2) << 32 |
+                                  (uint64_t)AM_LONG16(48, c3) << 48;
+#undef AM_LONG16
+            if (pol_row) memcpy(pol_row + (r - r0 + q) * rb + j / 8, &bits, 8);
+        }
+    }
+    for (q = 0; q < 4; q++) { /* the tails: 16 columns at a time, then one */
+        const int64_t base = (r + q) * C;
+        bitw bw = {pol_row ? pol_row + (r - r0 + q) * rb + n64 / 8 : NULL, 0, 0, 0};
+        for (j = n64; j < n16; j += 16) {
+            const unsigned bits =
+                apply16(p, AM_DTYPE_FLOAT32, g, gdt, base + j,
+                        _mm512_mul_ps(rfq[q], _mm512_loadu_ps(cfb + j)), iv, lrq[q], wdv,
+                        scaled, wd, w);
+            if (pol_row) bw_put(&bw, bits, 16);
+        }
+        for (; j < C; j++) {
+            const int pos = am_apply_one(p, AM_DTYPE_FLOAT32, g, gdt, base + j,
+                                         rf[r + q] * cfb[j], inv, lrs[r - r0 + q], k->wd,
+                                         seed, param_id, step);
+            if (pol_row) bw_put(&bw, (uint32_t)pos, 1);
+        }
+        if (pol_row) bw_flush(&bw);
+    }
+}
+
 /* ref_apply_rows for a 16-bit parameter, rows of C >= 16 elements, with the
  * clip multiplication (scaled) and the decay (wd) fixed: the loop holds no test
  * of them and keeps its constants in registers. */
@@ -670,7 +725,12 @@ AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
                      scaled, wd, w);
         return;
     }
-    for (r = r0; r < r1; r++) {
+    r = r0;
+    if (lrs && pdt == AM_DTYPE_FLOAT32 && C >= AM_LONG_ROW_MIN && (r1 - 1) / R == r0 / R)
+        for (; r + 4 <= r1; r += 4) /* long float32 rows, four at a time */
+            apply_long4((float *)p, g, gdt, r, r0, C, rf, cfb, inv, lrs, k, seed, param_id,
+                        step, pol_row, scaled, wd, w);
+    for (; r < r1; r++) {
         const __m512 rfv = _mm512_set1_ps(rf[r]);
         const int64_t base = r * C;
         if (lrs) { /* a row of its own lr and bits (internal.h) */

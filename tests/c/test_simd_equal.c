@@ -1102,6 +1102,11 @@ static void test_updates(void **unused) {
     extra[nextra++] = mk(2, 1101, 8, 0, 0);     /* rows of 8: pairs, an odd last row */
     extra[nextra++] = mk(2, 1030, 32, 0, 0);    /* rows of 32: 16 at a time, a tail */
     extra[nextra++] = mk(2, 1037, 4, 0, 0);     /* rows of 4: four a vector, a tail */
+    /* long float32 rows in blocks of 4 lr-rows (update.c, long_row_blocks;
+     * the AVX-512 apply's apply_long4): tails of 16 and of single columns,
+     * a last block of 3 rows; whole vectors only */
+    extra[nextra++] = mk(2, 67, 3100, 0, 0);
+    extra[nextra++] = mk(2, 64, 4096, 0, 0);
     /* narrow matrices whose lr-rows hold many rows (AVX2 stats, 8 rows at
      * a time: each row's polarity found by am_polmap_bit) */
     extra[nextra++] = mk(3, 5, 40, 8, 0);
