@@ -222,6 +222,39 @@ def test_queued_gradients_stay_within_the_budget():
     assert max(run(0)) == 0
 
 
+@pytest.mark.parametrize("call", ["zero_grad", "step"])
+def test_step_closed_inside_backward_runs_its_queue(call):
+    # zero_grad() or step() called by a hook in the middle of a backward
+    # pass closes the step while its pass still runs: the updates queued so
+    # far run at once (not dropped, no warning), and the rest of the pass
+    # updates the other parameters, as with nothing queued.
+    def run(batch_bytes):
+        torch.manual_seed(5)
+        layers = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)])
+        opt = _fused(layers.parameters(), batch_bytes)
+        queued = []
+
+        def close(g):
+            queued.append(len(opt._queue))
+            getattr(opt, call)()
+        for step in range(3):
+            h = torch.randn(4, 8)
+            for i, layer in enumerate(layers):
+                h = layer(h)
+                if i == 2 and step > 0:  # after layers 5..3's hooks
+                    h.register_hook(close)
+            h.square().sum().backward()
+            assert all(p.grad is None for p in layers.parameters())
+        return layers, opt, queued
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        m1, o1, queued = run(None)
+        m2, o2, _ = run(0)
+    assert queued[0] > 0  # the queue held updates when the step closed
+    assert all(o1.state[p]["step"] == 3 for p in m1.parameters())
+    assert_same(m1, o1, m2, o2)
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_reentrant_checkpoint_queued_equals_step_mode(k):
     # k = 1: queued (a small parameter, after a first step without the
