@@ -1102,11 +1102,6 @@ static void test_updates(void **unused) {
     extra[nextra++] = mk(2, 1101, 8, 0, 0);     /* rows of 8: pairs, an odd last row */
     extra[nextra++] = mk(2, 1030, 32, 0, 0);    /* rows of 32: 16 at a time, a tail */
     extra[nextra++] = mk(2, 1037, 4, 0, 0);     /* rows of 4: four a vector, a tail */
-    /* long float32 rows in blocks of 4 lr-rows (update.c, long_row_blocks;
-     * the AVX-512 apply's apply_long4): tails of 16 and of single columns,
-     * a last block of 3 rows; whole vectors only */
-    extra[nextra++] = mk(2, 67, 3100, 0, 0);
-    extra[nextra++] = mk(2, 64, 4096, 0, 0);
     /* narrow matrices whose lr-rows hold many rows (AVX2 stats, 8 rows at
      * a time: each row's polarity found by am_polmap_bit) */
     extra[nextra++] = mk(3, 5, 40, 8, 0);
@@ -1116,6 +1111,21 @@ static void test_updates(void **unused) {
     extra[nextra++] = mk(3, 2, 20, 16, 0);
     extra[nextra++] = mk(3, 2, 17, 32, 0);
     for (x = 0; x < nextra; x++) check_shape(&extra[x], x & 1 ? 0.1 : 0.0, &failures);
+    {   /* long float32 rows in blocks of 4 lr-rows (update.c, long_row_blocks;
+         * the AVX-512 apply's apply_long4): tails of 16 and of single
+         * columns and a last block of 3 rows, then whole vectors only; with
+         * and without software prefetch (an AVX-512 CPU runs the float32
+         * apply in AVX-512 only without it: avx512x_apply_rows) */
+        const int pf0 = am_sw_prefetch();
+        int pf;
+        for (pf = 0; pf <= 1; pf++) {
+            am_shape a = mk(2, 67, 3100, 0, 0), b = mk(2, 64, 4096, 0, 0);
+            am_set_sw_prefetch(pf);
+            check_shape(&a, pf ? 0.0 : 0.1, &failures);
+            check_shape(&b, pf ? 0.1 : 0.0, &failures);
+        }
+        am_set_sw_prefetch(pf0);
+    }
     {   /* 65536 3x3 matrices: big enough that every pass engages threads */
         am_shape big = mk(4, 256, 256, 3, 3);
         check_shape_pairs(&big, 0.1, 0, &failures);
