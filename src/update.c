@@ -584,12 +584,12 @@ static void finish_lr_row_task(void *ctx, int64_t kr) {
  * task and an apply_rows call per AM_LONG_BLOCK_ROWS of them, which the
  * AVX-512 apply runs together (where it gets float32: CPUs with AVX-512
  * and software prefetch off, i.e. AMD; the other kernel sets run the rows
- * of a block one at a time, as before, not measured). From memory, one row at a time re-read the
- * column factors from L2 for each row (C * 4 bytes, more than L1 keeps
- * while the row streams pass): 4096x11008 float32 finish 15.2-15.9 ->
- * 13.0-13.2 ms at 1 thread. Shorter rows are left one at a time: four
- * interleaved streams of a few KB each defeated the hardware prefetcher
- * (3072x768 float32 1.06-1.15 -> 1.50-1.56 ms). */
+ * of a block one at a time, as before; not measured there). From memory,
+ * one row at a time re-read the column factors from L2 for each row (C * 4
+ * bytes, more than L1 keeps while the row streams pass): 4096x11008
+ * float32 finish 15.2-15.9 -> 13.0-13.2 ms at 1 thread. Shorter rows are
+ * left one at a time: four interleaved streams of a few KB each defeated
+ * the hardware prefetcher (3072x768 float32 1.06-1.15 -> 1.50-1.56 ms). */
 #define AM_LONG_BLOCK_ROWS 4
 #define AM_LONG_BLOCK_MIN_LR_ROWS 64
 
