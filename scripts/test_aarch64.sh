@@ -21,14 +21,19 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 cmake -S . -B build/aarch64 -DCMAKE_TOOLCHAIN_FILE=cmake/toolchain-aarch64-linux-gnu.cmake \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo -DAM_WERROR=ON -DAM_CUDA=OFF -DAM_BUILD_BENCH=OFF \
-  -DAM_BUILD_DEMO=OFF -DAM_TEST_LAUNCHER="qemu-aarch64;-L;/usr/aarch64-linux-gnu" >/dev/null
+  -DAM_BUILD_DEMO=OFF -DAM_TEST_LAUNCHER="qemu-aarch64;-L;/" >/dev/null
 cmake --build build/aarch64 -j"$(nproc)"
 file build/aarch64/libautomagic.so | grep -q aarch64 || { echo "not an aarch64 build" >&2; exit 1; }
-# Five tests are left out under the emulator: test_threads, test_runner
-# and test_batch start threads, and pthread_create never returns under this qemu-user
-# (Debian 12's 7.2: a program that only creates one thread hangs the same
-# way); test_checkpoint_kill (many processes; more than 15 minutes under
-# qemu here) and test_simd_equal (its SIMD comparisons are x86-only; on
-# ARM it would compare the scalar path with itself).
+# The tests run against Debian's arm64 C library (libc6:arm64, which the
+# arm64 cmocka pulls in), loader included: "-L /". With the cross
+# toolchain's sysroot as the prefix (-L /usr/aarch64-linux-gnu, as before
+# the seventeenth session) qemu took that sysroot's loader
+# (libc6-arm64-cross, 2.36-8cross1) but found no libc.so.6 under it and
+# loaded the arm64 package's (2.36-9+deb12u14): the two disagree on glibc's
+# private structures and pthread_create looped forever in the loader's list
+# of thread stacks, so the tests that start threads had to be left out.
+# Two are still left out: test_checkpoint_kill (many processes; more than
+# 15 minutes under qemu here) and test_simd_equal (its SIMD comparisons are
+# x86-only; on ARM it would compare the scalar path with itself).
 ctest --test-dir build/aarch64 --output-on-failure -j"$(nproc)" \
-  -E '^(test_threads|test_runner|test_batch|test_checkpoint_kill|test_simd_equal)$'
+  -E '^(test_checkpoint_kill|test_simd_equal)$'
