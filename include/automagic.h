@@ -282,7 +282,10 @@ typedef struct am_batch_item {
  * nthreads threads (am_get_num_threads() at the call): in *bytes.
  * Returns AM_OK, or the first item's argument error as am_update_batch
  * would (AM_ERR_NULL_POINTER for items or bytes NULL with n > 0,
- * AM_ERR_INVALID_ARGUMENT for n < 0 or nthreads < 1). */
+ * AM_ERR_INVALID_ARGUMENT for n < 0 or nthreads < 1, or when the size
+ * would exceed SIZE_MAX / 2: one slot per thread of the largest item's
+ * am_update workspace, which a zero-element item of a huge shape such as
+ * [2^56, 0] makes huge). */
 AM_API am_status am_update_batch_workspace(const am_batch_item *items, int64_t n,
                                            int nthreads, size_t *bytes);
 
@@ -296,7 +299,10 @@ AM_API am_status am_update_batch_workspace(const am_batch_item *items, int64_t n
  *
  * Every item is checked before anything is updated: an argument error in
  * any item (what am_update would return), two items whose parameters or
- * states share memory (AM_ERR_INVALID_ARGUMENT), a workspace NULL
+ * states share memory, or one's gradient with the other's parameter or
+ * state (AM_ERR_INVALID_ARGUMENT; in turn the second would read the
+ * first's result, at the same time they would race), a workspace size over
+ * SIZE_MAX / 2 (AM_ERR_INVALID_ARGUMENT), a workspace NULL
  * (AM_ERR_NULL_POINTER) or smaller than am_update_batch_workspace says
  * (AM_ERR_BUFFER_SIZE), or no memory for the sharing check
  * (AM_ERR_OUT_OF_MEMORY) return that error with nothing modified but the

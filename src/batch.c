@@ -58,10 +58,12 @@ static am_status check_item(const am_batch_item *it, int64_t i, int64_t *ws) {
     return am_update_check(it->param, it->grad, it->state, it->hp, ws);
 }
 
-/* A byte range of a parameter or of its state, for the overlap check. */
+/* A byte range of a parameter, of its state or of its gradient (grad set),
+ * for the overlap check. */
 typedef struct span {
     uintptr_t lo, hi;
     int64_t item;
+    int grad;
 } span;
 
 static int cmp_span(const void *a, const void *b) {
@@ -69,20 +71,33 @@ static int cmp_span(const void *a, const void *b) {
     return (x->lo > y->lo) - (x->lo < y->lo);
 }
 
-static void add_span(span *sp, int *k, const void *p, int64_t bytes, int64_t item) {
+static void add_span(span *sp, int *k, const void *p, int64_t bytes, int64_t item, int grad) {
     if (p && bytes > 0) {
         sp[*k].lo = (uintptr_t)p;
         sp[*k].hi = (uintptr_t)p + (uintptr_t)bytes;
         sp[*k].item = item;
+        sp[*k].grad = grad;
         (*k)++;
     }
 }
 
-/* AM_ERR_INVALID_ARGUMENT when two items' parameters or states share
- * memory (updated at the same time they would race; in turn, one would
- * see the other's result). */
+/* Spans a and b of different items may not share bytes unless both are
+ * gradients (only read). */
+static int conflict(const span *a, const span *b) {
+    return a->item != b->item && !(a->grad && b->grad);
+}
+
+/* AM_ERR_INVALID_ARGUMENT when an item's parameter or state shares memory
+ * with another item's parameter, state or gradient (updated at the same
+ * time they would race; in turn, one would see the other's result).
+ * Gradients may share memory with each other, and an item's gradient with
+ * its own parameter (am_update allows that). The spans sorted by start,
+ * each is compared with every earlier one still open: those whose end is
+ * past its start (at most one kept per kind: the open span reaching
+ * furthest, and the furthest one of another item, so a span nested in one
+ * of its own item's spans cannot hide another item's). */
 static am_status check_overlap(const am_batch_item *items, int64_t n) {
-    enum { PER_ITEM = 6 };
+    enum { PER_ITEM = 7 };
     span *sp;
     int64_t i;
     int k = 0, j;
@@ -96,23 +111,49 @@ static am_status check_overlap(const am_batch_item *items, int64_t n) {
         const am_batch_item *it = &items[i];
         am_state_sizes sz;
         if (am_state_get_sizes(&it->param->shape, &sz) != AM_OK || sz.numel == 0) continue;
-        add_span(sp, &k, it->param->data, sz.numel * (int64_t)am_dtype_size(it->param->dtype), i);
-        add_span(sp, &k, it->state->lr, 4 * sz.lr_count, i);
-        add_span(sp, &k, it->state->polarity, sz.polarity_bytes, i);
-        add_span(sp, &k, it->state->row, 4 * sz.row_count, i);
-        add_span(sp, &k, it->state->col, 4 * sz.col_count, i);
-        add_span(sp, &k, it->state->sq, 4 * sz.sq_count, i);
+        add_span(sp, &k, it->param->data, sz.numel * (int64_t)am_dtype_size(it->param->dtype), i,
+                 0);
+        add_span(sp, &k, it->grad->data, sz.numel * (int64_t)am_dtype_size(it->grad->dtype), i, 1);
+        add_span(sp, &k, it->state->lr, 4 * sz.lr_count, i, 0);
+        add_span(sp, &k, it->state->polarity, sz.polarity_bytes, i, 0);
+        add_span(sp, &k, it->state->row, 4 * sz.row_count, i, 0);
+        add_span(sp, &k, it->state->col, 4 * sz.col_count, i, 0);
+        add_span(sp, &k, it->state->sq, 4 * sz.sq_count, i, 0);
     }
     qsort(sp, (size_t)k, sizeof(span), cmp_span);
-    for (j = 1; j < k; j++)
-        if (sp[j].lo < sp[j - 1].hi && sp[j].item != sp[j - 1].item) {
-            const int64_t a = sp[j - 1].item, b = sp[j].item;
-            free(sp);
-            AM_RETURN_IF(1, AM_ERR_INVALID_ARGUMENT,
-                         "am_update_batch: items %lld and %lld share memory (a parameter "
-                         "or a state buffer)",
-                         (long long)(a < b ? a : b), (long long)(a < b ? b : a));
+    {
+        /* open[g][o]: among the spans before j, the one reaching furthest
+         * (o = 0) and the one reaching furthest of another item than that
+         * one (o = 1), for gradients (g = 1) and the rest (g = 0): any span
+         * before j that overlaps j and conflicts with it overlaps one of
+         * these four and conflicts with it too */
+        const span *open[2][2] = {{NULL, NULL}, {NULL, NULL}};
+        for (j = 0; j < k; j++) {
+            const span *x = &sp[j];
+            int g, o;
+            for (g = 0; g < 2; g++)
+                for (o = 0; o < 2; o++) {
+                    const span *y = open[g][o];
+                    if (y && x->lo < y->hi && conflict(x, y)) {
+                        const int64_t a = y->item, b = x->item;
+                        const int pg = y->grad ? 1 : x->grad ? 2 : 0;
+                        free(sp);
+                        AM_RETURN_IF(1, AM_ERR_INVALID_ARGUMENT,
+                                     "am_update_batch: items %lld and %lld share memory (%s)",
+                                     (long long)(a < b ? a : b), (long long)(a < b ? b : a),
+                                     pg ? "one's gradient is the other's parameter or state"
+                                        : "a parameter or a state buffer");
+                    }
+                }
+            g = x->grad;
+            if (!open[g][0] || x->hi > open[g][0]->hi) {
+                if (open[g][0] && open[g][0]->item != x->item) open[g][1] = open[g][0];
+                open[g][0] = x;
+            } else if (x->item != open[g][0]->item && (!open[g][1] || x->hi > open[g][1]->hi)) {
+                open[g][1] = x;
+            }
         }
+    }
     free(sp);
     return AM_OK;
 }
@@ -135,9 +176,20 @@ static am_status check_all(const am_batch_item *items, int64_t n, int64_t *max_w
     return AM_OK;
 }
 
-static size_t batch_bytes(int64_t n, int nthreads, int64_t max_ws) {
-    return round64(sizeof(sched_entry) * (size_t)(n > 0 ? n : 0)) +
-           (size_t)slot_count(n, nthreads) * round64((size_t)max_ws) + 64u;
+/* The workspace of n items at nthreads threads whose largest am_update
+ * workspace is max_ws, in *bytes; AM_ERR_INVALID_ARGUMENT when it exceeds
+ * SIZE_MAX / 2 (a zero-element item of a huge shape, [2^56, 0] say, needs
+ * a huge workspace of its own, and one slot per thread multiplies it). */
+static am_status batch_bytes(int64_t n, int nthreads, int64_t max_ws, size_t *bytes) {
+    const size_t lim = SIZE_MAX / 2, slots = (size_t)slot_count(n, nthreads);
+    const size_t sched = round64(sizeof(sched_entry) * (size_t)(n > 0 ? n : 0));
+    const size_t slot = round64((size_t)max_ws);
+    AM_RETURN_IF(slot > (lim - sched - 64u) / slots, AM_ERR_INVALID_ARGUMENT,
+                 "am_update_batch: the workspace of %lld items at %d threads (%zu slots of "
+                 "%lld bytes) would exceed %zu bytes",
+                 (long long)n, nthreads, slots, (long long)max_ws, lim);
+    *bytes = sched + slots * slot + 64u;
+    return AM_OK;
 }
 
 am_status am_update_batch_workspace(const am_batch_item *items, int64_t n, int nthreads,
@@ -151,8 +203,7 @@ am_status am_update_batch_workspace(const am_batch_item *items, int64_t n, int n
     AM_RETURN_IF(n > 0 && !items, AM_ERR_NULL_POINTER,
                  "am_update_batch_workspace: items is NULL");
     AM_CHECK(check_all(items, n, &max_ws, &err));
-    *bytes = batch_bytes(n, nthreads, max_ws);
-    return AM_OK;
+    return batch_bytes(n, nthreads, max_ws, bytes);
 }
 
 static int cmp_sched(const void *a, const void *b) {
@@ -201,7 +252,8 @@ am_status am_update_batch(am_batch_item *items, int64_t n, void *workspace,
         if (err >= 0) items[err].status = s;
         return s;
     }
-    need = batch_bytes(n, nthreads, max_ws);
+    s = batch_bytes(n, nthreads, max_ws, &need);
+    if (s != AM_OK) return s;
     AM_RETURN_IF(!workspace, AM_ERR_NULL_POINTER, "am_update_batch: workspace is NULL");
     AM_RETURN_IF(workspace_bytes < need, AM_ERR_BUFFER_SIZE,
                  "am_update_batch: workspace: %zu bytes given, %zu needed at %d threads "

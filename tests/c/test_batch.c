@@ -223,8 +223,8 @@ static void test_errors(void **unused) {
     am_batch_item it[NP];
     size_t bytes = 0, small = 0;
     void *ws;
-    am_tensor wrong;
-    am_state shared;
+    am_tensor wrong, alias, inner;
+    am_state shared, own;
     (void)unused;
     assert_non_null(s);
     set_init(s, t_seed() + 11, AM_DTYPE_BFLOAT16, AM_DTYPE_FLOAT32);
@@ -252,6 +252,52 @@ static void test_errors(void **unused) {
     it[11].state = &s->fix[1].st;
     expect_rejected(s, it, ws, bytes, AM_ERR_INVALID_ARGUMENT, -1, "items 1 and 11 share");
     items_of(s, it);
+    /* item 4's gradient is item 2's parameter: in turn item 4 would read
+     * item 2's result, on two threads at the same time as it is written */
+    alias = s->gt[4];
+    alias.data = s->p[2];
+    it[4].grad = &alias;
+    assert_true(s->fix[2].sz.numel * (int64_t)esz(s->pdt[2]) >=
+                s->fix[4].sz.numel * (int64_t)esz(s->gdt[4]));
+    expect_rejected(s, it, ws, bytes, AM_ERR_INVALID_ARGUMENT, -1,
+                    "items 2 and 4 share memory (one's gradient");
+    items_of(s, it);
+    /* item 0's lrs inside its own parameter (am_update does not check an
+     * item against itself), item 5's parameter inside it too, after them:
+     * once found only by comparing each buffer with its neighbour in
+     * address order, which is item 0's lrs */
+    own = s->fix[0].st;
+    own.lr = (float *)s->p[0] + 8;
+    it[0].state = &own;
+    inner = s->pt[5];
+    inner.data = (char *)s->p[0] + 4096;
+    it[5].param = &inner;
+    assert_true(4096 + s->fix[5].sz.numel * (int64_t)esz(s->pdt[5]) <=
+                s->fix[0].sz.numel * (int64_t)esz(s->pdt[0]));
+    assert_true(32 + 4 * s->fix[0].sz.lr_count <= 4096);
+    expect_rejected(s, it, ws, bytes, AM_ERR_INVALID_ARGUMENT, -1, "items 0 and 5 share");
+    items_of(s, it);
+    /* item 2's parameter inside its own gradient's range but running past
+     * it, item 4's gradient over the start of that parameter: item 4's
+     * gradient ends before item 2's, whose gradient (its own, allowed) is
+     * the buffer reaching furthest when item 2's parameter comes */
+    {
+        const int64_t g2 = s->fix[2].sz.numel * (int64_t)esz(s->gdt[2]),
+                      g4 = s->fix[4].sz.numel * (int64_t)esz(s->gdt[4]);
+        char *buf = t_calloc(3 * g2);
+        am_tensor p2 = s->pt[2], gr2 = s->gt[2], gr4 = s->gt[4];
+        assert_true(g4 > 4096 && 4096 + g4 < g2);
+        gr2.data = buf;
+        p2.data = buf + 8192;
+        gr4.data = buf + 4096;
+        it[2].param = &p2;
+        it[2].grad = &gr2;
+        it[4].grad = &gr4;
+        expect_rejected(s, it, ws, bytes, AM_ERR_INVALID_ARGUMENT, -1,
+                        "items 2 and 4 share memory (one's gradient");
+        free(buf);
+    }
+    items_of(s, it);
     /* the workspace for 1 thread when 2 run */
     expect_rejected(s, it, ws, small, AM_ERR_BUFFER_SIZE, -1, "needed at 2 threads");
     /* NULL arguments */
@@ -267,6 +313,58 @@ static void test_errors(void **unused) {
     free(ws);
     set_free(s);
     free(s);
+}
+
+/* A zero-element parameter of a huge shape needs a huge am_update
+ * workspace of its own; one slot of it per thread once overflowed size_t
+ * (a small size returned, then a crash in the update): now an error. */
+static void test_workspace_overflow(void **unused) {
+    enum { NI = 9 }; /* 9 slots at 9 threads: over 2^63 bytes */
+    const int64_t dz[2] = {(int64_t)1 << 56, 0}, dr[2] = {8, 8};
+    am_shape sz0 = t_shape(2, dz), sr = t_shape(2, dr);
+    am_state_sizes zs;
+    am_tensor zp = t_tensor(NULL, AM_DTYPE_FLOAT32, &sz0), rp[NI], rg[NI];
+    am_state zst;
+    am_hparams hp = am_hparams_default();
+    am_batch_item it[NI];
+    t_fix f[NI];
+    float *p = t_calloc(NI * 64 * 4), *g = t_calloc(64 * 4);
+    size_t bytes = 12345;
+    int i;
+    (void)unused;
+    assert_int_equal(am_state_get_sizes(&sz0, &zs), AM_OK);
+    assert_true(zs.workspace_bytes > ((int64_t)1 << 60));
+    memset(&zst, 0, sizeof zst);
+    memset(it, 0, sizeof it);
+    it[0].param = &zp;
+    it[0].grad = &zp;
+    it[0].state = &zst;
+    it[0].hp = &hp;
+    for (i = 1; i < NI; i++) {
+        t_fix_init(&f[i], &sr, 1e-4);
+        rp[i] = t_tensor(p + 64 * i, AM_DTYPE_FLOAT32, &sr);
+        rg[i] = t_tensor(g, AM_DTYPE_FLOAT32, &sr);
+        it[i].param = &rp[i];
+        it[i].grad = &rg[i];
+        it[i].state = &f[i].st;
+        it[i].hp = &hp;
+    }
+    g_log.count = 0;
+    assert_int_equal(am_update_batch_workspace(it, NI, NI, &bytes), AM_ERR_INVALID_ARGUMENT);
+    assert_int_equal(bytes, 12345); /* untouched */
+    assert_non_null(strstr(g_log.msg, "would exceed"));
+    /* one thread: one slot, representable */
+    assert_int_equal(am_update_batch_workspace(it, NI, 1, &bytes), AM_OK);
+    assert_true(bytes >= (size_t)zs.workspace_bytes);
+    am_set_num_threads(NI);
+    g_log.count = 0;
+    assert_int_equal(am_update_batch(it, NI, p, 64), AM_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(g_log.msg, "would exceed"));
+    for (i = 0; i < NI * 64; i++) assert_true(p[i] == 0.0f); /* nothing ran */
+    am_set_num_threads(1);
+    for (i = 1; i < NI; i++) t_fix_free(&f[i]);
+    free(p);
+    free(g);
 }
 
 /* am_optimizer_update_all on 2 threads (one batch) against 1 (in turn):
@@ -333,6 +431,7 @@ int main(void) {
         cmocka_unit_test(test_same_bits),
         cmocka_unit_test(test_nonfinite_item),
         cmocka_unit_test(test_errors),
+        cmocka_unit_test(test_workspace_overflow),
         cmocka_unit_test(test_optimizer_update_all),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
