@@ -339,7 +339,12 @@ AM_API am_status am_update_batch(am_batch_item *items, int64_t n, void *workspac
  *                     AM_SKIPPED_NONFINITE_UPDATE if u2_sum is not finite.
  * The sums are over the tensor the caller passes; a sharded engine passes its
  * shard and reduces. The clip's rms divides u2_sum by the numel of the tensor
- * passed, so an engine with k equal shards divides the reduced u2_sum by k. */
+ * passed, so an engine with k equal shards divides the reduced u2_sum by k.
+ * Errors: those of am_update, and AM_ERR_INVALID_ARGUMENT from
+ * am_update_moments (am_update_finish) when the workspace does not hold
+ * am_update_stats' (am_update_moments') results for a parameter of this
+ * shape (phases out of order, or another parameter's workspace), with
+ * nothing modified. */
 AM_API am_status am_update_stats(const am_tensor *param, const am_tensor *grad,
                                  const am_state *state, const am_hparams *hp,
                                  void *workspace, size_t workspace_bytes);

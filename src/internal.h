@@ -84,6 +84,8 @@ typedef struct am_ws_header {
     int64_t numel;      /* shape check between phases */
     int64_t counted;    /* 1: stats counted the agreement (rowmatch) */
     int64_t wsummed;    /* 1: stats filled the am_wsum sums (wpart, wnr) */
+    int64_t ndim;       /* the shape stats ran on: checked by the later */
+    int64_t dims[AM_MAX_DIMS]; /* phases (the same numel is not enough) */
 } am_ws_header;
 
 enum { AM_STAGE_NONE = 0, AM_STAGE_STATS = 0x5157A7, AM_STAGE_MOMENTS = 0x5157A8 };

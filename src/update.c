@@ -41,6 +41,26 @@ typedef struct upd {
 
 #define WS(u, off, T) ((T *)((u)->ws + (u)->g.off))
 
+/* Records the parameter's shape in the workspace header (stats). */
+static void header_set_shape(upd *u) {
+    const am_shape *s = &u->param->shape;
+    int d;
+    u->h->numel = u->g.numel;
+    u->h->ndim = s->ndim;
+    for (d = 0; d < AM_MAX_DIMS; d++) u->h->dims[d] = d < s->ndim ? s->dims[d] : 0;
+}
+
+/* 1 when the workspace header holds stage's results for this parameter's
+ * shape (moments and finish after the phase before them). */
+static int header_matches(const upd *u, int64_t stage) {
+    const am_shape *s = &u->param->shape;
+    int d;
+    if (u->h->stage != stage || u->h->numel != u->g.numel || u->h->ndim != s->ndim) return 0;
+    for (d = 0; d < s->ndim; d++)
+        if (u->h->dims[d] != s->dims[d]) return 0;
+    return 1;
+}
+
 static am_status check_state(const am_geom *g, const am_state *s) {
     AM_RETURN_IF(!s, AM_ERR_NULL_POINTER, "state is NULL");
     if (g->numel == 0) return AM_OK;
@@ -280,7 +300,7 @@ static am_status run_stats(upd *u) {
     int finite = 1;
     u->h->nonfinite = 0;
     u->h->u2_sum = 0.0;
-    u->h->numel = g->numel;
+    header_set_shape(u);
     /* Tiles count the agreement; the batched small-matrix slots do not
      * (finish counts there). */
     u->h->counted = g->ndim >= 2 && g->numel > 0 && !batched(g);
@@ -332,7 +352,7 @@ static am_status run_stats_moments_mats(upd *u) {
     const am_geom *g = &u->g;
     u->mats_sweep = 1;
     u->h->nonfinite = 0;
-    u->h->numel = g->numel;
+    header_set_shape(u);
     u->h->counted = 0; /* finish counts (count_pos, or its sweep) */
     u->h->wsummed = 0;
     am_parallel_for(mat_tasks(g), (double)mats_per_task(g) * (double)(g->R * g->C) * 8.0,
@@ -417,10 +437,9 @@ static int u2_from_wsum(upd *u) {
 static am_status run_moments(upd *u) {
     const am_geom *g = &u->g;
     const am_consts *k = &u->k;
-    AM_RETURN_IF(u->h->stage != AM_STAGE_STATS || u->h->numel != g->numel,
-                 AM_ERR_INVALID_ARGUMENT,
+    AM_RETURN_IF(!header_matches(u, AM_STAGE_STATS), AM_ERR_INVALID_ARGUMENT,
                  "am_update_moments: workspace does not hold am_update_stats "
-                 "results for this parameter");
+                 "results for this parameter (of this shape)");
     if (u->h->nonfinite) return AM_SKIPPED_NONFINITE_GRAD;
     if (g->ndim >= 2 && g->numel > 0) {
         const float *rs = WS(u, off_row_sumsq, float), *cs = WS(u, off_col_sumsq, float);
@@ -756,10 +775,9 @@ static am_status run_finish(upd *u, am_state *state, am_report *rep) {
     float norm, rms;
     double mean_agree = 0.0;
     int64_t t;
-    AM_RETURN_IF(u->h->stage != AM_STAGE_MOMENTS || u->h->numel != g->numel,
-                 AM_ERR_INVALID_ARGUMENT,
+    AM_RETURN_IF(!header_matches(u, AM_STAGE_MOMENTS), AM_ERR_INVALID_ARGUMENT,
                  "am_update_finish: workspace does not hold am_update_moments "
-                 "results for this parameter");
+                 "results for this parameter (of this shape)");
     if (u->h->nonfinite) return AM_SKIPPED_NONFINITE_GRAD;
     if (g->numel == 0) return AM_OK;
     if (!isfinite(u->h->u2_sum)) {

@@ -293,6 +293,34 @@ static void update_invalid(const am_shape *sh) {
         EXPECT_ERR(call_phase(2, &pt, &gt, &f.st, &hp, f.ws, f.ws_bytes, NULL), AM_ERR_INVALID_ARGUMENT);
         t_snap_check(&snap, &f, p, g);
     }
+    if (sh->ndim >= 2 && sh->dims[sh->ndim - 1] != sh->dims[sh->ndim - 2]) {
+        /* stats of the same elements in another shape (the last two dims
+         * swapped: the same numel) in a workspace then given to moments and
+         * finish with this shape: refused (its sums are another layout's) */
+        am_shape sw = *sh;
+        am_tensor swp, swg;
+        t_fix f3;
+        int64_t d = sw.dims[sw.ndim - 1];
+        unsigned char *ws;
+        size_t wb;
+        sw.dims[sw.ndim - 1] = sw.dims[sw.ndim - 2];
+        sw.dims[sw.ndim - 2] = d;
+        t_fix_init(&f3, &sw, 1e-3);
+        wb = f3.ws_bytes > f.ws_bytes ? f3.ws_bytes : f.ws_bytes;
+        ws = (unsigned char *)t_calloc((int64_t)wb);
+        swp = t_tensor(p, AM_DTYPE_FLOAT32, &sw);
+        swg = t_tensor(g, AM_DTYPE_FLOAT32, &sw);
+        assert_int_equal(call_phase(1, &swp, &swg, &f3.st, &hp, ws, wb, NULL), AM_OK);
+        g_log.count = 0;
+        EXPECT_ERR(call_phase(2, &pt, &gt, &f.st, &hp, ws, wb, NULL), AM_ERR_INVALID_ARGUMENT);
+        assert_non_null(strstr(g_log.msg, "of this shape"));
+        /* moments done in that shape, finish in this one */
+        assert_int_equal(call_phase(2, &swp, &swg, &f3.st, &hp, ws, wb, NULL), AM_OK);
+        EXPECT_ERR(call_phase(3, &pt, &gt, &f.st, &hp, ws, wb, NULL), AM_ERR_INVALID_ARGUMENT);
+        t_snap_check(&snap, &f, p, g);
+        free(ws);
+        t_fix_free(&f3);
+    }
     /* and the documented order works, giving exactly what am_update gives */
     {
         t_fix f2;
