@@ -157,9 +157,10 @@ typedef struct am_hparams {
 AM_API am_hparams am_hparams_default(void);
 
 /* AM_OK when every field is in its SPEC 1 range, else AM_ERR_INVALID_HPARAM
- * (the log callback names the field) or AM_ERR_NULL_POINTER. An lr above 1e-3
- * is valid here; creating state with it forces 1e-6 (see am_optimizer_create
- * and am_state_init). */
+ * (the log callback names the field) or AM_ERR_NULL_POINTER. lr must also
+ * stay positive in float32, the state's precision (lr >= 1.4e-45). An lr
+ * above 1e-3 is valid here; creating state with it forces 1e-6 (see
+ * am_optimizer_create and am_state_init). */
 AM_API am_status am_hparams_validate(const am_hparams *hp);
 
 /* -------------------------------------------------------------- shapes --- */

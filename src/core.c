@@ -97,6 +97,10 @@ am_status am_hparams_validate(const am_hparams *hp) {
     AM_RETURN_IF(!hp, AM_ERR_NULL_POINTER, "hparams is NULL");
     /* Written so that NaN fails every test. */
     AM_HP_CHECK(hp->lr > 0 && isfinite(hp->lr), "lr", hp->lr, "> 0 and finite");
+    /* the state holds lrs in float32: one that rounds to 0 there would be
+     * refused by every am_state_init, i.e. every parameter added */
+    AM_HP_CHECK((float)hp->lr > 0, "lr", hp->lr,
+                "at least float32's smallest positive value, 1.4e-45 (it rounds to 0)");
     AM_HP_CHECK(hp->max_lr >= 0 && isfinite(hp->max_lr), "max_lr", hp->max_lr,
                 ">= 0 and finite");
     AM_HP_CHECK(hp->min_lr >= 0 && hp->min_lr <= hp->max_lr, "min_lr",

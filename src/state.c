@@ -13,7 +13,8 @@ am_status am_state_init(const am_shape *shape, am_state *state,
     AM_RETURN_IF(!(initial_lr > 0) || !isfinite(initial_lr) ||
                      !((float)initial_lr > 0),
                  AM_ERR_INVALID_HPARAM,
-                 "am_state_init: initial_lr = %g must be > 0 and finite",
+                 "am_state_init: initial_lr = %g must be > 0, finite, and not round "
+                 "to 0 in float32 (at least 1.4e-45)",
                  initial_lr);
     AM_RETURN_IF(g.sizes.lr_count > 0 && !state->lr, AM_ERR_NULL_POINTER,
                  "am_state_init: state.lr is NULL");

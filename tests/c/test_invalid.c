@@ -13,7 +13,7 @@ T_ERROR_LOG_FIXTURE()
 
 static void test_hparams(void **unused) {
     static const struct { size_t off; const char *name; double bad[6]; int nbad; } cs[] = {
-        {offsetof(am_hparams, lr), "lr", {0.0, -1e-6, NAN, INFINITY, -INFINITY, 0}, 5},
+        {offsetof(am_hparams, lr), "lr", {0.0, -1e-6, NAN, INFINITY, -INFINITY, 1e-50}, 6},
         {offsetof(am_hparams, min_lr), "min_lr", {-1e-9, NAN, 0.5, INFINITY, 0, 0}, 4},
         {offsetof(am_hparams, max_lr), "max_lr", {NAN, INFINITY, 1e-9, -1.0, 0, 0}, 4},
         {offsetof(am_hparams, lr_bump_rate), "lr_bump_rate", {-0.1, NAN, INFINITY, 0, 0, 0}, 3},
@@ -39,6 +39,8 @@ static void test_hparams(void **unused) {
     ok.min_lr = ok.max_lr; ok.lr = 1.0; /* > 1e-3 is valid here */
     assert_int_equal(am_hparams_validate(&ok), AM_OK);
     ok.clip_threshold = INFINITY; /* SPEC: > 0; +inf disables the clip */
+    assert_int_equal(am_hparams_validate(&ok), AM_OK);
+    ok.lr = 1.5e-45; /* float32's smallest subnormal, 1.4e-45, after rounding */
     assert_int_equal(am_hparams_validate(&ok), AM_OK);
     for (c = 0; c < sizeof cs / sizeof cs[0]; c++)
         for (b = 0; b < cs[c].nbad; b++) {
