@@ -552,7 +552,8 @@ AM_API am_status am_optimizer_save_memory(const am_optimizer *opt, void *buf,
                                           size_t capacity, size_t *size);
 
 /* Loads the checkpoint file at path into opt (see above). Errors:
- * AM_ERR_NULL_POINTER, AM_ERR_IO (cannot open or read, not a regular file),
+ * AM_ERR_NULL_POINTER, AM_ERR_IO (cannot open or read, not a regular file:
+ * a FIFO or device is refused without waiting on it),
  * AM_ERR_OUT_OF_MEMORY, AM_ERR_FORMAT (not a valid checkpoint: corrupt,
  * truncated, wrong version, invalid values), AM_ERR_MISMATCH (valid, but its
  * parameter count, dtypes or shapes differ from opt's). The log callback

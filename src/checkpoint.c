@@ -630,6 +630,19 @@ static am_status load_image(am_optimizer *o, const unsigned char *img, size_t si
     AM_RETURN_IF(!*hdr, AM_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
     memcpy(*hdr, img + 8, (size_t)hlen);
     (*hdr)[hlen] = '\0';
+    /* JSON allows no control bytes but its whitespace (space, tab, LF, CR),
+     * and the padding after the object is spaces; cJSON would skip any
+     * byte below 0x21 as whitespace (a NUL or a flipped bit in the padding
+     * loaded, which safetensors refuses). */
+    {
+        uint64_t q;
+        for (q = 0; q < hlen; q++) {
+            const unsigned char c = (unsigned char)(*hdr)[q];
+            if (c < 0x20 && c != '\t' && c != '\n' && c != '\r')
+                CK_FAIL(AM_ERR_FORMAT, "the header holds a control byte 0x%02x at offset %llu",
+                        (unsigned)c, (unsigned long long)(8 + q));
+        }
+    }
     /* A NUL inside the header would end parsing early: require the end. */
     *root = cJSON_ParseWithLengthOpts(*hdr, (size_t)hlen + 1, &end, 1);
     if (!*root || end != *hdr + hlen || !cJSON_IsObject(*root))

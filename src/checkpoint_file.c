@@ -127,19 +127,30 @@ am_status am_optimizer_save(const am_optimizer *o, const char *path) {
 am_status am_optimizer_load(am_optimizer *o, const char *path) {
     FILE *f;
     struct stat sb;
+    int fd, fl;
     unsigned char *buf;
     size_t n;
     am_status st;
     AM_RETURN_IF(!o, AM_ERR_NULL_POINTER, "am_optimizer_load: opt is NULL");
     AM_RETURN_IF(!path, AM_ERR_NULL_POINTER, "am_optimizer_load: path is NULL");
-    f = fopen(path, "rb");
-    AM_RETURN_IF(!f, AM_ERR_IO, "am_optimizer_load: cannot open %s: %s", path,
+    /* O_NONBLOCK: opening a FIFO for reading would wait for a writer
+     * (forever) before the check below could refuse it; a regular file
+     * reads the same either way, and the flag is cleared before reading */
+    fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    AM_RETURN_IF(fd < 0, AM_ERR_IO, "am_optimizer_load: cannot open %s: %s", path,
                  strerror(errno));
-    if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode) || sb.st_size < 0 ||
+    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode) || sb.st_size < 0 ||
         (uint64_t)sb.st_size > (uint64_t)SIZE_MAX - 1) {
-        fclose(f);
+        close(fd);
         AM_RETURN_IF(1, AM_ERR_IO, "am_optimizer_load: %s is not a readable regular file",
                      path);
+    }
+    fl = fcntl(fd, F_GETFL);
+    f = fl == -1 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) == -1 ? NULL : fdopen(fd, "rb");
+    if (!f) {
+        const int e = errno;
+        close(fd);
+        AM_RETURN_IF(1, AM_ERR_IO, "am_optimizer_load: cannot read %s: %s", path, strerror(e));
     }
     n = (size_t)sb.st_size;
     buf = (unsigned char *)malloc(n ? n : 1);

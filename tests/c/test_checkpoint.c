@@ -188,16 +188,42 @@ static void test_every_corruption_rejected(void **unused) {
     train(&b, 0, 2, 3);
     img = t_image(a.opt, &n);
     before = t_image(b.opt, &nb);
-    for (i = 0; i < n; i++) {
+    for (i = 0; i < 8 * n; i++) { /* every bit of every byte */
         am_status st;
-        img[i] ^= (unsigned char)(1u << (i % 8));
+        img[i / 8] ^= (unsigned char)(1u << (i % 8));
         st = am_optimizer_load_memory(b.opt, img, n);
-        if (!am_status_is_error(st)) fail_msg("bit flip at byte %zu was accepted", i);
-        img[i] ^= (unsigned char)(1u << (i % 8));
+        if (!am_status_is_error(st))
+            fail_msg("bit flip at byte %zu (bit %zu) was accepted", i / 8, i % 8);
+        img[i / 8] ^= (unsigned char)(1u << (i % 8));
     }
     for (i = 0; i < n; i++)
         if (!am_status_is_error(am_optimizer_load_memory(b.opt, img, i)))
             fail_msg("truncation to %zu bytes was accepted", i);
+    {
+        /* the header padded with 8 more spaces (valid: safetensors' data
+         * offsets count from the end of the header), then its last space
+         * replaced by each control byte: only JSON's whitespace loads (cJSON
+         * skipped every byte below 0x21, NUL included) */
+        unsigned char *pad = (unsigned char *)malloc(n + 8);
+        uint64_t hlen = 0;
+        int k, c;
+        for (k = 7; k >= 0; k--) hlen = (hlen << 8) | img[k];
+        memcpy(pad + 8, img + 8, (size_t)hlen);
+        memset(pad + 8 + hlen, ' ', 8);
+        memcpy(pad + 16 + hlen, img + 8 + hlen, n - 8 - (size_t)hlen);
+        for (k = 0; k < 8; k++) pad[k] = (unsigned char)((hlen + 8) >> (8 * k));
+        assert_int_equal(am_optimizer_load_memory(b.opt, pad, n + 8), AM_OK);
+        for (c = 0; c < 0x20; c++) {
+            const int ws = c == '\t' || c == '\n' || c == '\r';
+            pad[15 + hlen] = (unsigned char)c;
+            if ((am_optimizer_load_memory(b.opt, pad, n + 8) == AM_OK) != ws)
+                fail_msg("header padding ending in byte 0x%02x: %s", c,
+                         ws ? "refused" : "accepted");
+        }
+        free(pad);
+        /* what the tests below expect b to hold */
+        assert_int_equal(am_optimizer_load_memory(b.opt, before, nb), AM_OK);
+    }
     {
         unsigned char *longer = (unsigned char *)malloc(n + 1);
         memcpy(longer, img, n);
@@ -437,6 +463,14 @@ static void test_file_errors(void **unused) {
     assert_int_equal(am_optimizer_load(a.opt, path), AM_ERR_IO);
     assert_int_equal(count_tmp_files(), 0);
     rmdir(path);
+    /* a FIFO: refused at once (opening it for reading had waited for a
+     * writer, forever; the alarm ends the test if it still does) */
+    snprintf(path, sizeof path, "%s/fifo", g_dir);
+    assert_int_equal(mkfifo(path, 0600), 0);
+    alarm(20);
+    assert_int_equal(am_optimizer_load(a.opt, path), AM_ERR_IO);
+    alarm(0);
+    unlink(path);
     snprintf(path, sizeof path, "%s/empty", g_dir);
     f = fopen(path, "wb");
     assert_non_null(f);
