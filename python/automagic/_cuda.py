@@ -177,11 +177,15 @@ def update_param(opt, p: torch.Tensor, group: dict, error_cls) -> None:
         capturing = torch.cuda.is_current_stream_capturing()
         if capturing:
             refuse_capture(opt, error_cls)
+        # The kernels below read grad on `stream` (or, when it is not
+        # contiguous, the copy below reads it there); p.grad is dropped at
+        # the end, so its memory must not go back to the caching allocator
+        # of the stream it was made on (backward on a side stream) before
+        # they have run: recorded before the copy, which is made on `stream`
+        # and recorded too. (A capture allocates from the graph's own pool.)
+        if not capturing:
+            grad.record_stream(stream)
         grad = grad.contiguous()
-        # The kernels below read grad on `stream`; p.grad is dropped at the
-        # end, so its memory must not go back to the caching allocator of
-        # the stream it was made on (backward on a side stream) before they
-        # have run. (A capture allocates from the graph's own pool.)
         if not capturing:
             grad.record_stream(stream)
         # scale 0: the state advances but the parameter must not move (as on
