@@ -151,7 +151,7 @@ def update_param(opt, p: torch.Tensor, group: dict, error_cls) -> None:
     undone on the device, skips are counted there, and nonfinite="raise"
     synchronises to read the status (the only case that does)."""
     from .optim import (NonFiniteGradientError, _DTYPES, _scaled_hparams, _shape,
-                        _state_struct)
+                        _state_struct, _unscaled_lrs)
 
     lib = _load()
     if lib is None:
@@ -216,11 +216,11 @@ def update_param(opt, p: torch.Tensor, group: dict, error_cls) -> None:
                                             or lib.am_status_string(status).decode()))
         dev_status = buf.report[:4].view(torch.int32)[0]
         if lr_before is not None:
-            # A 0-D device divisor: true division, as the CPU's div_. Made by
-            # a fill kernel: torch.tensor(scale, device=...) would copy from
-            # the host and wait for the GPU at every update.
-            div = torch.full((), scale, dtype=torch.float32, device=p.device)
-            state["lr"].copy_(torch.where(dev_status == 0, state["lr"] / div, lr_before))
+            # As the CPU (_unscaled_lrs: Python-scalar arithmetic, no copy
+            # from the host and no wait for the GPU), only where applied.
+            state["lr"].copy_(torch.where(dev_status == 0,
+                                          _unscaled_lrs(state["lr"], lr_before, scale),
+                                          lr_before))
         if opt.nonfinite == "raise":
             code = int(dev_status.item())  # synchronises: raise mode only
             if code != _lib.OK:

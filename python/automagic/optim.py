@@ -156,8 +156,26 @@ def _scaled_hparams(group: dict, state: dict, scale: float):
         hp.min_lr *= scale
         hp.max_lr *= scale
         lr_before = state["lr"].clone()
-        state["lr"].mul_(scale)
+        # in float64: scale may be below float32's normal range (max_lr > 1)
+        state["lr"].copy_(state["lr"].double() * scale)
     return hp, lr_before
+
+
+# float32's smallest normal value: a rate times a schedule's factor below it
+# is subnormal (fewer bits) and can round to 0 (see _unscaled_lrs)
+_FLT_MIN = 2.0 ** -126
+
+
+def _unscaled_lrs(lr: torch.Tensor, lr_before: torch.Tensor, scale: float) -> torch.Tensor:
+    """The stored lrs after an update under lr_schedule="scale" that ran
+    with lr_before * scale (_scaled_hparams): lr / scale, in float64 (scale
+    may be tiny); rows whose scaled rate was below float32's normal range
+    keep lr_before (no bump that step: their scaled rate, and so the bump
+    read back from it, had lost precision or was 0, and dividing it back
+    gave a wrong rate, 0, or NaN; what such a row applied, under 2^-126, moves
+    no parameter larger than about 1e-30)."""
+    kept = lr_before.double() * scale < _FLT_MIN
+    return torch.where(kept, lr_before, (lr.double() / scale).float())
 
 
 def _validate_group(group: dict, check_lr: bool = True) -> None:
@@ -561,6 +579,14 @@ class Automagic3(torch.optim.Optimizer):
         if not math.isfinite(scale) or scale < 0:
             raise AutomagicError("Automagic3: lr_schedule='scale' needs group['lr'] >= 0 and "
                                  "a positive initial lr, got lr=%r, initial lr=%r" % (lr, base))
+        if 0.0 < scale and scale * max(float(group["max_lr"]), float(group["base_lr"])) < _FLT_MIN:
+            # every scaled rate below float32's normal range: applied as 0
+            # (the parameter stays; state, lrs and step advance unscaled)
+            self._warn_once("tinyscale", "lr_schedule='scale': the factor %g takes every "
+                            "rate of a group below float32's range (2^-126): such a "
+                            "factor is applied as 0, the parameters do not move "
+                            "(warned once)" % scale)
+            return 0.0
         return scale
 
     @staticmethod
@@ -669,7 +695,7 @@ class Automagic3(torch.optim.Optimizer):
         the caller bumps p's autograd version and drops p.grad."""
         p, plan, target, _, _, lr_before, state, scale = call
         if lr_before is not None:
-            state["lr"].div_(scale)
+            state["lr"].copy_(_unscaled_lrs(state["lr"], lr_before, scale))
         state["step"] = plan.st.step
         if target is not p and scale != 0.0:
             p.copy_(target)

@@ -107,6 +107,70 @@ def test_scale_mode_keeps_the_tuned_lrs_and_clamp():
                        torch.randn(6, 9, generator=torch.Generator().manual_seed(1)))
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_scale_mode_tiny_factors_keep_lrs_and_weights_finite(fused):
+    # A long exponential decay reaches factors whose product with the rates
+    # falls below float32's normal range: the stored rates once lost their
+    # bits there (1e-40), became 0 (1e-44) or NaN (1e-46, the factor itself
+    # 0 in float32), and NaN rates then turned the weights into NaN with no
+    # warning. With lr_bump_rate 0 the stored rate must stay exactly the
+    # initial one whatever the factor.
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 3)
+    w0 = {k: v.detach().clone() for k, v in lin.named_parameters()}
+    opt = automagic.Automagic3(lin.parameters(), lr=1e-5, lr_bump_rate=0.0,
+                               lr_schedule="scale", fused=fused)
+    lr0 = torch.tensor(1e-5, dtype=torch.float32)
+    x = torch.randn(8, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for factor in (1e-30, 1e-36, 1e-40, 1e-44, 1e-46, 0.0):
+            opt.param_groups[0]["lr"] = 1e-5 * factor
+            lin(x).square().sum().backward()
+            if not fused:
+                opt.step()
+            opt.zero_grad()
+            for p in lin.parameters():
+                assert torch.equal(opt.state[p]["lr"], torch.full_like(opt.state[p]["lr"], lr0))
+                assert torch.isfinite(p).all()
+    # a factor under 2^-126 / max(max_lr, lr) moves nothing, and says so once
+    for name, p in lin.named_parameters():
+        torch.testing.assert_close(p.detach(), w0[name], rtol=0, atol=1e-30)
+    tiny = [w for w in caught if "below float32's range" in str(w.message)]
+    assert len(tiny) == 1
+    assert opt.nonfinite_skips == 0
+    # and back at factor 1 the parameters move again
+    opt.param_groups[0]["lr"] = 1e-5
+    lin(x).square().sum().backward()
+    if not fused:
+        opt.step()
+    assert not torch.equal(lin.weight.detach(), w0["weight"])
+
+
+def test_scale_mode_rows_scaled_below_float32_range_keep_their_rate():
+    # A factor that leaves max_lr * factor in range but takes the small
+    # rows' rates below 2^-126: those rows keep their stored rate for that
+    # step (no bump), the others are bumped and divided back as usual.
+    p = torch.nn.Parameter(torch.zeros(2, 4))
+    opt = automagic.Automagic3([p], lr=1e-6, min_lr=1e-9, max_lr=1e-2,
+                               lr_schedule="scale", fused=False)
+    g = torch.tensor([[1.0, 2.0, -1.0, 3.0], [1.0, 2.0, -1.0, 3.0]])
+    p.grad = g.clone()
+    opt.step()  # first update: no bump
+    opt.state[p]["lr"].copy_(torch.tensor([1e-9, 1e-3]))
+    before = opt.state[p]["lr"].clone()
+    factor = 1e-33  # 1e-9 * f < 2^-126 <= 1e-3 * f
+    opt.param_groups[0]["lr"] = 1e-6 * factor
+    p.grad = g.clone()
+    opt.step()
+    lr = opt.state[p]["lr"]
+    assert lr[0] == before[0]
+    assert lr[1] != before[1] and torch.isfinite(lr).all()
+    # the bump of row 1 (all signs agree with the last update: up by e^0.1)
+    torch.testing.assert_close(lr[1], before[1] * torch.exp(torch.tensor(0.1)), rtol=1e-5,
+                               atol=0)
+
+
 def _inject(m, kind):
     for p in m.parameters():
         if p.grad is not None:
