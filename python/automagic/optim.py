@@ -351,16 +351,37 @@ class Automagic3(torch.optim.Optimizer):
         elif isinstance(params, set):
             raise TypeError("Automagic3: parameters must be an ordered collection (their "
                             "order keys the randomness and the state_dict), not a set")
-        param_group["params"] = params = list(params)
+        params = list(params)
+        # model.named_parameters(): (name, tensor) pairs, which torch's
+        # add_param_group turns into the group's "param_names"
+        named = [isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in params]
+        if any(named) and not all(named):
+            raise ValueError("Automagic3: a group's parameters must all be named (name, "
+                             "tensor) pairs or all tensors, not a mix")
+        tensors = [p[1] for p in params] if any(named) else params
+        # The same tensor twice in a group: torch only warns (and the
+        # reference updates it once per step); kept once here, so that it is
+        # updated once (a second entry found its gradient already consumed).
+        seen, keep = set(), []
+        for i, p in enumerate(tensors):
+            if isinstance(p, torch.Tensor) and id(p) in seen:
+                continue
+            seen.add(id(p))
+            keep.append(i)
+        if len(keep) != len(params):
+            warnings.warn("Automagic3: a parameter group lists %d parameter(s) more than once; "
+                          "each is kept once (updated once per step)"
+                          % (len(params) - len(keep)), stacklevel=2)
+            params = [params[i] for i in keep]
+            tensors = [tensors[i] for i in keep]
+        param_group["params"] = params
         probe = dict(param_group)
         for k, v in self.defaults.items():
             probe.setdefault(k, v)
         _validate_group(probe)
-        if probe["lr"] > 1e-3:
-            warnings.warn("Automagic3: a group's start lr %g is very high; forcing to 1e-6 "
-                          "(as the constructor does)" % probe["lr"], stacklevel=2)
-            param_group["lr"] = 1e-6
-        for i, p in enumerate(params):
+        # A group's own lr above 1e-3 is kept, as in the reference, which
+        # forces only the constructor's lr (SPEC 1)
+        for i, p in enumerate(tensors):
             _check_param(p, len(self._param_index) + i)
         super().add_param_group(param_group)
         group = self.param_groups[-1]

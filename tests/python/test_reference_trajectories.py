@@ -354,3 +354,46 @@ def test_lr_at_the_threshold_is_kept(make_reference, recwarn):
     ref = make_reference([torch.zeros(2, requires_grad=True)], lr=1e-3)
     assert ours.param_groups[0]["lr"] == ref.param_groups[0]["lr"] == 1e-3
     assert not [w for w in recwarn if "forcing" in str(w.message)]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_named_parameters_duplicates_and_group_lr_as_the_reference(make_reference, fused):
+    """Three things a script written for the reference does: pass
+    model.named_parameters() (torch keeps the names as "param_names"), list
+    a parameter twice in a group (torch warns; the reference updates it
+    once per step), and give a group its own start lr above 1e-3 (the
+    reference forces only the constructor's lr). The same trajectory as the
+    reference, float32, 3 steps."""
+    def build():
+        torch.manual_seed(3)
+        return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 2))
+
+    def groups(m):
+        named = list(m[0].named_parameters())
+        return [{"params": named + [named[0]]},  # a duplicate, by name too
+                {"params": list(m[1].named_parameters()), "lr": 5e-3}]
+
+    ours_m, ref_m = build(), build()
+    with pytest.warns(UserWarning, match="more than once"):
+        ours = automagic.Automagic3(groups(ours_m), lr=1e-4, fused=fused)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own duplicate warning
+        ref = make_reference(groups(ref_m), lr=1e-4)
+    assert ours.param_groups[0]["param_names"] == ["weight", "bias"]
+    assert ours.param_groups[1]["lr"] == ref.param_groups[1]["lr"] == 5e-3
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(4))
+    for step in range(3):
+        for m, o in ((ours_m, ours), (ref_m, ref)):
+            m(x).square().sum().backward()
+            if o is ours and not fused:
+                o.step()
+            o.zero_grad()
+        for (name, a), b in zip(ours_m.named_parameters(), ref_m.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=name)
+            assert int(ours.state[a]["step"]) == int(ref.state[b]["step"]) == step + 1
+            assert torch.equal(ours.state[a]["lr"], ref.state[b]["lr"]), name
+    assert ours.state_dict()["param_groups"][1]["param_names"] == ["weight", "bias"]
+    with pytest.raises(ValueError, match="all be named"):
+        automagic.Automagic3([("w", torch.nn.Parameter(torch.zeros(2))),
+                              torch.nn.Parameter(torch.zeros(2))])
