@@ -322,6 +322,9 @@ class Automagic3(torch.optim.Optimizer):
         self._steps = BackwardSteps(self._on_step_closed)
         self._micro = 0                # backward passes done in this window
         self._updated = set()          # indices updated in this window
+        # indices whose hook fired in this window (None: not known, after a
+        # state_dict was loaded or the optimizer unpickled mid-window)
+        self._window_fired = set()
         self._deferred = set()         # indices whose hook fires twice a step
         self._warned = set()           # one-time warnings already given
         self._skipped = {}             # index -> non-finite updates skipped
@@ -429,6 +432,8 @@ class Automagic3(torch.optim.Optimizer):
                         "(warned once)" % (tuple(p.shape),))
                     return
             steps.fired.add(index)
+            if self._window_fired is not None:
+                self._window_fired.add(index)
             if (self._micro + 1 < self.accumulation_steps or index in self._deferred
                     or index in self._updated):
                 return  # applied by _flush when the window closes
@@ -512,15 +517,20 @@ class Automagic3(torch.optim.Optimizer):
             self._flush()
         finally:
             self._updated.clear()
+            self._window_fired = set()
 
     def _flush(self) -> None:
-        """Updates hooked parameters holding a gradient not yet applied in
-        this window (deferred ones, and those whose hook fired in an earlier
-        micro-batch of the window but not in the last)."""
+        """Updates hooked parameters whose hook fired in this window and
+        whose gradient is not yet applied (deferred ones, and those whose
+        hook fired in an earlier micro-batch of the window but not in the
+        last). A gradient no hook reported (set by hand, or left from before)
+        is left alone, as the reference leaves it."""
+        fired = self._window_fired
         for group in self.param_groups:
             for p in group["params"]:
                 index = self._param_index[p]
-                if p.grad is not None and index in self._hooked and index not in self._updated:
+                if (p.grad is not None and index in self._hooked and index not in self._updated
+                        and (fired is None or index in fired)):
                     self._updated.add(index)
                     self._update_param(p, group)
 
@@ -1012,6 +1022,7 @@ class Automagic3(torch.optim.Optimizer):
             self._micro = int(extra.get("micro_step", 0)) % self.accumulation_steps
             self._deferred = set(int(i) for i in extra.get("deferred", ()))
             self._updated = set()
+            self._window_fired = set() if self._micro == 0 else None
 
     # ---------------------------------------------- pickle and deepcopy
     def __getstate__(self) -> dict:
@@ -1034,5 +1045,6 @@ class Automagic3(torch.optim.Optimizer):
         self._init_runtime()
         self._micro, self._deferred = extra["micro"], extra["deferred"]
         self._warned, self._skipped = extra["warned"], extra["skipped"]
+        self._window_fired = set() if self._micro == 0 else None
         for group in self.param_groups:
             self._register_params(group)

@@ -666,3 +666,22 @@ def test_backward_from_the_engine_directly_with_a_reentrant_checkpoint():
             o_ref.zero_grad()
     for a, b in zip(m_ref.parameters(), m.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("accumulation_steps", [1, 2])
+def test_gradient_no_hook_reported_is_left_alone(accumulation_steps):
+    # A gradient set by hand on a hooked parameter (or left from before the
+    # optimizer existed) is not applied by the end of an unrelated backward
+    # pass, as in the reference, whose hooks alone update; it was, by the
+    # window's flush of every hooked parameter holding a gradient.
+    a = torch.nn.Parameter(torch.ones(3))
+    b = torch.nn.Parameter(torch.ones(3))
+    opt = automagic.Automagic3([a, b], fused=True, accumulation_steps=accumulation_steps)
+    b.grad = torch.ones(3)
+    opt.step()  # closes nothing: step() updates no hooked parameter in fused mode
+    for _ in range(accumulation_steps):
+        (a * 2.0).sum().backward()
+    assert torch.equal(b.detach(), torch.ones(3))
+    assert torch.equal(b.grad, torch.ones(3))
+    assert b not in opt.state or not opt.state[b]
+    assert int(opt.state[a]["step"]) == 1 and a.grad is None
