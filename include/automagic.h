@@ -607,7 +607,8 @@ AM_API am_status am_cuda_device_count(int *count);
  *               the same stream, never by concurrent streams.
  * stream      : a cudaStream_t (NULL: the default stream) of the calling
  *               thread's current device, which must hold every pointer.
- * report      : NULL, or a device pointer to one am_report that the last
+ * report      : NULL, or a device pointer, 8-byte aligned (it holds an
+ *               int64), to one am_report that the last
  *               kernel fills (status AM_OK / AM_SKIPPED_*, clip_scale,
  *               mean_agreement, nonfinite_count). The caller reads it when it
  *               likes (after synchronising the stream or an event).
