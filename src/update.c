@@ -305,9 +305,14 @@ static am_status run_stats(upd *u) {
      * (finish counts there). */
     u->h->counted = g->ndim >= 2 && g->numel > 0 && !batched(g);
     u->h->wsummed = g->ndim >= 2 && g->numel > 0 && g->wsum;
-    /* No elements: no sums (a [5, 0] matrix has rows but no tiles, so its
-     * row sums would be read unwritten). */
+    /* No elements: sums over nothing, 0 (a [5, 0] matrix has rows but no
+     * tiles, which would leave its row sums unwritten; an engine reading
+     * the view of such a shard gets zeros, not old workspace bytes). */
     if (g->numel == 0) {
+        if (g->ndim >= 2) {
+            memset(WS(u, off_row_sumsq, float), 0, (size_t)(g->B * g->R) * sizeof(float));
+            memset(WS(u, off_col_sumsq, float), 0, (size_t)(g->B * g->C) * sizeof(float));
+        }
         u->h->stage = AM_STAGE_STATS;
         return AM_OK;
     }

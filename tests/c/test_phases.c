@@ -315,6 +315,35 @@ static void shard_case(const am_shape *sh) {
     free(g);
 }
 
+/* The view of a zero-element parameter after am_update_stats: every sum is
+ * over no element, 0, whatever the workspace held (a [5, 0] matrix has five
+ * rows, a [3, 0, 4] weight twelve columns; their sums were left unwritten). */
+static void test_zero_element_sums(void **unused) {
+    const int64_t da[2] = {5, 0}, db[3] = {3, 0, 4};
+    const am_shape shapes[2] = {t_shape(2, da), t_shape(3, db)};
+    am_hparams hp = am_hparams_default();
+    int c;
+    int64_t i;
+    (void)unused;
+    for (c = 0; c < 2; c++) {
+        t_fix f;
+        am_tensor pt = t_tensor(NULL, AM_DTYPE_FLOAT32, &shapes[c]), gt = pt;
+        am_workspace_view v;
+        t_fix_init(&f, &shapes[c], 1e-3);
+        memset(f.ws, 0x7f, f.ws_bytes);
+        assert_int_equal(am_update_stats(&pt, &gt, &f.st, &hp, f.ws, f.ws_bytes), AM_OK);
+        assert_int_equal(am_workspace_view_get(&shapes[c], f.ws, f.ws_bytes, &v), AM_OK);
+        assert_true(f.sz.row_count + f.sz.col_count > 0);
+        for (i = 0; i < f.sz.row_count; i++) assert_true(v.row_sumsq[i] == 0.0f);
+        for (i = 0; i < f.sz.col_count; i++) assert_true(v.col_sumsq[i] == 0.0f);
+        assert_true(*v.u2_sum == 0.0 && *v.nonfinite == 0);
+        assert_int_equal(am_update_moments(&pt, &gt, &f.st, &hp, f.ws, f.ws_bytes), AM_OK);
+        assert_int_equal(am_update_finish(&pt, &gt, &f.st, &hp, (am_rng_key){1, 0}, f.ws,
+                                          f.ws_bytes, NULL), AM_OK);
+        t_fix_free(&f);
+    }
+}
+
 static void test_sharded_protocol(void **unused) {
     const int64_t d1[1] = {64}, d3[3] = {4, 9, 7}, d4[4] = {6, 2, 3, 5};
     const int64_t d3w[3] = {2, 70, 33}; /* tiles with the W sums (am_wsum) */
@@ -390,6 +419,7 @@ int main(void) {
         cmocka_unit_test(test_phases_sum_groups),
         cmocka_unit_test(test_view_contents),
         cmocka_unit_test(test_sharded_protocol),
+        cmocka_unit_test(test_zero_element_sums),
         cmocka_unit_test(test_rows_changed_between_phases),
         cmocka_unit_test(test_lr_bump_table),
     };
