@@ -330,6 +330,7 @@ class Automagic3(torch.optim.Optimizer):
         self._skipped = {}             # index -> non-finite updates skipped
         self._plans = {}               # index -> _Plan (C views of one parameter)
         self._valid_groups = {}        # id(group) -> _group_key last validated
+        self._hsig_seen = {}           # id(group) -> _hsig last checked
         self._batch_cache = {}         # _apply_batch's items, by caller's key
         self._queue = []               # fused mode: small updates not yet run
         self._queue_bytes = 0          # their gradients' bytes
@@ -620,11 +621,26 @@ class Automagic3(torch.optim.Optimizer):
             return 0.0
         return scale
 
-    @staticmethod
-    def _hsig(group: dict) -> tuple:
+    def _hsig(self, group: dict) -> tuple:
         """The group's hyperparameter values: values, not objects, since a
-        hyperparameter held in a tensor may change in place."""
-        return tuple([float(group[name]) for name in _lib.HPARAM_NAMES])
+        hyperparameter held in a tensor may change in place. lr may be a
+        tensor (a schedule's, see _validate_group); the others must be plain
+        numbers, as step() checks (_validate_group), checked here whenever
+        the values differ from the last ones seen for the group (a hook took
+        float() of a string or a tensor set after construction)."""
+        try:
+            sig = tuple([float(group[name]) for name in _lib.HPARAM_NAMES])
+        except (TypeError, ValueError):
+            sig = None
+        if sig is None or self._hsig_seen.get(id(group)) != sig:
+            for name in _lib.HPARAM_NAMES[1:]:
+                v = group[name]
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise AutomagicError("Automagic3: %s must be a number, got %r" % (name, v))
+            if sig is None:  # lr: neither a number nor a tensor of one
+                raise AutomagicError("Automagic3: lr must be a number, got %r" % (group["lr"],))
+            self._hsig_seen[id(group)] = sig
+        return sig
 
     def _update_param(self, p: torch.Tensor, group: dict) -> None:
         """Updates one parameter (a backward hook, or the end of a fused

@@ -123,6 +123,25 @@ def test_changed_after_construction_is_refused_unchanged():
         opt.zero_grad()
 
 
+@pytest.mark.parametrize("value", ["0.9", torch.tensor(0.9), True])
+def test_fused_hook_refuses_a_hyperparameter_that_is_not_a_number(value):
+    # As step() does (above): a hook took float() of a string or a tensor
+    # set on the group after construction and went on with it.
+    p = _param(3, 4)
+    opt = automagic.Automagic3([p], fused=True)
+    (p * 2.0).sum().backward()
+    before = (p.detach().clone(), opt.state[p]["lr"].clone(), int(opt.state[p]["step"]))
+    opt.param_groups[0]["beta2"] = value
+    with pytest.raises(automagic.AutomagicError, match="beta2 must be a number"):
+        (p * 2.0).sum().backward()
+    assert torch.equal(p.detach(), before[0]) and torch.equal(opt.state[p]["lr"], before[1])
+    assert int(opt.state[p]["step"]) == before[2]
+    opt.param_groups[0]["beta2"] = 0.9  # a number: accepted
+    p.grad = None
+    (p * 2.0).sum().backward()
+    assert int(opt.state[p]["step"]) == before[2] + 1
+
+
 def test_lr_schedule_scale_negative_lr_is_refused():
     p = _param(3, 4)
     opt = automagic.Automagic3([p], fused=False, lr_schedule="scale")
