@@ -185,6 +185,9 @@ def _validate_group(group: dict, check_lr: bool = True) -> None:
         v = group[name]
         if name == "lr" and not check_lr:
             continue
+        if name == "lr" and isinstance(v, torch.Tensor) and v.numel() == 1 \
+                and v.is_floating_point():
+            continue  # (a one-element tensor lr, as the constructor takes)
         if isinstance(v, (bool, torch.Tensor)) or not isinstance(v, (int, float)):
             raise TypeError("Automagic3: %s must be a number, got %r" % (name, v))
     hp = _hparams(group)
@@ -251,9 +254,12 @@ class Automagic3(torch.optim.Optimizer):
                  clip_threshold: float = 1.0, weight_decay: float = 0.0, *,
                  seed: int = 0, fused: bool = True, accumulation_steps: int = 1,
                  nonfinite: str = "skip", lr_schedule: str = "ignore"):
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)):
+        # a one-element tensor too, as torch's optimizers and the reference
+        # take (a schedule may change it in place: lr_schedule="scale")
+        if isinstance(lr, bool) or not (isinstance(lr, (int, float)) or (
+                isinstance(lr, torch.Tensor) and lr.numel() == 1 and lr.is_floating_point())):
             raise TypeError("Automagic3: lr must be a number, got %r" % (lr,))
-        if lr > 1e-3:
+        if float(lr) > 1e-3:
             warnings.warn("Automagic3: start lr %g is very high; forcing to 1e-6 "
                           "(as the reference does)" % lr, stacklevel=2)
             lr = 1e-6

@@ -397,3 +397,29 @@ def test_named_parameters_duplicates_and_group_lr_as_the_reference(make_referenc
     with pytest.raises(ValueError, match="all be named"):
         automagic.Automagic3([("w", torch.nn.Parameter(torch.zeros(2))),
                               torch.nn.Parameter(torch.zeros(2))])
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_tensor_lr_as_a_number(make_reference, fused):
+    """lr given as a one-element tensor (torch's optimizers and the
+    reference take it; it was refused): the same trajectory as the number,
+    the reference's too; the other hyperparameters must stay numbers."""
+    def run(lr, impl):
+        torch.manual_seed(7)
+        lin = torch.nn.Linear(5, 3)
+        o = (automagic.Automagic3(lin.parameters(), lr=lr, fused=fused) if impl == "ours"
+             else make_reference(lin.parameters(), lr=lr))
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(8))
+        for _ in range(3):
+            lin(x).square().sum().backward()
+            if impl == "ours" and not fused:
+                o.step()
+            o.zero_grad()
+        return [p.detach().clone() for p in lin.parameters()]
+    a, b = run(torch.tensor(1e-4), "ours"), run(1e-4, "ours")
+    r = run(torch.tensor(1e-4), "reference")
+    for x, y, z in zip(a, b, r):
+        assert torch.equal(x, y)
+        torch.testing.assert_close(x, z, rtol=1e-5, atol=1e-7)
+    with pytest.raises(TypeError, match="weight_decay must be a number"):
+        automagic.Automagic3(torch.nn.Linear(2, 2).parameters(), weight_decay=torch.tensor(0.1))
