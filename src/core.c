@@ -65,11 +65,19 @@ am_status am_set_log_callback(am_log_fn fn, void *user) {
     return AM_OK;
 }
 
+static _Thread_local int g_log_muted;
+
+int am_log_mute(int on) {
+    const int was = g_log_muted;
+    g_log_muted = on;
+    return was;
+}
+
 void am_log(am_log_level level, const char *fmt, ...) {
     char buf[512];
     va_list ap;
     am_log_fn fn = g_log_fn;
-    if (!fn) return;
+    if (!fn || g_log_muted) return;
     va_start(ap, fmt);
     vsnprintf(buf, sizeof buf, fmt, ap);
     va_end(ap);

@@ -22,6 +22,12 @@ void am_log(am_log_level level, const char *fmt, ...)
 #endif
     ;
 
+/* Mutes (on = 1) or unmutes am_log on the calling thread; returns the
+ * previous setting. For a call whose failure the caller handles itself
+ * (am_optimizer_update_all's batch, refused for shared memory, falls back
+ * to one update at a time). */
+int am_log_mute(int on);
+
 /* Returns status err with a message naming the problem when cond holds. */
 #define AM_RETURN_IF(cond, err, ...)                                          \
     do {                                                                      \

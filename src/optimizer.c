@@ -185,9 +185,14 @@ static int update_all_batch(am_optimizer *o, const void *const *grads, const am_
     if (am_update_batch_workspace(items, n, am_get_num_threads(), &bytes) != AM_OK ||
         !(ws = malloc(bytes)))
         goto out;
-    /* nothing runs unless it returns AM_OK (all checked: an error is not
-     * expected here) */
-    ran = am_update_batch(items, n, ws, bytes) == AM_OK;
+    /* nothing runs unless it returns AM_OK (all checked: the error expected
+     * here is parameters sharing memory, tied weights, which the updates
+     * one at a time handle: not logged, the caller's fallback is silent) */
+    {
+        const int was = am_log_mute(1);
+        ran = am_update_batch(items, n, ws, bytes) == AM_OK;
+        am_log_mute(was);
+    }
     if (ran) {
         for (i = 0; i < o->count; i++)
             if (!grads[i] && reps) memset(&reps[i], 0, sizeof reps[i]);

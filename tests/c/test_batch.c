@@ -367,6 +367,56 @@ static void test_workspace_overflow(void **unused) {
     free(g);
 }
 
+/* Weight tying: one buffer registered twice. On 2 threads update_all's
+ * batch is refused (the items share memory) and it updates them one at a
+ * time: the bits of 1 thread, and nothing logged (an ERROR from the refused
+ * batch was logged at every call). */
+static void tied_run(int threads, float *p, float *q, int64_t *nlog) {
+    const int64_t d[2] = {64, 64}, d1[1] = {4096};
+    am_hparams hp = am_hparams_default();
+    am_optimizer *o = NULL;
+    float *g = t_calloc(4096 * 4);
+    int32_t id;
+    int i;
+    for (i = 0; i < 4096; i++) {
+        p[i] = 0.01f * (float)(i % 11);
+        q[i] = 0.0f;
+        g[i] = 1e-3f * (float)((i % 5) - 2);
+    }
+    am_set_num_threads(threads);
+    assert_int_equal(am_optimizer_create(&hp, 3, &o), AM_OK);
+    assert_int_equal(am_optimizer_add_param(o, p, AM_DTYPE_FLOAT32, 2, d, &id), AM_OK);
+    assert_int_equal(am_optimizer_add_param(o, p, AM_DTYPE_FLOAT32, 2, d, &id), AM_OK);
+    assert_int_equal(am_optimizer_add_param(o, q, AM_DTYPE_FLOAT32, 1, d1, &id), AM_OK);
+    g_log.count = 0;
+    for (i = 0; i < 3; i++) {
+        const void *gr[3] = {g, g, g};
+        const am_dtype gd[3] = {AM_DTYPE_FLOAT32, AM_DTYPE_FLOAT32, AM_DTYPE_FLOAT32};
+        assert_int_equal(am_optimizer_update_all(o, gr, gd, NULL), AM_OK);
+    }
+    *nlog = g_log.count;
+    am_optimizer_destroy(o);
+    am_set_num_threads(1);
+    free(g);
+}
+
+static void test_tied_weights_update_all(void **unused) {
+    float *p1 = t_calloc(4096 * 4), *q1 = t_calloc(4096 * 4);
+    float *p2 = t_calloc(4096 * 4), *q2 = t_calloc(4096 * 4);
+    int64_t n1 = -1, n2 = -1;
+    (void)unused;
+    tied_run(1, p1, q1, &n1);
+    tied_run(2, p2, q2, &n2);
+    assert_memory_equal(p1, p2, 4096 * 4);
+    assert_memory_equal(q1, q2, 4096 * 4);
+    assert_int_equal(n1, 0);
+    assert_int_equal(n2, 0);
+    free(p1);
+    free(q1);
+    free(p2);
+    free(q2);
+}
+
 /* am_optimizer_update_all on 2 threads (one batch) against 1 (in turn):
  * the same parameters, lrs, skip count and reports. */
 static void optimizer_run(int threads, float *w0, uint16_t *w1, float *w2, int64_t *skipped,
@@ -432,6 +482,7 @@ int main(void) {
         cmocka_unit_test(test_nonfinite_item),
         cmocka_unit_test(test_errors),
         cmocka_unit_test(test_workspace_overflow),
+        cmocka_unit_test(test_tied_weights_update_all),
         cmocka_unit_test(test_optimizer_update_all),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
