@@ -99,6 +99,13 @@ def _pass_of(frame, depth):
     if frame is None:
         other = _running_backward_frame()
         return (other, 1) if other is not None else (None, depth)
+    if not isinstance(threading.current_thread(), threading._DummyThread):
+        # A thread Python started (the main thread too) runs its own passes:
+        # another thread's backward at the same time, of another model and
+        # optimizer say, is not its parent (taken as one, it merged this
+        # thread's passes into one step and dropped gradients as "second
+        # parts"). Autograd's device threads are not Python's.
+        return (frame, depth)
     other = _running_backward_frame(threading.get_ident())
     return (other, depth + 1) if other is not None else (frame, depth)
 

@@ -1001,6 +1001,7 @@ class Automagic3(torch.optim.Optimizer):
             self._hooked = set()
             self.fused = False
             self.accumulation_steps = 1
+            self._micro = 0  # (a stale position was saved in the state_dict)
 
     # ----------------------------------------------------- checkpoints
     def state_dict(self) -> dict:

@@ -1,5 +1,6 @@
 """Fused mode (updates inside backward): accumulation, exactly-once updates,
 checkpointing, tied weights, misuse detection, torch.compile."""
+import _thread
 import copy
 import gc
 import threading
@@ -574,15 +575,22 @@ def test_nested_pass_on_another_thread_is_part_of_the_step(k, outer_hooks_see_a_
                 x, = ctx.saved_tensors
                 out = []
 
+                done = threading.Event()
+
                 def run():
-                    with torch.enable_grad():
-                        xd = x.detach().requires_grad_()
-                        y = torch.tanh(inner(xd))
-                    torch.autograd.backward(y, g)
-                    out.append(xd.grad)
-                t = threading.Thread(target=run)
-                t.start()
-                t.join()
+                    try:
+                        with torch.enable_grad():
+                            xd = x.detach().requires_grad_()
+                            y = torch.tanh(inner(xd))
+                        torch.autograd.backward(y, g)
+                        out.append(xd.grad)
+                    finally:
+                        done.set()
+                # a thread not started by Python's threading module, as
+                # autograd's device threads are not (threading sees a
+                # _DummyThread; a threading.Thread runs passes of its own)
+                _thread.start_new_thread(run, ())
+                assert done.wait(60)
                 return out[0]
         return outer(CheckpointOnAnotherThread.apply(first(x))).square().sum()
     ms, refs = model(), model()
@@ -685,3 +693,51 @@ def test_gradient_no_hook_reported_is_left_alone(accumulation_steps):
     assert torch.equal(b.grad, torch.ones(3))
     assert b not in opt.state or not opt.state[b]
     assert int(opt.state[a]["step"]) == 1 and a.grad is None
+
+
+def test_another_threads_backward_is_not_this_ones_parent():
+    # Model B's backward is held open on another thread (in a tensor hook)
+    # while this thread trains model A with its own optimizer: A's passes
+    # were taken as nested in B's, merged into one step, and gradients
+    # dropped as "second parts". Each pass of A is one update, as in step
+    # mode.
+    def mlp(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    a, a_step, b = mlp(0), mlp(0), mlp(5)
+    opt_a = automagic.Automagic3(a.parameters())
+    opt_step = automagic.Automagic3(a_step.parameters(), fused=False)
+    automagic.Automagic3(b.parameters())
+    started, release = threading.Event(), threading.Event()
+
+    def run_b():
+        x = torch.randn(4, 8, requires_grad=True)
+        h = b[0](x)
+        h.register_hook(lambda g: (started.set(), release.wait(), g)[-1])
+        b[2](torch.tanh(h)).sum().backward()
+    t = threading.Thread(target=run_b)
+    t.start()
+    assert started.wait(30)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "arrived in two parts"
+            for i in range(4):
+                x = torch.randn(5, 8, generator=torch.Generator().manual_seed(i))
+                a(x).square().sum().backward()
+                a_step(x).square().sum().backward()
+                opt_step.step()
+                opt_step.zero_grad()
+    finally:
+        release.set()
+        t.join()
+    for p, q in zip(a.parameters(), a_step.parameters()):
+        assert int(opt_a.state[p]["step"]) == 4
+        assert torch.equal(p, q)
+
+
+def test_remove_hooks_mid_window_resets_the_window():
+    lin = torch.nn.Linear(3, 2)
+    opt = automagic.Automagic3(lin.parameters(), accumulation_steps=2)
+    lin(torch.ones(1, 3)).sum().backward()  # micro-batch 1 of 2
+    opt.remove_hooks()
+    assert opt.state_dict()["automagic"]["micro_step"] == 0
