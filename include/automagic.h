@@ -237,9 +237,10 @@ typedef struct am_rng_key {
 /* What one update did. */
 typedef struct am_report {
     am_status status;        /* same as the return value of the update */
-    float clip_scale;        /* the divisor of SPEC 3.2 (>= 1), 0 if skipped */
+    float clip_scale;        /* the divisor of SPEC 3.2 (>= 1), 0 if skipped
+                                or the parameter has no element */
     float mean_agreement;    /* mean over lr-rows of the agreement fraction;
-                                0 if skipped */
+                                0 if skipped or no element */
     int64_t nonfinite_count; /* non-finite elements seen in the gradient */
 } am_report;
 
@@ -304,15 +305,18 @@ AM_API am_status am_update_batch_workspace(const am_batch_item *items, int64_t n
  * state (AM_ERR_INVALID_ARGUMENT; in turn the second would read the
  * first's result, at the same time they would race), a workspace size over
  * SIZE_MAX / 2 (AM_ERR_INVALID_ARGUMENT), a workspace NULL
- * (AM_ERR_NULL_POINTER) or smaller than am_update_batch_workspace says
- * (AM_ERR_BUFFER_SIZE), or no memory for the sharing check
+ * (AM_ERR_NULL_POINTER) or smaller than am_update_batch_workspace says for
+ * one thread (AM_ERR_BUFFER_SIZE), or no memory for the sharing check
  * (AM_ERR_OUT_OF_MEMORY) return that error with nothing modified but the
  * items' status fields (the failing item's holds the error, the others
  * AM_ERR_INVALID_ARGUMENT: not run). items NULL with n > 0:
  * AM_ERR_NULL_POINTER; n < 0: AM_ERR_INVALID_ARGUMENT; n == 0: AM_OK.
  * Otherwise every item is updated and its status set (AM_OK, or a skip
  * for a non-finite gradient, which leaves that item as it was), and the
- * call returns AM_OK. Gradients may share memory (they are only read). */
+ * call returns AM_OK. Gradients may share memory (they are only read). A
+ * workspace sized for fewer threads than run at the call (another thread
+ * may change the count after the caller sized it) is used with as many
+ * threads as it has room for: the same bits. */
 AM_API am_status am_update_batch(am_batch_item *items, int64_t n, void *workspace,
                                  size_t workspace_bytes);
 
@@ -455,7 +459,8 @@ AM_API am_status am_optimizer_update_param(am_optimizer *opt, int32_t id,
                                            am_report *report);
 
 /* Updates every parameter: grads[i] and grad_dtypes[i] for parameter i
- * (grads[i] == NULL skips parameter i). reports: NULL or an array of
+ * (grads[i] == NULL skips parameter i: its report, if any, is all zero,
+ * status AM_OK). reports: NULL or an array of
  * am_optimizer_num_params() entries. Arguments are all checked before any
  * update. Returns AM_OK when every update was applied, the first AM_SKIPPED_*
  * seen otherwise (the other parameters are still updated), or an error
@@ -479,10 +484,11 @@ AM_API am_status am_optimizer_get_lrs(const am_optimizer *opt, int32_t id,
 /* Number of per-row lrs of parameter id, or -1 if there is none. */
 AM_API int64_t am_optimizer_lr_count(const am_optimizer *opt, int32_t id);
 
-/* The mean lr of parameter id (id >= 0), or, with id == -1, the mean over all
- * parameters of each parameter's mean lr (the reference's
- * get_avg_learning_rate for one group; the initial lr when there are no
- * parameters). Errors: AM_ERR_NULL_POINTER, AM_ERR_NOT_FOUND. */
+/* The mean lr of parameter id (id >= 0), or, with id == -1, the mean over
+ * the parameters updated at least once (step > 0) of each one's mean lr
+ * (the reference's get_avg_learning_rate for one group, which averages the
+ * parameters that have state; the optimizer's initial lr when none has
+ * been updated). Errors: AM_ERR_NULL_POINTER, AM_ERR_NOT_FOUND. */
 AM_API am_status am_optimizer_lr_mean(const am_optimizer *opt, int32_t id,
                                       double *out);
 

@@ -252,13 +252,14 @@ am_status am_update_batch(am_batch_item *items, int64_t n, void *workspace,
         if (err >= 0) items[err].status = s;
         return s;
     }
-    s = batch_bytes(n, nthreads, max_ws, &need);
+    /* the workspace of one slot (one thread): the least that runs */
+    s = batch_bytes(n, 1, max_ws, &need);
     if (s != AM_OK) return s;
     AM_RETURN_IF(!workspace, AM_ERR_NULL_POINTER, "am_update_batch: workspace is NULL");
     AM_RETURN_IF(workspace_bytes < need, AM_ERR_BUFFER_SIZE,
-                 "am_update_batch: workspace: %zu bytes given, %zu needed at %d threads "
-                 "(am_update_batch_workspace)",
-                 workspace_bytes, need, nthreads);
+                 "am_update_batch: workspace: %zu bytes given, at least %zu needed (one "
+                 "thread; am_update_batch_workspace)",
+                 workspace_bytes, need);
     b.items = items;
     b.n = n;
     b.sched = (sched_entry *)(((uintptr_t)workspace + 63u) & ~(uintptr_t)63u);
@@ -266,6 +267,14 @@ am_status am_update_batch(am_batch_item *items, int64_t n, void *workspace,
     b.slot_bytes = round64((size_t)max_ws);
     T = slot_count(n, nthreads);
     if (T > (int)(sizeof load / sizeof load[0])) T = (int)(sizeof load / sizeof load[0]);
+    /* A workspace sized for fewer threads than now run (another thread may
+     * change the count between the caller's am_update_batch_workspace and
+     * this call, which am_set_num_threads allows): as many threads as it
+     * has slots for; the bits never depend on the thread count. */
+    {
+        const size_t fit = (workspace_bytes - need) / b.slot_bytes + 1;
+        if ((size_t)T > fit) T = (int)fit;
+    }
     if (T == 1) { /* in turn, each update on every thread */
         for (i = 0; i < n; i++) run_item(&items[i], b.slots, b.slot_bytes);
         return AM_OK;

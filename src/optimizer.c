@@ -280,14 +280,16 @@ am_status am_optimizer_lr_mean(const am_optimizer *o, int32_t id, double *out) {
     AM_RETURN_IF(!o, AM_ERR_NULL_POINTER, "am_optimizer_lr_mean: opt is NULL");
     AM_RETURN_IF(!out, AM_ERR_NULL_POINTER, "am_optimizer_lr_mean: out is NULL");
     if (id == -1) {
+        /* as the reference: over the parameters that have state there,
+         * i.e. that were updated (step > 0) */
         double s = 0.0;
-        int32_t i;
-        if (o->count == 0) {
-            *out = o->hp.lr;
-            return AM_OK;
-        }
-        for (i = 0; i < o->count; i++) s += param_lr_mean(o, i);
-        *out = s / (double)o->count;
+        int32_t i, n = 0;
+        for (i = 0; i < o->count; i++)
+            if (o->params[i].st.step > 0) {
+                s += param_lr_mean(o, i);
+                n++;
+            }
+        *out = n ? s / (double)n : o->hp.lr;
         return AM_OK;
     }
     AM_CHECK(find(o, id, "am_optimizer_lr_mean"));

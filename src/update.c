@@ -716,10 +716,11 @@ static int finish_split(fin *f) {
     int nth = am_get_num_threads();
     int64_t rows = g->m / g->C, per, kr, t;
     split sp;
-    if (nth < 2 || g->lr_rows >= 2 * nth || g->m < AM_SPLIT_MIN_ELEMS || rows < 16)
+    /* (in int64_t: am_set_num_threads takes any int) */
+    if (nth < 2 || g->lr_rows >= (int64_t)2 * nth || g->m < AM_SPLIT_MIN_ELEMS || rows < 16)
         return 0;
     per = AM_SPLIT_MAX / g->lr_rows; /* chunks per lr-row */
-    if (per > 4 * nth) per = 4 * nth;
+    if (per > (int64_t)4 * nth) per = (int64_t)4 * nth;
     /* More than AM_SPLIT_MAX / 2 lr-rows (possible when nth > 128): no room
      * to split each in two; per == 0 would divide by zero below. */
     if (per < 2) return 0;

@@ -5,6 +5,8 @@
  * header allows). Also the small pure functions: status strings, dtype
  * size/name, version.
  */
+#include <limits.h>
+
 #include "test_common.h"
 
 T_ERROR_LOG_FIXTURE()
@@ -401,6 +403,30 @@ static void test_threads(void **unused) {
     assert_true(am_get_num_threads() >= 1);
     assert_int_equal(am_set_num_threads(1), AM_OK);
     assert_int_equal(am_get_num_threads(), 1);
+    {
+        /* any count is accepted, INT_MAX too: an update's arithmetic on it
+         * (twice and four times the count, in int) overflowed, undefined
+         * behaviour that the sanitizer build reports; a small matrix runs
+         * on one thread whatever the count (no pool of 2^31 threads) */
+        const int64_t d[2] = {8, 8};
+        am_shape sh = t_shape(2, d);
+        t_fix f;
+        float p[64], g[64];
+        am_tensor pt = t_tensor(p, AM_DTYPE_FLOAT32, &sh), gt = t_tensor(g, AM_DTYPE_FLOAT32, &sh);
+        am_hparams hp = am_hparams_default();
+        int i;
+        for (i = 0; i < 64; i++) {
+            p[i] = 0.1f * (float)(i % 7);
+            g[i] = 0.01f * (float)(i % 5 - 2);
+        }
+        t_fix_init(&f, &sh, 1e-3);
+        assert_int_equal(am_set_num_threads(INT_MAX), AM_OK);
+        assert_int_equal(am_update(&pt, &gt, &f.st, &hp, (am_rng_key){1, 0}, f.ws, f.ws_bytes,
+                                   NULL),
+                         AM_OK);
+        assert_int_equal(am_set_num_threads(1), AM_OK);
+        t_fix_free(&f);
+    }
     assert_non_null(am_kernel_name());
     assert_true(strlen(am_kernel_name()) > 0);
 }

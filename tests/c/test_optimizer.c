@@ -135,6 +135,30 @@ static void test_optimizer_api(void **unused) {
     assert_true(fabs(m1 - mean / 5) <= 1e-15);
     assert_int_equal(am_optimizer_lr_mean(o.opt, -1, &mean), AM_OK);
     assert_true(fabs(mean - (m0 + m1) / 2) <= 1e-15);
+    {
+        /* lr_mean(-1) over the parameters updated so far, as the
+         * reference's get_avg_learning_rate averages those with state (a
+         * parameter never updated was averaged in at its initial lr) */
+        am_optimizer *u = NULL;
+        float w0[12] = {0}, w1[5] = {0}, g0[12];
+        const int64_t d0[2] = {3, 4}, d1 = 5;
+        const void *gr[2] = {g0, NULL};
+        const am_dtype gd[2] = {AM_DTYPE_FLOAT32, AM_DTYPE_FLOAT32};
+        double a, b;
+        am_hparams h2 = am_hparams_default();
+        h2.lr = 1e-4;
+        for (i = 0; i < 12; i++) g0[i] = (float)(i % 5) - 2.0f;
+        assert_int_equal(am_optimizer_create(&h2, 1, &u), AM_OK);
+        assert_int_equal(am_optimizer_add_param(u, w0, AM_DTYPE_FLOAT32, 2, d0, &id), AM_OK);
+        assert_int_equal(am_optimizer_add_param(u, w1, AM_DTYPE_FLOAT32, 1, &d1, &id), AM_OK);
+        assert_int_equal(am_optimizer_lr_mean(u, -1, &a), AM_OK);
+        assert_true(a == 1e-4); /* none updated: the initial lr */
+        for (i = 0; i < 3; i++) assert_int_equal(am_optimizer_update_all(u, gr, gd, NULL), AM_OK);
+        assert_int_equal(am_optimizer_lr_mean(u, -1, &a), AM_OK);
+        assert_int_equal(am_optimizer_lr_mean(u, 0, &b), AM_OK);
+        assert_true(a == b && b != 1e-4);
+        am_optimizer_destroy(u);
+    }
     assert_int_equal(am_optimizer_get_state(o.opt, 0, &st, &sh), AM_OK);
     assert_int_equal(sh.ndim, 2);
     assert_true(sh.dims[0] == 3 && sh.dims[1] == 4);
