@@ -524,7 +524,10 @@ AM_API am_status am_optimizer_get_hparams(const am_optimizer *opt,
  * the hyperparameters, step >= 0, no negative lr or moment, zero polarity
  * padding bits) before changing anything: on any error the
  * optimizer is exactly as it was. On success the hyperparameters and seed
- * are the checkpoint's, and training continues bit-identically.
+ * are the checkpoint's, and training continues bit-identically. (A start lr
+ * above 1e-3, which no saved optimizer holds, is forced to 1e-6 with a
+ * warning, as am_optimizer_create does: parameters registered after the
+ * load start from it.)
  *
  * Not to be called while another thread updates, loads into or destroys the
  * same optimizer; saving the same optimizer from several threads at once is

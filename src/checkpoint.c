@@ -594,6 +594,9 @@ static am_status load_values(const am_optimizer *o, ck_load *L) {
 static void commit(am_optimizer *o, const ck_load *L) {
     int32_t p;
     o->hp = L->hp;
+    /* a file we did not write may hold a start lr create would have forced
+     * (the parameters registered later start from it) */
+    am_force_start_lr(&o->hp);
     o->seed = L->seed;
     for (p = 0; p < o->count; p++) {
         am_param_slot *s = &o->params[p];

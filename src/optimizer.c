@@ -5,6 +5,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+void am_force_start_lr(am_hparams *hp) {
+    if (hp->lr > 1e-3) {
+        am_log(AM_LOG_WARNING, "initial lr %g is very high; forcing to 1e-6 (as the reference)",
+               hp->lr);
+        hp->lr = 1e-6;
+    }
+}
+
 am_status am_optimizer_create(const am_hparams *hp, uint64_t seed,
                               am_optimizer **out) {
     am_optimizer *o;
@@ -13,12 +21,7 @@ am_status am_optimizer_create(const am_hparams *hp, uint64_t seed,
     o = (am_optimizer *)calloc(1, sizeof *o);
     AM_RETURN_IF(!o, AM_ERR_OUT_OF_MEMORY, "am_optimizer_create: out of memory");
     o->hp = *hp;
-    if (o->hp.lr > 1e-3) {
-        am_log(AM_LOG_WARNING,
-               "initial lr %g is very high; forcing to 1e-6 (as the reference)",
-               o->hp.lr);
-        o->hp.lr = 1e-6;
-    }
+    am_force_start_lr(&o->hp);
     o->seed = seed;
     *out = o;
     return AM_OK;

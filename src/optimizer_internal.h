@@ -24,4 +24,8 @@ struct am_optimizer {
     int32_t count, cap;
 };
 
+/* SPEC 1: a start lr above 1e-3 is forced to 1e-6 with a warning, as the
+ * reference does (am_optimizer_create, and a loaded checkpoint's). */
+void am_force_start_lr(am_hparams *hp);
+
 #endif /* AM_OPTIMIZER_INTERNAL_H */

@@ -102,9 +102,12 @@ static void assert_same_image(const am_optimizer *a, const am_optimizer *b) {
 static char g_dir[64];
 static char g_last_log[600];
 
+static char g_last_warning[600];
+
 static void log_cb(am_log_level lvl, const char *msg, void *u) {
     (void)u;
     if (lvl == AM_LOG_ERROR) snprintf(g_last_log, sizeof g_last_log, "%s", msg);
+    if (lvl == AM_LOG_WARNING) snprintf(g_last_warning, sizeof g_last_warning, "%s", msg);
 }
 
 static int setup(void **st) {
@@ -311,6 +314,38 @@ static void test_invalid_values_rejected(void **unused) {
         assert_int_equal(am_optimizer_load_memory(b.opt, img, n), AM_OK);
         free(img);
     }
+    am_optimizer_destroy(a.opt);
+    am_optimizer_destroy(b.opt);
+}
+
+/* A checkpoint we did not write may hold a start lr above 1e-3 (valid: the
+ * rule forces it, as am_optimizer_create does, rather than refusing it):
+ * forced to 1e-6 with a warning, so that a parameter registered after the
+ * load starts from 1e-6, not from the file's 0.5. */
+static void test_loaded_start_lr_forced(void **unused) {
+    model a, b;
+    am_hparams hp;
+    int32_t id;
+    float w[6] = {0}, lrs[2];
+    const int64_t shape[2] = {2, 3};
+    size_t n;
+    unsigned char *img;
+    (void)unused;
+    model_init(&a, 1);
+    model_init(&b, 1);
+    train(&a, 0, 2, 5);
+    a.opt->hp.lr = 0.5; /* through the internals: save keeps what it finds */
+    img = t_image(a.opt, &n);
+    g_last_warning[0] = '\0';
+    assert_int_equal(am_optimizer_load_memory(b.opt, img, n), AM_OK);
+    assert_non_null(strstr(g_last_warning, "forcing to 1e-6"));
+    assert_int_equal(am_optimizer_get_hparams(b.opt, &hp, NULL), AM_OK);
+    assert_true(hp.lr == 1e-6);
+    assert_int_equal(am_optimizer_add_param(b.opt, w, AM_DTYPE_FLOAT32, 2, shape, &id),
+                     AM_OK);
+    assert_int_equal(am_optimizer_get_lrs(b.opt, id, lrs, 2), AM_OK);
+    assert_true(lrs[0] == 1e-6f && lrs[1] == 1e-6f);
+    free(img);
     am_optimizer_destroy(a.opt);
     am_optimizer_destroy(b.opt);
 }
@@ -536,6 +571,7 @@ int main(void) {
         cmocka_unit_test(test_every_corruption_rejected),
         cmocka_unit_test(test_invalid_values_rejected),
         cmocka_unit_test(test_extreme_state_roundtrips),
+        cmocka_unit_test(test_loaded_start_lr_forced),
         cmocka_unit_test(test_max_step_update_all_refused_whole),
         cmocka_unit_test(test_version_and_format_named),
         cmocka_unit_test(test_mismatch),
