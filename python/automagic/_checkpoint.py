@@ -78,9 +78,18 @@ def convert_state(saved: dict, p: torch.Tensor, polarity_bytes: int, where: str)
     saved = dict(saved)
     if "last_polarity" in saved:  # the reference class's format
         lp = saved.pop("last_polarity")
-        if not isinstance(lp, torch.Tensor) or lp.dtype != torch.bool or lp.shape != p.shape:
+        if not isinstance(lp, torch.Tensor) or lp.shape != p.shape or lp.is_complex():
             raise CheckpointError("%s: last_polarity must be a bool tensor of shape %s"
                                   % (where, tuple(p.shape)))
+        if lp.dtype != torch.bool:
+            # torch's Optimizer.load_state_dict casts every floating state
+            # tensor to the parameter's dtype: a reference that resumed from
+            # a checkpoint saves last_polarity as 0.0/1.0 until the
+            # parameter's next update; the values, not the dtype, must be bits
+            if not bool(((lp == 0) | (lp == 1)).all()):
+                raise CheckpointError("%s: last_polarity (%s) holds values other than 0 "
+                                      "and 1" % (where, lp.dtype))
+            lp = lp != 0
         saved["polarity"] = pack_polarity(lp.to(p.device))
     out = {"step": _step(saved.get("step"), where)}
     for key, shape in shapes.items():
@@ -143,6 +152,11 @@ def prepare_load(state_dict, groups, hparam_keys, polarity_bytes_of):
         if pid not in id_map:
             raise CheckpointError("Automagic3: state for unknown parameter id %r" % (pid,))
         p = id_map[pid]
+        if isinstance(saved, dict) and not saved:
+            # an empty entry: opt.state is a defaultdict, so looking at
+            # opt.state[p] before p's first update leaves {} to be saved;
+            # p has no state (the reference loads it the same way)
+            continue
         new_state[p] = convert_state(saved, p, polarity_bytes_of(p),
                                      "Automagic3: state of parameter %r (shape %s)"
                                      % (pid, tuple(p.shape)))

@@ -1,5 +1,6 @@
 """state_dict round trips, the reference class's checkpoints, parameter
 groups, pickling and deepcopy."""
+import contextlib
 import copy
 import importlib.util
 import io
@@ -262,3 +263,57 @@ def test_state_with_zero_lrs_loads_again():
     bad["state"][0]["lr"] = torch.full((4,), -1e-6)
     with pytest.raises(CheckpointError, match="negative"):
         opt2.load_state_dict(bad)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_empty_state_entry_loads(fused):
+    # opt.state is a defaultdict: a script that looks at opt.state[b] before
+    # b's first update leaves {} in it, which state_dict() saves; loading it
+    # raised CheckpointError ("step must be an integer >= 0, got None")
+    a, b = torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(3))
+    opt = automagic.Automagic3([a, b], fused=fused)
+    assert opt.state[b].get("lr") is None
+    a.sum().backward()
+    opt.step()
+    sd = opt.state_dict()
+    assert sd["state"][1] == {}
+    a2, b2 = torch.nn.Parameter(a.detach().clone()), torch.nn.Parameter(b.detach().clone())
+    o2 = automagic.Automagic3([a2, b2], fused=fused)
+    o2.load_state_dict(torch.load(_roundtrip(sd)))
+    assert not o2.state.get(b2) and o2.state[a2]["step"] == 1
+    for p, q in ((a, a2), (b, b2)):  # both continue alike
+        (p.sum() * 2).backward()
+        (q.sum() * 2).backward()
+    opt.step()
+    o2.step()
+    assert torch.equal(a, a2) and torch.equal(b, b2)
+    assert torch.equal(opt.state[b]["lr"], o2.state[b2]["lr"])
+
+
+def test_reference_resumed_checkpoint_loads():
+    # torch's Optimizer.load_state_dict casts floating state to the
+    # parameter's dtype: a reference that resumed saves last_polarity as
+    # 0.0/1.0 until the parameter's next update. SPEC 7: it loads.
+    Ref = _reference_class()
+    m_ref = make()
+    with contextlib.redirect_stdout(io.StringIO()):
+        o_ref = Ref(m_ref.parameters())
+    for b in batches(3, seed=41):
+        loss_of(m_ref, b).backward()
+    with contextlib.redirect_stdout(io.StringIO()):
+        o_res = Ref(m_ref.parameters())
+    o_res.load_state_dict(o_ref.state_dict())
+    sd = o_res.state_dict()
+    lp = sd["state"][0]["last_polarity"]
+    assert lp.dtype == torch.float32 and set(lp.unique().tolist()) <= {0.0, 1.0}
+    m = copy.deepcopy(m_ref)
+    o = automagic.Automagic3(m.parameters(), fused=False)
+    o.load_state_dict(sd)
+    for i, p in enumerate(m.parameters()):
+        assert torch.equal(unpack_polarity(o.state[p]["polarity"], p.shape),
+                           o_ref.state_dict()["state"][i]["last_polarity"])
+    bad = copy.deepcopy(sd)
+    bad["state"][0]["last_polarity"] = bad["state"][0]["last_polarity"] * 0.5
+    o3 = automagic.Automagic3(copy.deepcopy(m_ref).parameters(), fused=False)
+    with pytest.raises(CheckpointError, match="other than 0 and 1"):
+        o3.load_state_dict(bad)
