@@ -190,7 +190,8 @@ def update_param(opt, p: torch.Tensor, group: dict, error_cls) -> None:
             grad.record_stream(stream)
         # scale 0: the state advances but the parameter must not move (as on
         # the CPU, the update goes to a copy that is dropped).
-        target = p if p.is_contiguous() and scale != 0.0 else p.contiguous().clone()
+        target = (p if p.is_contiguous() and scale != 0.0
+                  else p.clone(memory_format=torch.contiguous_format))
         shape = _shape(p)
         need = ctypes.c_size_t(0)
         lib.am_cuda_workspace_bytes(ctypes.byref(shape), ctypes.byref(need))
@@ -201,7 +202,7 @@ def update_param(opt, p: torch.Tensor, group: dict, error_cls) -> None:
         # As the CPU path; the stored lr is divided back on the device, only
         # when the update was applied.
         hp, lr_before = _scaled_hparams(group, state, scale)
-        key = _lib.RngKey(opt.seed, opt._param_index[p] & 0xFFFFFFFF)
+        key = _lib.RngKey(opt.seed, opt._index_of(p) & 0xFFFFFFFF)
         _lib.clear_message()
         status = lib.am_update_cuda(ctypes.byref(pt), ctypes.byref(gt), ctypes.byref(st),
                                     step.data_ptr(), ctypes.byref(hp), key,

@@ -9,12 +9,13 @@ import ctypes
 import math
 import threading
 import warnings
+import weakref
 from typing import List, Optional
 
 import torch
 
 from . import _cuda, _lib, _threads
-from ._checkpoint import CheckpointError, prepare_load
+from ._checkpoint import CheckpointError, expected_shapes, prepare_load
 from ._fused import BackwardSteps
 
 _DTYPES = {torch.float32: _lib.DTYPE_FLOAT32, torch.bfloat16: _lib.DTYPE_BFLOAT16,
@@ -65,8 +66,49 @@ def _state_sizes(t: torch.Tensor) -> _lib.StateSizes:
     return sizes
 
 
+def _check_plan_inputs(p: torch.Tensor, state: dict) -> None:
+    """Raises AutomagicError unless the C library may write p's memory and
+    its state tensors as p's update: the state tensors' shapes are the C
+    update's sizes for p's shape, their dtypes those the C state holds, and
+    p has no element that aliases another. Runs whenever the C view of a
+    parameter is (re)built: p.data replaced by a tensor of another shape, or
+    a state tensor replaced, gave the library buffers smaller than it
+    writes (heap corruption)."""
+    if _has_internal_overlap(p):
+        raise AutomagicError(
+            "Automagic3: a parameter of shape %s has elements that share memory (an "
+            "expand()ed tensor?); an update cannot write it. Use a tensor that owns "
+            "its elements (e.g. .clone())" % (tuple(p.shape),))
+    expected = expected_shapes(p, _state_sizes(p).polarity_bytes)
+    for key, shape in expected.items():
+        t = state.get(key)
+        want = torch.uint8 if key == "polarity" else torch.float32
+        if (not isinstance(t, torch.Tensor) or t.dtype != want or tuple(t.shape) != shape
+                or t.device != p.device or not t.is_contiguous()):
+            got = ("a %s tensor of shape %s on %s%s" % (
+                t.dtype, tuple(t.shape), t.device, "" if t.is_contiguous() else
+                " (not contiguous)") if isinstance(t, torch.Tensor) else repr(type(t).__name__))
+            raise AutomagicError(
+                "Automagic3: the state of a parameter of shape %s holds %r as %s; it must "
+                "be a contiguous %s tensor of shape %s on %s. Was the parameter given "
+                "another shape (p.data = ...) after its first update, or the state "
+                "tensor replaced? Nothing was updated" % (
+                    tuple(p.shape), key, got, want, shape, p.device))
+
+
+def _has_internal_overlap(p: torch.Tensor) -> bool:
+    """True when torch knows two of p's elements share memory (what its
+    in-place copy_ refuses: an expand()ed tensor); False otherwise."""
+    f = getattr(torch, "_debug_has_internal_overlap", None)
+    if f is not None:
+        return f(p) == 1  # 0: no overlap, 2: too hard to tell (copy_ allows it)
+    return any(st == 0 and n > 1 for st, n in zip(p.stride(), p.shape))
+
+
 def _state_struct(p: torch.Tensor, state: dict) -> _lib.State:
-    """The C view (am_state) of a parameter's state tensors; step left at 0."""
+    """The C view (am_state) of a parameter's state tensors (checked by
+    _check_plan_inputs); step left at 0."""
+    _check_plan_inputs(p, state)
     st = _lib.State()
     st.lr = state["lr"].data_ptr()
     st.polarity = state["polarity"].data_ptr()
@@ -81,7 +123,8 @@ def _state_struct(p: torch.Tensor, state: dict) -> _lib.State:
 def _hparams(group: dict) -> _lib.HParams:
     hp = _lib.HParams()
     for name in _lib.HPARAM_NAMES:
-        setattr(hp, name, float(group[name]))
+        if name != "lr":  # (the rows' lrs are in the state; lr is checked apart)
+            setattr(hp, name, float(group[name]))
     hp.lr = _PLACEHOLDER_LR
     return hp
 
@@ -208,6 +251,27 @@ def _group_key(group: dict):
     return vals if all(type(v) is float or type(v) is int for v in vals) else None
 
 
+def _weak_on_close(opt):
+    """opt._on_step_closed through a weak reference: a bound method kept by
+    opt's BackwardSteps made a cycle, so a dropped optimizer lived (and its
+    hooks went on updating) until the cyclic garbage collector ran."""
+    ref = weakref.ref(opt)
+
+    def on_close(ended: bool) -> None:
+        o = ref()
+        if o is not None:
+            o._on_step_closed(ended)
+    return on_close
+
+
+def _remove_hooks(handles: list) -> None:
+    """Removes the hooks of handles, emptying the list (also the finalizer
+    of an optimizer, which holds this list)."""
+    for h in handles:
+        h.remove()
+    handles.clear()
+
+
 def _check_param(p, index: int) -> None:
     """Refuses, at construction, a parameter no update could handle."""
     where = "Automagic3: parameter %d (shape %s)" % (index, tuple(getattr(p, "shape", ())))
@@ -224,6 +288,10 @@ def _check_param(p, index: int) -> None:
                          % (where, p.dim(), _lib.AM_MAX_DIMS))
     if p.is_sparse or p.layout != torch.strided:
         raise ValueError("%s has layout %s; only dense (strided) parameters" % (where, p.layout))
+    if _has_internal_overlap(p):
+        raise ValueError("%s has elements that share memory (an expand()ed tensor?); an "
+                         "update cannot write it. Use a tensor that owns its elements "
+                         "(e.g. .clone())" % where)
 
 
 class Automagic3(torch.optim.Optimizer):
@@ -243,9 +311,10 @@ class Automagic3(torch.optim.Optimizer):
       nonfinite: "skip" (default): a gradient with a NaN/Inf leaves the
              parameter and state as they were (counted, warned once);
              "raise": raise NonFiniteGradientError instead.
-      lr_schedule: "ignore" (default, as the reference): group["lr"] is not
-             used (warned once if a scheduler changes it); "scale": each
-             row's applied lr is multiplied by group["lr"] / initial lr.
+      lr_schedule: "ignore" (default, as the reference): group["lr"] only
+             sets where a parameter's rows start, at its first update
+             (warned once if a scheduler changes it); "scale": each row's
+             applied lr is multiplied by group["lr"] / initial lr.
     """
 
     def __init__(self, params, lr: float = 1e-6, min_lr: float = 1e-8,
@@ -322,10 +391,14 @@ class Automagic3(torch.optim.Optimizer):
     def _init_runtime(self) -> None:
         """Attributes that are rebuilt, not copied, by pickle and deepcopy."""
         self._hook_handles = []
+        # the hooks hold no strong reference to the optimizer (_make_hook):
+        # when it is collected, its hooks are removed from the parameters
+        weakref.finalize(self, _remove_hooks, self._hook_handles)
         self._hooked = set()           # indices of parameters with a hook
         self._param_index = {}         # parameter -> index (its rng param_id)
+        self._listed = -1              # parameters the groups listed at the last scan
         self._tls = threading.local()  # per-thread workspace
-        self._steps = BackwardSteps(self._on_step_closed)
+        self._steps = BackwardSteps(_weak_on_close(self))
         self._micro = 0                # backward passes done in this window
         self._updated = set()          # indices updated in this window
         # indices whose hook fired in this window (None: not known, after a
@@ -398,6 +471,39 @@ class Automagic3(torch.optim.Optimizer):
         group.setdefault("base_lr", float(group["lr"]))
         self._register_params(group)
 
+    def _adopt_listed(self, force: bool = False) -> None:
+        """Registers the parameters a script put into a group's "params" by
+        hand (torch's optimizers update them; the reference creates their
+        state at their first update): checked as add_param_group checks,
+        given the next indices, no backward hook (in fused mode step()
+        updates them, as any parameter without a hook). Scans only when the
+        number of listed parameters changed, or when forced (a parameter
+        replaced in place in a list was found unregistered)."""
+        listed = sum(len(g["params"]) for g in self.param_groups)
+        if listed == self._listed and not force:
+            return
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p not in self._param_index:
+                    try:
+                        _check_param(p, len(self._param_index))
+                    except (TypeError, ValueError) as e:
+                        raise AutomagicError(str(e) + " (put into param_groups by hand; "
+                                             "add_param_group checks it)") from None
+                    self._param_index[p] = len(self._param_index)
+        self._listed = listed
+
+    def _index_of(self, p: torch.Tensor) -> int:
+        """p's index, registering a parameter put into a group by hand."""
+        index = self._param_index.get(p)
+        if index is None:
+            self._adopt_listed(force=True)
+            index = self._param_index.get(p)
+            if index is None:
+                raise AutomagicError("Automagic3: a parameter of shape %s is in no parameter "
+                                     "group" % (tuple(p.shape),))
+        return index
+
     def _register_params(self, group: dict) -> None:
         for p in group["params"]:
             index = len(self._param_index)
@@ -408,8 +514,23 @@ class Automagic3(torch.optim.Optimizer):
                     p.register_post_accumulate_grad_hook(self._make_hook(group, index)))
 
     def _make_hook(self, group, index):
+        # Neither the optimizer nor the group (which lists p) held strongly:
+        # the garbage collector does not look into a tensor's hooks, so
+        # p -> hook -> optimizer -> p was a cycle never collected (the
+        # optimizer, its state and the model stayed alive after del, and an
+        # optimizer created again for the same model found the old one's
+        # hooks still updating it). The group is found by identity: a
+        # load_state_dict refills the same dicts.
+        ref, gid = weakref.ref(self), id(group)
+
         def _hook(p: torch.Tensor) -> None:
-            self._on_grad_ready(p, group, index)
+            opt = ref()
+            if opt is None:
+                return
+            for g in opt.param_groups:
+                if id(g) == gid:
+                    opt._on_grad_ready(p, g, index)
+                    return
         return _hook
 
     # ----------------------------------------------------------- fused
@@ -535,20 +656,34 @@ class Automagic3(torch.optim.Optimizer):
         fired = self._window_fired
         for group in self.param_groups:
             for p in group["params"]:
-                index = self._param_index[p]
+                index = self._param_index.get(p)  # (None: put in by hand, no hook)
                 if (p.grad is not None and index in self._hooked and index not in self._updated
                         and (fired is None or index in fired)):
                     self._updated.add(index)
                     self._update_param(p, group)
 
     # ------------------------------------------------------------ state
+    def _start_lr(self, group: dict) -> float:
+        """The lr a parameter's rows start from at its first update. "scale":
+        the group's start lr (group["lr"] is the schedule's factor). "ignore":
+        group["lr"] as it is then, as the reference does (a scheduler's or a
+        script's change before a parameter's first update sets where its
+        rows start; after it, group["lr"] is not used)."""
+        if self.lr_schedule == "scale":
+            return float(group["base_lr"])
+        lr = float(group["lr"])  # a number or a one-element tensor (_lr_scale checked)
+        if not (math.isfinite(lr) and lr >= 0.0):
+            raise AutomagicError("Automagic3: group['lr'] = %r cannot start a parameter's "
+                                 "rows: it must be finite and >= 0" % (group["lr"],))
+        return lr
+
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         sizes = _state_sizes(p)
         f32 = dict(dtype=torch.float32, device=p.device)
         state = self.state[p]
         state["step"] = 0
         lr_shape = (p.shape[0],) if p.dim() >= 2 else p.shape
-        state["lr"] = torch.full(lr_shape, float(group["base_lr"]), **f32)
+        state["lr"] = torch.full(lr_shape, self._start_lr(group), **f32)
         state["polarity"] = torch.zeros(sizes.polarity_bytes, dtype=torch.uint8,
                                         device=p.device)
         if p.dim() >= 2:
@@ -604,14 +739,19 @@ class Automagic3(torch.optim.Optimizer):
     def _lr_scale(self, group: dict) -> float:
         """The factor applied to every row's lr (1.0 unless lr_schedule="scale")."""
         lr, base = group["lr"], group.get("initial_lr", group["base_lr"])
-        if isinstance(lr, torch.Tensor):
+        if isinstance(lr, torch.Tensor) and lr.numel() == 1 and lr.is_floating_point():
             lr = float(lr)
+        elif isinstance(lr, bool) or not isinstance(lr, (int, float)):
+            raise AutomagicError("Automagic3: group['lr'] must be a number (or a one-element "
+                                 "floating tensor), got %r" % (lr,))
         if self.lr_schedule == "ignore":
             if lr != group["base_lr"] and lr != base:
                 self._warn_once("schedule", "group['lr'] changed from %g to %g (an lr "
-                                "scheduler?) but it is ignored, as in the reference: each "
-                                "row tunes its own lr. Pass lr_schedule='scale' to apply "
-                                "the schedule (warned once)" % (base, lr))
+                                "scheduler?) but, as in the reference, it is not applied: "
+                                "each row tunes its own lr (group['lr'] only sets where the "
+                                "rows of a parameter not yet updated start). Pass "
+                                "lr_schedule='scale' to apply the schedule (warned once)"
+                                % (base, lr))
             return 1.0
         scale = float(lr) / float(base)
         if not math.isfinite(scale) or scale < 0:
@@ -719,8 +859,12 @@ class Automagic3(torch.optim.Optimizer):
                 grad = grad.contiguous()
             # scale 0: the state advances but the parameter must not move, so
             # the update is written to a copy that is then dropped.
-            target = p if scale != 0.0 and p.is_contiguous() else p.contiguous().clone()
-            index = index_of[p]
+            # (one copy: contiguous() of a channels_last p is one already)
+            target = (p if scale != 0.0 and p.is_contiguous()
+                      else p.clone(memory_format=torch.contiguous_format))
+            index = index_of.get(p)
+            if index is None:
+                index = self._index_of(p)
             plan = plans.get(index)
             sig = _plan_signature(p, state, seed)
             if plan is None or plan.sig != sig:
@@ -885,11 +1029,12 @@ class Automagic3(torch.optim.Optimizer):
         # so that a bad gradient or hyperparameter leaves every parameter as
         # it was. Loops per group, not per parameter with its group: this
         # runs for every parameter at every step.
-        todo = []
+        self._adopt_listed()
+        todo, index_of = [], self._param_index
         for group in self.param_groups:
             ps = [p for p in group["params"] if p.grad is not None]
             if self.fused:
-                ps = [p for p in ps if self._param_index[p] not in self._hooked]
+                ps = [p for p in ps if index_of.get(p) not in self._hooked]
             if ps:
                 todo.append((group, ps))
         check, cpu_only = self._check, True
@@ -909,7 +1054,9 @@ class Automagic3(torch.optim.Optimizer):
         if todo and self.fused:
             self._warn_once("nohook", "a parameter of shape %s has a gradient but "
                             "no backward hook (it did not require grad when it "
-                            "was added); step() updates it" % (tuple(todo[0][1][0].shape),))
+                            "was added, or it was put into param_groups by hand, not "
+                            "with add_param_group); step() updates it"
+                            % (tuple(todo[0][1][0].shape),))
         if not cpu_only and torch.cuda.is_current_stream_capturing():
             _cuda.refuse_capture(self, AutomagicError)  # before anything is queued
         _lib.lib.am_set_num_threads(torch.get_num_threads())
@@ -974,7 +1121,7 @@ class Automagic3(torch.optim.Optimizer):
         out = self._summary([st["lr"]])
         if out is not None:
             out.update(step=int(st["step"]),
-                       skipped=self._skipped.get(self._param_index[p], 0))
+                       skipped=self._skipped.get(self._param_index.get(p), 0))
         return out
 
     def lr_stats(self) -> List[Optional[dict]]:
@@ -986,7 +1133,7 @@ class Automagic3(torch.optim.Optimizer):
             ps = [p for p in group["params"] if p in self.state and "lr" in self.state[p]]
             s = self._summary([self.state[p]["lr"] for p in ps])
             if s is not None:
-                s["skipped"] = sum(self._skipped.get(self._param_index[p], 0) for p in ps)
+                s["skipped"] = sum(self._skipped.get(self._param_index.get(p), 0) for p in ps)
             out.append(s)
         return out
 
@@ -995,9 +1142,7 @@ class Automagic3(torch.optim.Optimizer):
         works in step mode from now on (step() updates every gradient)."""
         with self._steps.lock:
             self._steps.close()
-            for h in self._hook_handles:
-                h.remove()
-            self._hook_handles = []
+            _remove_hooks(self._hook_handles)
             self._hooked = set()
             self.fused = False
             self.accumulation_steps = 1
@@ -1021,6 +1166,7 @@ class Automagic3(torch.optim.Optimizer):
         as in the reference; saved non-hyperparameter group keys (a
         scheduler's initial_lr) are restored, and so is group["lr"] when the
         saved group has an initial_lr (a scheduler owns it)."""
+        self._adopt_listed()  # (parameters put into a group by hand: their state too)
         new_state, new_groups = prepare_load(
             state_dict, self.param_groups, _HPARAM_KEYS,
             lambda p: _state_sizes(p).polarity_bytes)

@@ -22,6 +22,8 @@ def _param(*shape, dtype=torch.float32, seed=0, device="cpu"):
     (lambda: _param(3, 4, dtype=torch.complex64), TypeError, "complex64"),
     (lambda: _param(*([1] * 9)), ValueError, "9 dims"),
     (lambda: torch.nn.Parameter(torch.eye(3).to_sparse()), ValueError, "layout"),
+    # two elements at one address: no update can write it (copy_ refuses)
+    (lambda: torch.nn.Parameter(torch.randn(1, 4).expand(3, 4)), ValueError, "share memory"),
     (lambda: 3.0, TypeError, "float"),
 ])
 def test_unsupported_parameters_are_refused(make_param, error, match):
@@ -258,3 +260,70 @@ def test_params_without_requires_grad_are_left_alone(fused):
     assert all(torch.equal(p, q) for p, q in zip(m.conv.parameters(), frozen))
     assert all(p not in opt.state for p in m.conv.parameters())
     assert opt.state[m.fc.weight]["step"] == 2
+
+
+# ------------------------------------------- state that no longer fits the parameter
+def _one_step(p, opt):
+    (p.float() ** 2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("change", ["reshape", "grow", "state_dtype", "state_shape"])
+def test_state_that_does_not_fit_the_parameter_is_refused(fused, change):
+    # p.data given another shape, or a state tensor replaced, after the first
+    # update: the C library was handed buffers smaller than it writes (heap
+    # corruption: aborts, segfaults, or a silent skip). Now a clear error,
+    # nothing changed.
+    p = _param(10, 8)
+    opt = automagic.Automagic3([p], fused=fused)
+    _one_step(p, opt)
+    st = opt.state[p]
+    if change == "reshape":
+        p.data = torch.randn(12, 9)
+    elif change == "grow":
+        p.data = torch.randn(4096, 64)
+    elif change == "state_dtype":
+        st["exp_avg_sq_row"] = st["exp_avg_sq_row"].bfloat16()
+    else:
+        st["lr"] = torch.full((20,), 1e-6)
+    before = p.detach().clone()
+    saved = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+    with pytest.raises(automagic.AutomagicError, match="state of a parameter"):
+        (p.float() ** 2).sum().backward()
+        opt.step()
+    assert torch.equal(p.detach(), before)
+    for k, v in saved.items():
+        now = opt.state[p][k]
+        assert (torch.equal(now, v) and now.dtype == v.dtype) if isinstance(v, torch.Tensor) \
+            else now == v, k
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_parameter_replaced_by_an_expanded_tensor_is_refused(fused):
+    # the update of a non-contiguous parameter goes to a copy that is copied
+    # back; for an expanded one that copy_ failed after the state was
+    # committed (step and moments advanced, parameter not)
+    p = _param(3, 4)
+    opt = automagic.Automagic3([p], fused=fused)
+    _one_step(p, opt)
+    p.data = torch.randn(1, 4).expand(3, 4)
+    snap = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in opt.state[p].items()}
+    with pytest.raises(automagic.AutomagicError, match="share memory"):
+        (p.float() ** 2).sum().backward()
+        opt.step()
+    assert opt.state[p]["step"] == snap["step"] == 1
+    assert torch.equal(opt.state[p]["exp_avg_sq_row"], snap["exp_avg_sq_row"])
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("lr", ["1e-4", None, [1e-4]])
+def test_group_lr_that_is_not_a_number_is_named(fused, lr):
+    p = _param(3, 4)
+    opt = automagic.Automagic3([p], fused=fused)
+    opt.param_groups[0]["lr"] = lr
+    with pytest.raises(automagic.AutomagicError, match=r"group\['lr'\] must be a number"):
+        (p ** 2).sum().backward()
+        opt.step()
+    assert opt.state.get(p, {}) == {}

@@ -40,17 +40,109 @@ def test_lr_stats_match_the_state():
 
 
 def test_scheduler_ignored_by_default_and_warned_once():
-    data = batches(4, seed=32)
+    # once every parameter has started, group["lr"] is not used (as in the
+    # reference): a schedule changes nothing
+    data = batches(5, seed=32)
     m1 = make()
     m2 = copy.deepcopy(m1)
     o1 = automagic.Automagic3(m1.parameters(), fused=False)
     o2 = automagic.Automagic3(m2.parameters(), fused=False)
+    _step_train(m1, o1, data[:1])
+    _step_train(m2, o2, data[:1])
     sched = torch.optim.lr_scheduler.LambdaLR(o2, lambda s: 0.5 ** (s + 1))
-    with pytest.warns(UserWarning, match="ignored, as in the reference") as rec:
-        _step_train(m2, o2, data, sched)
-    assert sum("ignored, as in the reference" in str(w.message) for w in rec) == 1
-    _step_train(m1, o1, data)
+    with pytest.warns(UserWarning, match="as in the reference, it is not applied") as rec:
+        _step_train(m2, o2, data[1:], sched)
+    assert sum("it is not applied" in str(w.message) for w in rec) == 1
+    _step_train(m1, o1, data[1:])
     assert_same(m1, o1, m2, o2)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_rows_start_from_group_lr_as_the_reference(fused, make_reference):
+    # The reference creates a parameter's state at its first update with
+    # lr = group["lr"] as it is then (a warmup scheduler's first value, or a
+    # script's change); the rows started from the constructor's lr here.
+    data = batches(4, seed=34)
+    m1, m2 = make(), make()
+    m2.load_state_dict(m1.state_dict())
+    o1 = automagic.Automagic3(m1.parameters(), fused=fused)
+    o2 = make_reference(m2.parameters())
+    s1 = torch.optim.lr_scheduler.LinearLR(o1, start_factor=0.1, total_iters=3)
+    s2 = torch.optim.lr_scheduler.LinearLR(o2, start_factor=0.1, total_iters=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for b in data:
+            loss_of(m1, b).backward()
+            loss_of(m2, b).backward()
+            if not fused:
+                o1.step()
+                o1.zero_grad()
+            s1.step()
+            s2.step()
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        assert o1.state[p]["step"] == o2.state[q]["step"] == 4
+        torch.testing.assert_close(o1.state[p]["lr"], o2.state[q]["lr"], rtol=1e-5, atol=0)
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("lr, rows", [(1e-4, 1e-4), (0.0, 0.0), (5e-3, 5e-3)])
+def test_rows_start_from_group_lr(lr, rows):
+    # the first update moves the parameter by the start lr: 0 leaves it
+    p = torch.nn.Parameter(torch.randn(3, 4))
+    opt = automagic.Automagic3([p], fused=False)
+    opt.param_groups[0]["lr"] = lr
+    before = p.detach().clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (p ** 2).sum().backward()
+        opt.step()
+    assert torch.equal(opt.state[p]["lr"], torch.full((3,), rows, dtype=torch.float32))
+    assert torch.equal(p.detach(), before) == (lr == 0.0)
+
+
+@pytest.mark.parametrize("lr", [-1e-4, float("nan"), float("inf")])
+def test_rows_cannot_start_from_a_bad_group_lr(lr):
+    p = torch.nn.Parameter(torch.randn(3, 4))
+    opt = automagic.Automagic3([p], fused=False)
+    opt.param_groups[0]["lr"] = lr
+    before = p.detach().clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (p ** 2).sum().backward()
+        with pytest.raises(automagic.AutomagicError, match="finite and >= 0"):
+            opt.step()
+    assert torch.equal(p.detach(), before)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_parameter_appended_to_a_group_by_hand(fused):
+    # torch's optimizers update a parameter appended to group["params"];
+    # ours raised a bare KeyError. It is registered at the next step() with
+    # the next index: the same as listing it from the start.
+    a1, b1 = torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))
+    a2, b2 = torch.nn.Parameter(a1.detach().clone()), torch.nn.Parameter(b1.detach().clone())
+    o1 = automagic.Automagic3([a1], fused=fused)
+    o2 = automagic.Automagic3([a2, b2], fused=False)
+    o1.param_groups[0]["params"].append(b1)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            for a, b, o in ((a1, b1, o1), (a2, b2, o2)):
+                ((a ** 2).sum() + (b ** 3).sum()).backward()
+                o.step()
+                o.zero_grad()
+    assert torch.equal(a1, a2) and torch.equal(b1, b2)
+    assert o1.state[b1]["step"] == 3 and torch.equal(o1.state[b1]["lr"], o2.state[b2]["lr"])
+    assert any("by hand" in str(w.message) for w in rec) == fused
+    assert o1.lr_stats()[0]["skipped"] == 0
+    # a refused one is named, before anything is updated
+    o1.param_groups[0]["params"].append(torch.nn.Parameter(torch.randn(2).double()))
+    before = a1.detach().clone()
+    (a1 ** 2).sum().backward()
+    with pytest.raises(automagic.AutomagicError, match="float64.*by hand"):
+        o1.step()
+    assert torch.equal(a1.detach(), before) or fused
+
 
 
 def test_scheduler_scale_mode():
