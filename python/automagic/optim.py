@@ -74,6 +74,8 @@ def _check_plan_inputs(p: torch.Tensor, state: dict) -> None:
     parameter is (re)built: p.data replaced by a tensor of another shape, or
     a state tensor replaced, gave the library buffers smaller than it
     writes (heap corruption)."""
+    _refuse_subclass(p, "Automagic3: a parameter of shape %s" % (tuple(p.shape),),
+                     AutomagicError)
     if _has_internal_overlap(p):
         raise AutomagicError(
             "Automagic3: a parameter of shape %s has elements that share memory (an "
@@ -272,6 +274,20 @@ def _remove_hooks(handles: list) -> None:
     handles.clear()
 
 
+def _refuse_subclass(p: torch.Tensor, where: str, error) -> None:
+    """Refuses a tensor whose memory is not its own elements: a DTensor
+    (FSDP2's fully_shard, tensor parallelism) or another wrapper subclass,
+    which has no data pointer (the C update said "param data is NULL")."""
+    if p.numel() == 0 or p.data_ptr() != 0:
+        return
+    if type(p).__name__ == "DTensor" or "DTensor" in [c.__name__ for c in type(p).__mro__]:
+        raise error("%s is a DTensor (FSDP2's fully_shard or tensor parallelism): sharded "
+                    "parameters are not supported (README, Known limits); use "
+                    "DistributedDataParallel with fused=False" % where)
+    raise error("%s is a %s whose elements have no memory address of their own (a tensor "
+                "subclass); only plain tensors can be updated" % (where, type(p).__name__))
+
+
 def _check_param(p, index: int) -> None:
     """Refuses, at construction, a parameter no update could handle."""
     where = "Automagic3: parameter %d (shape %s)" % (index, tuple(getattr(p, "shape", ())))
@@ -288,6 +304,7 @@ def _check_param(p, index: int) -> None:
                          % (where, p.dim(), _lib.AM_MAX_DIMS))
     if p.is_sparse or p.layout != torch.strided:
         raise ValueError("%s has layout %s; only dense (strided) parameters" % (where, p.layout))
+    _refuse_subclass(p, where, ValueError)
     if _has_internal_overlap(p):
         raise ValueError("%s has elements that share memory (an expand()ed tensor?); an "
                          "update cannot write it. Use a tensor that owns its elements "
