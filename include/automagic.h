@@ -23,6 +23,11 @@
  *     sizes are int64_t. A parameter with zero elements is a no-op.
  *   - Nothing here exits, aborts or prints. Messages go to the optional log
  *     callback (am_set_log_callback()).
+ *   - The updates compute in IEEE defaults (round to nearest even, no
+ *     flush-to-zero or denormals-are-zero, exceptions masked) on every
+ *     thread, whatever the caller's floating-point control register holds
+ *     (x86 MXCSR, AArch64 FPCR; e.g. after torch.set_flush_denormal(True));
+ *     the caller's is as it was on return. Results do not depend on it.
  *
  * Thread safety: am_update() on different parameters (different buffers) may
  * run concurrently from several threads. One am_optimizer may be used from

@@ -26,6 +26,8 @@
  */
 #include "internal.h"
 
+#include "fpenv.h"
+
 #include <stdlib.h>
 #include <string.h>
 
@@ -233,8 +235,8 @@ static void batch_task(void *ctx, int64_t t) {
     am_set_thread_serial(was);
 }
 
-am_status am_update_batch(am_batch_item *items, int64_t n, void *workspace,
-                          size_t workspace_bytes) {
+static am_status update_batch_impl(am_batch_item *items, int64_t n, void *workspace,
+                                   size_t workspace_bytes) {
     const int nthreads = am_get_num_threads();
     int64_t max_ws, err, i, total = 0;
     int T, t;
@@ -307,4 +309,13 @@ am_status am_update_batch(am_batch_item *items, int64_t n, void *workspace,
     }
     am_parallel_for(T, 12.0 * (double)total / (double)T, batch_task, &b);
     return AM_OK;
+}
+
+/* In the library's floating-point environment (fpenv.h). */
+am_status am_update_batch(am_batch_item *items, int64_t n, void *workspace,
+                          size_t workspace_bytes) {
+    const am_fpenv fe = am_fpenv_enter();
+    const am_status s = update_batch_impl(items, n, workspace, workspace_bytes);
+    am_fpenv_leave(fe);
+    return s;
 }

@@ -19,6 +19,7 @@
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -36,6 +37,7 @@ static double g_par_min_bytes = AM_PAR_MIN_BYTES;
 
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 static void choose(void);
+static void ensure_chosen(void);
 static const am_kernels *g_best;            /* best the CPU supports */
 static const am_kernels *_Atomic g_current; /* in use */
 static atomic_int g_num_threads = 1;
@@ -94,7 +96,7 @@ static void detect(void) {
 int am_sw_prefetch(void) { return atomic_load_explicit(&g_sw_prefetch, memory_order_relaxed); }
 
 void am_set_sw_prefetch(int on) {
-    pthread_once(&g_once, choose);
+    ensure_chosen();
     atomic_store(&g_sw_prefetch, on != 0);
 }
 
@@ -102,6 +104,9 @@ int am_cpu_has_avx512(void) {
     pthread_once(&g_cpu_once, detect);
     return g_has_avx512;
 }
+
+static char g_debug_msg[512];       /* AUTOMAGIC_DEBUG's message (choose) */
+static atomic_int g_debug_pending;  /* 1 until ensure_chosen logs it */
 
 static void choose(void) {
     const char *force = getenv("AUTOMAGIC_FORCE_SCALAR");
@@ -127,12 +132,28 @@ static void choose(void) {
         atomic_store(&g_current, &am_kernels_ref);
         why = "AUTOMAGIC_FORCE_SCALAR=1";
     }
-    if (dbg && dbg[0] == '1')
-        am_log(AM_LOG_INFO, "automagic: using %s kernels (%s); software prefetch %s (%s)",
-               atomic_load(&g_current)->name, why, atomic_load(&g_sw_prefetch) ? "on" : "off",
-               pf && (pf[0] == '0' || pf[0] == '1') ? "AUTOMAGIC_PREFETCH"
-               : g_is_amd                           ? "AMD CPU"
-                                                    : "not an AMD CPU");
+    if (dbg && dbg[0] == '1') {
+        /* logged by ensure_chosen, after pthread_once returns: a log
+         * callback calling into the library from here waited forever on
+         * this very pthread_once */
+        snprintf(g_debug_msg, sizeof g_debug_msg,
+                 "automagic: using %s kernels (%s); software prefetch %s (%s)",
+                 atomic_load(&g_current)->name, why,
+                 atomic_load(&g_sw_prefetch) ? "on" : "off",
+                 pf && (pf[0] == '0' || pf[0] == '1') ? "AUTOMAGIC_PREFETCH"
+                 : g_is_amd                           ? "AMD CPU"
+                                                      : "not an AMD CPU");
+        atomic_store(&g_debug_pending, 1);
+    }
+}
+
+/* The kernels chosen (once), then the debug message, if any, logged by the
+ * first caller to see it pending (outside pthread_once: see choose). */
+static void ensure_chosen(void) {
+    pthread_once(&g_once, choose);
+    if (atomic_load_explicit(&g_debug_pending, memory_order_relaxed) &&
+        atomic_exchange(&g_debug_pending, 0))
+        am_log(AM_LOG_INFO, "%s", g_debug_msg);
 }
 
 int am_cpu_has_avx2(void) {
@@ -141,12 +162,12 @@ int am_cpu_has_avx2(void) {
 }
 
 const am_kernels *am_kernels_get(void) {
-    pthread_once(&g_once, choose);
+    ensure_chosen();
     return atomic_load(&g_current);
 }
 
 void am_kernels_select(int force_scalar) {
-    pthread_once(&g_once, choose);
+    ensure_chosen();
     atomic_store(&g_current, force_scalar ? &am_kernels_ref : g_best);
 }
 
@@ -177,7 +198,7 @@ void am_parallel_for(int64_t ntasks, double cost_per_task, am_task_fn fn,
                      void *ctx) {
     int64_t t;
     int n = atomic_load(&g_num_threads);
-    pthread_once(&g_once, choose);
+    ensure_chosen();
     if (n > 1 && ntasks > 1 && !g_thread_serial &&
         cost_per_task * (double)ntasks >= g_par_min_bytes) {
         if (n > ntasks) n = (int)ntasks;

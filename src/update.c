@@ -15,6 +15,8 @@
  */
 #include "internal.h"
 
+#include "fpenv.h"
+
 #include <math.h>
 #include <string.h>
 
@@ -865,7 +867,7 @@ static void report_end(am_report *rep, am_status s, const upd *u) {
     }
 }
 
-am_status am_update_stats(const am_tensor *param, const am_tensor *grad,
+static am_status update_stats_impl(const am_tensor *param, const am_tensor *grad,
                           const am_state *state, const am_hparams *hp,
                           void *workspace, size_t workspace_bytes) {
     upd u;
@@ -874,7 +876,7 @@ am_status am_update_stats(const am_tensor *param, const am_tensor *grad,
     return run_stats(&u);
 }
 
-am_status am_update_moments(const am_tensor *param, const am_tensor *grad,
+static am_status update_moments_impl(const am_tensor *param, const am_tensor *grad,
                             const am_state *state, const am_hparams *hp,
                             void *workspace, size_t workspace_bytes) {
     upd u;
@@ -883,7 +885,7 @@ am_status am_update_moments(const am_tensor *param, const am_tensor *grad,
     return run_moments(&u);
 }
 
-am_status am_update_finish(const am_tensor *param, const am_tensor *grad,
+static am_status update_finish_impl(const am_tensor *param, const am_tensor *grad,
                            am_state *state, const am_hparams *hp,
                            am_rng_key key, void *workspace,
                            size_t workspace_bytes, am_report *report) {
@@ -900,7 +902,7 @@ am_status am_update_finish(const am_tensor *param, const am_tensor *grad,
     return s;
 }
 
-am_status am_update(const am_tensor *param, const am_tensor *grad,
+static am_status update_impl(const am_tensor *param, const am_tensor *grad,
                     am_state *state, const am_hparams *hp, am_rng_key key,
                     void *workspace, size_t workspace_bytes,
                     am_report *report) {
@@ -927,5 +929,47 @@ am_status am_update(const am_tensor *param, const am_tensor *grad,
     }
     if (!am_status_is_error(s)) u.h->stage = AM_STAGE_NONE;
     report_end(report, s, &u);
+    return s;
+}
+
+/* The public entry points: the impls above in the library's floating-point
+ * environment (fpenv.h), the caller's put back after. */
+am_status am_update_stats(const am_tensor *param, const am_tensor *grad,
+                          const am_state *state, const am_hparams *hp,
+                          void *workspace, size_t workspace_bytes) {
+    const am_fpenv fe = am_fpenv_enter();
+    const am_status s = update_stats_impl(param, grad, state, hp, workspace, workspace_bytes);
+    am_fpenv_leave(fe);
+    return s;
+}
+
+am_status am_update_moments(const am_tensor *param, const am_tensor *grad,
+                            const am_state *state, const am_hparams *hp,
+                            void *workspace, size_t workspace_bytes) {
+    const am_fpenv fe = am_fpenv_enter();
+    const am_status s = update_moments_impl(param, grad, state, hp, workspace, workspace_bytes);
+    am_fpenv_leave(fe);
+    return s;
+}
+
+am_status am_update_finish(const am_tensor *param, const am_tensor *grad,
+                           am_state *state, const am_hparams *hp,
+                           am_rng_key key, void *workspace,
+                           size_t workspace_bytes, am_report *report) {
+    const am_fpenv fe = am_fpenv_enter();
+    const am_status s = update_finish_impl(param, grad, state, hp, key, workspace,
+                                           workspace_bytes, report);
+    am_fpenv_leave(fe);
+    return s;
+}
+
+am_status am_update(const am_tensor *param, const am_tensor *grad,
+                    am_state *state, const am_hparams *hp, am_rng_key key,
+                    void *workspace, size_t workspace_bytes,
+                    am_report *report) {
+    const am_fpenv fe = am_fpenv_enter();
+    const am_status s = update_impl(param, grad, state, hp, key, workspace, workspace_bytes,
+                                    report);
+    am_fpenv_leave(fe);
     return s;
 }

@@ -368,13 +368,123 @@ static void test_threads_host_runner_same_bits(void **unused) {
     assert_true(lazy_calls > 0);
 }
 
+/* A runner is asked for at most as many threads as the library's own pool
+ * would use (its 256 workers and the caller): it was asked for any count
+ * (libgomp, asked for 100000 threads, may fail to create them and exit). */
+static void test_threads_runner_count_capped(void **unused) {
+    spawn_stats st = {0, 0};
+    am_shape sh;
+    pool_run a;
+    (void)unused;
+    pool_shape(1, &sh);
+    assert_int_equal(am_set_parallel_runner(spawn_runner, &st), AM_OK);
+    assert_int_equal(am_set_num_threads(100000), AM_OK);
+    {   /* pool_update sets its own count: run one update at 100000 */
+        am_hparams hp = am_hparams_default();
+        pool_update(&sh, 1, &a);
+        assert_int_equal(am_set_num_threads(100000), AM_OK);
+        {
+            am_tensor pt = {a.p, AM_DTYPE_FLOAT32, sh}, gt = {a.g, AM_DTYPE_FLOAT32, sh};
+            am_state st2 = {a.lr, a.pol, a.row, a.col, NULL, 2};
+            am_rng_key key = {11, 2};
+            assert_int_equal(am_update(&pt, &gt, &st2, &hp, key, a.ws,
+                                       (size_t)a.sz.workspace_bytes, NULL), AM_OK);
+        }
+    }
+    assert_int_equal(am_set_num_threads(1), AM_OK);
+    assert_int_equal(am_set_parallel_runner(NULL, NULL), AM_OK);
+    assert_true(st.calls > 0);
+    assert_true(st.max_threads >= 2 && st.max_threads <= 257);
+    pool_free(&a);
+}
+
+/* The caller's floating-point control register set to flush subnormals
+ * (FTZ/DAZ on x86, as torch.set_flush_denormal(True) does; FZ on AArch64)
+ * after the pool's workers exist: every thread computes in the library's
+ * own IEEE environment, so the bits are those of a run without flushing, at
+ * every thread count, and the caller's register is left as it set it.
+ * (Before: the tasks the caller ran flushed and the workers' did not: the
+ * polarity depended on the thread count.) u is about 1e-45 here. */
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+static unsigned long fp_get(void) { return _mm_getcsr(); }
+static void fp_set(unsigned long v) { _mm_setcsr((unsigned)v); }
+#define FP_FLUSH 0x8040ul
+#elif defined(__aarch64__)
+static unsigned long fp_get(void) {
+    unsigned long v;
+    __asm__ volatile("mrs %0, fpcr" : "=r"(v));
+    return v;
+}
+static void fp_set(unsigned long v) { __asm__ volatile("msr fpcr, %0" : : "r"(v)); }
+#define FP_FLUSH (1ul << 24)
+#endif
+
+#ifdef FP_FLUSH
+typedef struct tiny_run {
+    float p[1 << 18], g[1 << 18], lr[1 << 18], sq[1 << 18];
+    uint8_t pol[1 << 15];
+    unsigned char ws[1 << 16];
+} tiny_run;
+
+static void tiny_update(tiny_run *r, int threads) {
+    am_shape sh = {1, {1 << 18}};
+    am_state_sizes sz;
+    am_state st = {r->lr, r->pol, NULL, NULL, r->sq, 0};
+    am_tensor pt = {r->p, AM_DTYPE_FLOAT32, sh}, gt = {r->g, AM_DTYPE_FLOAT32, sh};
+    am_hparams hp = am_hparams_default();
+    am_rng_key key = {1, 0};
+    int i;
+    hp.eps = 1e30;
+    assert_int_equal(am_state_get_sizes(&sh, &sz), AM_OK);
+    assert_true(sz.workspace_bytes <= (int64_t)sizeof r->ws);
+    assert_int_equal(am_state_init(&sh, &st, 1e-6), AM_OK);
+    for (i = 0; i < (1 << 18); i++) {
+        r->g[i] = (i & 1) ? 1e-30f : 1e-20f;
+        r->p[i] = 0.5f;
+    }
+    assert_int_equal(am_set_num_threads(threads), AM_OK);
+    assert_int_equal(am_update(&pt, &gt, &st, &hp, key, r->ws, sizeof r->ws, NULL), AM_OK);
+    assert_int_equal(am_set_num_threads(1), AM_OK);
+}
+
+static void test_threads_caller_flushes_subnormals(void **unused) {
+    static tiny_run a, b, c;
+    unsigned long before;
+    int k;
+    (void)unused;
+    tiny_update(&a, 2); /* the workers exist, created without flushing */
+    before = fp_get();
+    fp_set(before | FP_FLUSH);
+    for (k = 0; k < 2; k++) {
+        tiny_run *r = k ? &c : &b;
+        tiny_update(r, k ? 2 : 1);
+        assert_true(fp_get() == (before | FP_FLUSH)); /* the caller's, put back */
+        assert_memory_equal(a.pol, r->pol, sizeof a.pol);
+        assert_memory_equal(a.p, r->p, sizeof a.p);
+        assert_memory_equal(a.sq, r->sq, sizeof a.sq);
+        assert_memory_equal(a.lr, r->lr, sizeof a.lr);
+    }
+    fp_set(before);
+    { /* u is subnormal: without the pinning a flushing caller gets other bits */
+        int pos = 0, i;
+        for (i = 0; i < (int)sizeof a.pol; i++) pos |= a.pol[i];
+        assert_true(pos != 0);
+    }
+}
+#endif
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+#ifdef FP_FLUSH
+        cmocka_unit_test(test_threads_caller_flushes_subnormals),
+#endif
         cmocka_unit_test(test_threads_update_different_params),
         cmocka_unit_test(test_threads_kernel_layer),
         cmocka_unit_test(test_threads_concurrent_saves),
         cmocka_unit_test(test_threads_pool_same_bits),
         cmocka_unit_test(test_threads_host_runner_same_bits),
+        cmocka_unit_test(test_threads_runner_count_capped),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
