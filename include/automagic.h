@@ -64,7 +64,7 @@ extern "C" {
 /* ------------------------------------------------------------- version --- */
 
 #define AM_VERSION_MAJOR 0
-#define AM_VERSION_MINOR 1
+#define AM_VERSION_MINOR 2
 #define AM_VERSION_PATCH 0
 #define AM_VERSION_NUMBER \
     (AM_VERSION_MAJOR * 10000 + AM_VERSION_MINOR * 100 + AM_VERSION_PATCH)

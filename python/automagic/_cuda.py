@@ -33,6 +33,10 @@ def _library_path():
     env = os.environ.get("AUTOMAGIC_CUDA_LIBRARY")
     if env:
         return env
+    for d in _lib.package_dirs():  # (an editable install: site-packages)
+        path = os.path.join(d, "libautomagic_cuda.so")
+        if os.path.exists(path):
+            return path
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "libautomagic_cuda.so")
 
 
@@ -53,6 +57,12 @@ def _load():
             lib = ctypes.CDLL(path)
         except OSError as e:
             _load_error = "loading %s failed: %s" % (path, e)
+            return None
+        lib.am_version_string.restype = ctypes.c_char_p
+        found = lib.am_version_string().decode()
+        if found != _lib.LIBRARY_VERSION:
+            _load_error = ("%s is libautomagic_cuda %s; this front end needs %s (rebuild "
+                           "with 'pip install .')" % (path, found, _lib.LIBRARY_VERSION))
             return None
         lib.am_update_cuda.argtypes = [
             _P(_lib.Tensor), _P(_lib.Tensor), _P(_lib.State), ctypes.c_void_p,

@@ -5,6 +5,7 @@ in torch tensors and hands their data pointers to C.
 """
 import ctypes
 import os
+import sys
 import threading
 
 AM_MAX_DIMS = 8
@@ -78,21 +79,64 @@ class BatchItem(ctypes.Structure):
 LOG_FN = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
 
 
+# The C library's version this front end was written against (the header's
+# AM_VERSION_*, CMakeLists.txt, pyproject.toml; a test checks they agree).
+LIBRARY_VERSION = "0.2.0"
+
+
+def package_dirs():
+    """The folders of the automagic package: this file's, and every one of
+    the package's __path__ (an editable install, 'pip install -e', serves
+    the .py files from the source tree and puts the built libraries in
+    site-packages/automagic/)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    pkg = sys.modules.get(__name__.rpartition(".")[0])
+    dirs = [here]
+    for d in getattr(pkg, "__path__", None) or []:
+        d = os.path.abspath(d)
+        if d not in dirs:
+            dirs.append(d)
+    return dirs
+
+
 def _find_library():
     env = os.environ.get("AUTOMAGIC_LIBRARY")
     if env:
-        return env
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.path.join(here, "libautomagic.so")
-    if os.path.exists(path):
-        return path
+        return env, "AUTOMAGIC_LIBRARY"
+    for d in package_dirs():
+        path = os.path.join(d, "libautomagic.so")
+        if os.path.exists(path):
+            return path, "the package"
     raise ImportError(
         "automagic: libautomagic.so is not in %s; install the package with "
         "'pip install .' from the repository root, or point AUTOMAGIC_LIBRARY "
-        "at a built libautomagic.so" % here)
+        "at a built libautomagic.so" % " or ".join(package_dirs()))
 
 
-lib = ctypes.CDLL(_find_library())
+def _load():
+    path, where = _find_library()
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as e:
+        raise ImportError(
+            "automagic: the C library %s (from %s) could not be loaded: %s (a library it "
+            "needs missing? it links libcjson and zlib: Debian packages libcjson1, "
+            "zlib1g)" % (path, where, e)) from None
+    try:
+        lib.am_version_string.restype = ctypes.c_char_p
+        found = lib.am_version_string().decode()
+    except AttributeError:
+        raise ImportError("automagic: %s (from %s) is not libautomagic (no "
+                          "am_version_string)" % (path, where)) from None
+    if found != LIBRARY_VERSION:
+        raise ImportError(
+            "automagic: %s (from %s) is libautomagic %s; this front end needs %s. Rebuild "
+            "it ('pip install .'), or point AUTOMAGIC_LIBRARY at a library of this "
+            "version" % (path, where, found, LIBRARY_VERSION))
+    return lib, path, where
+
+
+lib, _path, _where = _load()
 
 _P = ctypes.POINTER
 lib.am_status_string.restype = ctypes.c_char_p

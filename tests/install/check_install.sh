@@ -22,7 +22,7 @@ mkdir -p "$tmp/consumer"
 cat > "$tmp/consumer/CMakeLists.txt" <<CM
 cmake_minimum_required(VERSION 3.18)
 project(consumer C)
-find_package(automagic 0.1 REQUIRED)
+find_package(automagic 0.2 REQUIRED)
 add_executable(qs_cmake "$root/examples/quickstart.c")
 target_link_libraries(qs_cmake PRIVATE automagic::automagic_static)
 CM

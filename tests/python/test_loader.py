@@ -1,0 +1,66 @@
+"""The front end's loader: the C library's version and where it is found."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import automagic
+from automagic import _lib
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+
+
+def test_versions_agree():
+    # the front end, the header, CMake and the Python package say the same
+    with open(os.path.join(ROOT, "include", "automagic.h")) as f:
+        h = f.read()
+    header = ".".join(re.search(r"#define AM_VERSION_%s (\d+)" % k, h).group(1)
+                      for k in ("MAJOR", "MINOR", "PATCH"))
+    with open(os.path.join(ROOT, "CMakeLists.txt")) as f:
+        cmake = re.search(r"project\(automagic VERSION ([0-9.]+)", f.read()).group(1)
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        py = re.search(r'^version = "([0-9.]+)"', f.read(), re.M).group(1)
+    assert header == cmake == py == _lib.LIBRARY_VERSION == automagic.__version__
+
+
+def test_library_of_another_version_is_refused(monkeypatch):
+    # an older library (same symbols) loaded silently and behaved
+    # differently; now the import says which versions met
+    monkeypatch.setattr(_lib, "LIBRARY_VERSION", "9.9.9")
+    with pytest.raises(ImportError, match=r"is libautomagic %s; this front end needs 9\.9\.9"
+                       % re.escape(automagic.__version__)):
+        _lib._load()
+
+
+def test_found_in_every_package_folder(monkeypatch, tmp_path):
+    # 'pip install -e' serves the .py files from the source tree and puts
+    # the library in site-packages/automagic: found through __path__
+    monkeypatch.delenv("AUTOMAGIC_LIBRARY", raising=False)
+    here = os.path.dirname(os.path.abspath(_lib.__file__))
+    if os.path.exists(os.path.join(here, "libautomagic.so")):
+        pytest.skip("the package folder holds a library itself (an installed package)")
+    os.symlink(os.path.abspath(_lib._path), str(tmp_path / "libautomagic.so"))
+    monkeypatch.setattr(automagic, "__path__", list(automagic.__path__) + [str(tmp_path)])
+    path, where = _lib._find_library()
+    assert path == str(tmp_path / "libautomagic.so") and where == "the package"
+
+
+@pytest.mark.parametrize("target, match", [
+    ("/nonexistent/libautomagic.so", r"from AUTOMAGIC_LIBRARY\) could not be loaded"),
+    (None, "is not libautomagic"),
+])
+def test_load_errors_say_what_and_where(target, match):
+    if target is None:  # a real shared library that is not ours
+        import ctypes.util
+        name = ctypes.util.find_library("z")
+        if name is None:
+            pytest.skip("no libz to load")
+        target = name
+    env = dict(os.environ, AUTOMAGIC_LIBRARY=target)
+    r = subprocess.run([sys.executable, "-c", "import automagic"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert re.search(match, r.stderr.replace("\n", " ")), r.stderr
+    assert "ImportError" in r.stderr
