@@ -570,8 +570,10 @@ AM_API am_status am_optimizer_save_memory(const am_optimizer *opt, void *buf,
  * a FIFO or device is refused without waiting on it),
  * AM_ERR_OUT_OF_MEMORY, AM_ERR_FORMAT (not a valid checkpoint: corrupt,
  * truncated, wrong version, invalid values), AM_ERR_MISMATCH (valid, but its
- * parameter count, dtypes or shapes differ from opt's). The log callback
- * names the first problem found. opt is unchanged on every error. */
+ * parameter count, dtypes or shapes differ from opt's; or the file is larger
+ * than any checkpoint of opt's parameters can be, refused before it is read:
+ * their tensors' bytes plus 8 plus the 100 MiB header limit). The log
+ * callback names the first problem found. opt is unchanged on every error. */
 AM_API am_status am_optimizer_load(am_optimizer *opt, const char *path);
 
 /* As am_optimizer_load, from the size bytes at image (not kept). */

@@ -137,6 +137,14 @@ static ck_tensor *plan_layout(const am_optimizer *o, size_t *data_len) {
     return t;
 }
 
+uint64_t am_ck_max_image(const am_optimizer *o) {
+    size_t data = 0;
+    ck_tensor *t = plan_layout(o, &data);
+    if (!t) return UINT64_MAX; /* (out of memory: no bound; the load will say) */
+    free(t);
+    return 8 + CK_MAX_HEADER + (uint64_t)data;
+}
+
 static const void *field_src(const am_param_slot *s, int f) {
     switch (f) {
     case F_LR: return s->st.lr;

@@ -145,6 +145,21 @@ am_status am_optimizer_load(am_optimizer *o, const char *path) {
         AM_RETURN_IF(1, AM_ERR_IO, "am_optimizer_load: %s is not a readable regular file",
                      path);
     }
+    /* A file larger than any checkpoint of this optimizer (another
+     * optimizer's, a model's weights): refused before it is read into
+     * memory (a 3 GiB file under a 2 GiB memory limit was read first and
+     * failed with AM_ERR_OUT_OF_MEMORY) */
+    {
+        const uint64_t most = am_ck_max_image(o);
+        if ((uint64_t)sb.st_size > most) {
+            close(fd);
+            AM_RETURN_IF(1, AM_ERR_MISMATCH,
+                         "am_optimizer_load: %s is %lld bytes; a checkpoint of this "
+                         "optimizer's %d parameters has at most %llu",
+                         path, (long long)sb.st_size, (int)am_optimizer_num_params(o),
+                         (unsigned long long)most);
+        }
+    }
     fl = fcntl(fd, F_GETFL);
     f = fl == -1 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) == -1 ? NULL : fdopen(fd, "rb");
     if (!f) {

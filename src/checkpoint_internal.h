@@ -62,4 +62,10 @@ void am_ck_copy_le(void *dst, const void *src, int64_t n, size_t elem);
 am_status am_ck_serialize(const am_optimizer *o, unsigned char **out,
                           size_t *out_len);
 
+/* checkpoint.c: the most bytes a checkpoint of o's parameters can have (its
+ * tensors' bytes, the 8-byte length, the loaders' 100 MiB header limit):
+ * a larger file cannot load, so am_optimizer_load refuses it unread.
+ * UINT64_MAX when out of memory. */
+uint64_t am_ck_max_image(const am_optimizer *o);
+
 #endif /* AM_CHECKPOINT_INTERNAL_H */

@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <dirent.h>
@@ -511,6 +512,37 @@ static void test_file_errors(void **unused) {
     assert_non_null(f);
     fclose(f);
     assert_int_equal(am_optimizer_load(a.opt, path), AM_ERR_FORMAT);
+    { /* a (sparse) file larger than any checkpoint of these parameters can
+       * be: refused unread (it was read into memory whole, then refused as
+       * not a checkpoint, or AM_ERR_OUT_OF_MEMORY when too large for it);
+       * one byte less is read and judged on its contents */
+        char big[160];
+        size_t n;
+        unsigned char *before = t_image(a.opt, &n), *after;
+        int fd;
+        uint64_t hlen = 0;
+        int k;
+        for (k = 7; k >= 0; k--) hlen = (hlen << 8) | before[k];
+        snprintf(big, sizeof big, "%s/big", g_dir);
+        fd = open(big, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        assert_true(fd >= 0);
+        /* the tensors' bytes of this optimizer: n - 8 - hlen */
+        assert_int_equal(ftruncate(fd, (off_t)(8 + (100 << 20) + (n - 8 - hlen)) + 1), 0);
+        close(fd);
+        g_last_log[0] = '\0';
+        assert_int_equal(am_optimizer_load(a.opt, big), AM_ERR_MISMATCH);
+        assert_non_null(strstr(g_last_log, "at most"));
+        fd = open(big, O_WRONLY);
+        assert_true(fd >= 0);
+        assert_int_equal(ftruncate(fd, (off_t)(8 + (100 << 20) + (n - 8 - hlen))), 0);
+        close(fd);
+        assert_int_equal(am_optimizer_load(a.opt, big), AM_ERR_FORMAT);
+        after = t_image(a.opt, &n);
+        assert_memory_equal(before, after, n);
+        free(before);
+        free(after);
+        unlink(big);
+    }
     assert_int_equal(am_optimizer_save(a.opt, ""), AM_ERR_INVALID_ARGUMENT);
     assert_int_equal(am_optimizer_save(NULL, path), AM_ERR_NULL_POINTER);
     assert_int_equal(am_optimizer_save(a.opt, NULL), AM_ERR_NULL_POINTER);
