@@ -138,19 +138,24 @@ def test_data_parallel_reduced_gradients(tmp_path):
     # It runs in a child process with a time limit: a gloo process group was
     # once seen to hang inside gloo on this loaded 2-core machine, and a hang
     # must fail the test rather than stall the suite.
+    _run_in_child("_data_parallel_run", tmp_path)
+
+
+def _run_in_child(func, tmp_path):
+    """Runs func of this module (a gloo process group of one) in a child
+    process with a time limit; fails the test on an error or a hang."""
     dist = torch.distributed
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this torch build")
     here = os.path.dirname(os.path.abspath(__file__))
     code = ("import sys; sys.path.insert(0, %r); import test_frontend_stepmode as t; "
-            "t._data_parallel_run(%r); print('DDP-OK')"
-            % (here, os.path.join(str(tmp_path), "store")))
+            "t.%s(%r); print('CHILD-OK')" % (here, func, os.path.join(str(tmp_path), "store")))
     try:
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            timeout=300)
     except subprocess.TimeoutExpired:
-        pytest.fail("the data-parallel run did not finish within 300 s (hang in gloo?)")
-    assert r.returncode == 0 and "DDP-OK" in r.stdout, r.stdout + r.stderr
+        pytest.fail("%s did not finish within 300 s (hang in gloo?)" % func)
+    assert r.returncode == 0 and "CHILD-OK" in r.stdout, r.stdout + r.stderr
 
 
 def _fsdp2_run(store_path):
@@ -175,15 +180,4 @@ def _fsdp2_run(store_path):
 
 
 def test_fsdp2_dtensor_parameters_are_refused_by_name(tmp_path):
-    dist = torch.distributed
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available in this torch build")
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = ("import sys; sys.path.insert(0, %r); import test_frontend_stepmode as t; "
-            "t._fsdp2_run(%r); print('FSDP2-OK')" % (here, os.path.join(str(tmp_path), "store")))
-    try:
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           timeout=300)
-    except subprocess.TimeoutExpired:
-        pytest.fail("the FSDP2 run did not finish within 300 s (hang in gloo?)")
-    assert r.returncode == 0 and "FSDP2-OK" in r.stdout, r.stdout + r.stderr
+    _run_in_child("_fsdp2_run", tmp_path)
