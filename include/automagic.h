@@ -16,9 +16,12 @@
  *      gradient is ready (the fused-backward pattern), or all of them.
  *
  * Conventions
- *   - Every function returns an am_status. AM_OK and the AM_SKIPPED_* values
- *     are successes; negative values are errors (am_status_is_error()).
- *   - An error never modifies any caller buffer, parameter or state.
+ *   - Every function that can fail returns an am_status. AM_OK and the
+ *     AM_SKIPPED_* values are successes; negative values are errors
+ *     (am_status_is_error()).
+ *   - An error never modifies any caller buffer, parameter or state, except
+ *     what a function's comment names (a workspace, a report, the items'
+ *     status fields of am_update_batch).
  *   - Tensors are dense, row-major (C-contiguous). Shapes have 0 to 8 dims,
  *     sizes are int64_t. A parameter with zero elements is a no-op.
  *   - Nothing here exits, aborts or prints. Messages go to the optional log
@@ -153,7 +156,7 @@ typedef struct am_hparams {
     double lr_bump_rate;   /* >= 0, finite */
     double beta2;          /* 0 <= beta2 < 1 */
     double eps;            /* >= 0, finite */
-    double clip_threshold; /* > 0 (+inf disables the clip, SPEC 1) */
+    double clip_threshold; /* > 0 (+inf disables the clip) */
     double weight_decay;   /* >= 0, finite */
 } am_hparams;
 
@@ -164,8 +167,8 @@ AM_API am_hparams am_hparams_default(void);
 /* AM_OK when every field is in its SPEC 1 range, else AM_ERR_INVALID_HPARAM
  * (the log callback names the field) or AM_ERR_NULL_POINTER. lr must also
  * stay positive in float32, the state's precision (lr >= 1.4e-45). An lr
- * above 1e-3 is valid here; creating state with it forces 1e-6 (see
- * am_optimizer_create and am_state_init). */
+ * above 1e-3 is valid here; am_optimizer_create forces it to 1e-6 (and
+ * am_optimizer_load a checkpoint's), am_state_init stores what it is given. */
 AM_API am_status am_hparams_validate(const am_hparams *hp);
 
 /* -------------------------------------------------------------- shapes --- */
