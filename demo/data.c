@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 uint64_t dm_rand_u64(uint64_t *s) {
     uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
@@ -47,20 +48,44 @@ int dm_words_load(const char *path, dm_words *out, char *err, int errsz) {
         snprintf(err, (size_t)errsz, "cannot open data file '%s': %s", path, strerror(errno));
         return -1;
     }
-    if (fseek(f, 0, SEEK_END) != 0 || (size = ftell(f)) < 0 || fseek(f, 0, SEEK_SET) != 0) {
-        snprintf(err, (size_t)errsz, "cannot read data file '%s': %s", path, strerror(errno));
+    {   /* read to the end in growing chunks: a pipe (--data <(...)) has no
+         * size to ask for, and a directory's ftell was about 2^63 ("out of
+         * memory") */
+        struct stat st;
+        size_t bcap = 0, got;
+        if (fstat(fileno(f), &st) == 0 && S_ISDIR(st.st_mode)) {
+            snprintf(err, (size_t)errsz, "data file '%s' is a directory", path);
+            fclose(f);
+            return -1;
+        }
+        size = 0;
+        for (;;) {
+            if ((size_t)size + 65536 + 1 > bcap) {
+                char *grown;
+                bcap = bcap ? 2 * bcap : 1 << 20;
+                grown = realloc(buf, bcap);
+                if (!grown) {
+                    snprintf(err, (size_t)errsz, "cannot read data file '%s': out of memory",
+                             path);
+                    free(buf);
+                    fclose(f);
+                    return -1;
+                }
+                buf = grown;
+            }
+            got = fread(buf + size, 1, bcap - 1 - (size_t)size, f);
+            size += (long)got;
+            if (got == 0) break;
+        }
+        if (ferror(f)) {
+            snprintf(err, (size_t)errsz, "cannot read data file '%s': %s", path,
+                     strerror(errno));
+            free(buf);
+            fclose(f);
+            return -1;
+        }
         fclose(f);
-        return -1;
     }
-    buf = malloc((size_t)size + 1);
-    if (!buf || fread(buf, 1, (size_t)size, f) != (size_t)size) {
-        snprintf(err, (size_t)errsz, "cannot read data file '%s'%s", path,
-                 buf ? "" : ": out of memory");
-        free(buf);
-        fclose(f);
-        return -1;
-    }
-    fclose(f);
     buf[size] = '\0';
     /* Split in place: each kept line becomes a NUL-terminated string. */
     for (p = buf, end = buf + size; p < end;) {

@@ -50,7 +50,8 @@ static void usage(FILE *f, const char *prog) {
             "  -t, --threads N    threads for the model and libautomagic (0 = all cores;\n"
             "                     default 1: the model is small); results do not depend on it\n"
             "  -s, --seed N       seed of the split, init, batches, rounding (default 1)\n"
-            "  -o, --out DIR      output directory, created if absent (default demo_out)\n"
+            "  -o, --out DIR      output directory, created if absent (default demo_out;\n"
+            "                     scripts/demo.sh passes out/demo)\n"
             "  -b, --batch N      minibatch size (default 128)\n"
             "      --adamw-lr X   AdamW learning rate (default 3e-3)\n"
             "      --context N    previous characters seen (default 4, at most 16)\n"
@@ -141,11 +142,17 @@ static int parse_args(int argc, char **argv, args *a) {
         case 'r': a->runs = optarg; break;
         case 'q': a->quiet = 1; break;
         case 'h': usage(stdout, argv[0]); return 1;
+        /* a short option is named by optopt (inside a cluster such as -xq,
+         * argv[optind - 1] is another argument); a long one by its word
+         * (optopt holds its short letter when it is missing its value) */
         case ':':
-            fprintf(stderr, "amdemo: option '%s' needs a value\n", argv[optind - 1]);
+            if (strncmp(argv[optind - 1], "--", 2) == 0)
+                fprintf(stderr, "amdemo: option '%s' needs a value\n", argv[optind - 1]);
+            else fprintf(stderr, "amdemo: option '-%c' needs a value\n", optopt);
             return -1;
         default:
-            fprintf(stderr, "amdemo: unknown option '%s' (try --help)\n", argv[optind - 1]);
+            if (optopt) fprintf(stderr, "amdemo: unknown option '-%c' (try --help)\n", optopt);
+            else fprintf(stderr, "amdemo: unknown option '%s' (try --help)\n", argv[optind - 1]);
             return -1;
         }
     }
@@ -209,6 +216,59 @@ static int make_dir(const char *path) {
     return 0;
 }
 
+/* 0 when a file can be created in dir, else -1 with a message: found before
+ * training (a write-protected directory was found after all of it). */
+static int check_writable(const char *dir) {
+    char probe[4200];
+    int fd;
+    snprintf(probe, sizeof probe, "%s/.amdemo-probe-XXXXXX", dir);
+    fd = mkstemp(probe);
+    if (fd < 0) {
+        fprintf(stderr, "amdemo: cannot write in output directory '%s': %s\n", dir,
+                strerror(errno));
+        return -1;
+    }
+    close(fd);
+    unlink(probe);
+    return 0;
+}
+
+/* Writes curves.csv and summary.txt beside their final names, then renames
+ * them over: a failed write (a full disk) leaves the previous files as they
+ * were, no truncated one, and is reported once, naming the file. 0 or -1. */
+static int write_results(const char *dir, const dm_run_spec *chosen, const dm_result *res,
+                         int nrun, const dm_train_opts *o) {
+    char csv[4200], sum[4200], csv_t[4300], sum_t[4300];
+    const char *failed = NULL;
+    FILE *f;
+    int e = 0;
+    snprintf(csv, sizeof csv, "%s/curves.csv", dir);
+    snprintf(sum, sizeof sum, "%s/summary.txt", dir);
+    snprintf(csv_t, sizeof csv_t, "%s.tmp", csv);
+    snprintf(sum_t, sizeof sum_t, "%s.tmp", sum);
+    if (dm_write_curves_csv(csv_t, chosen, res, nrun) != 0) {
+        failed = csv;
+        e = errno;
+    } else if ((f = fopen(sum_t, "w")) == NULL) {
+        failed = sum;
+        e = errno;
+    } else {
+        dm_print_summary(f, chosen, res, nrun, o);
+        e = ferror(f) ? (errno ? errno : EIO) : 0;
+        if (fclose(f) != 0 && e == 0) e = errno;
+        if (e) failed = sum;
+    }
+    if (!failed && rename(csv_t, csv) != 0) failed = csv, e = errno;
+    if (!failed && rename(sum_t, sum) != 0) failed = sum, e = errno;
+    if (failed) {
+        unlink(csv_t);
+        unlink(sum_t);
+        fprintf(stderr, "amdemo: cannot write '%s': %s\n", failed, strerror(e));
+        return -1;
+    }
+    return 0;
+}
+
 static void on_log(am_log_level level, const char *msg, void *user) {
     (void)user;
     if (level >= AM_LOG_WARNING) fprintf(stderr, "\nlibautomagic: %s\n", msg);
@@ -231,7 +291,7 @@ int main(int argc, char **argv) {
     dm_config cfg;
     dm_train_opts o;
     dm_layout lay;
-    char err[512], path[4096];
+    char err[512];
     int64_t n_val;
     int r, rc = parse_args(argc, argv, &a);
     FILE *f;
@@ -244,7 +304,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "amdemo: %s\n", err);
         return 2;
     }
-    if (make_dir(a.out) != 0) {
+    if (make_dir(a.out) != 0 || check_writable(a.out) != 0) {
         dm_words_free(&words);
         return 2;
     }
@@ -308,20 +368,23 @@ int main(int argc, char **argv) {
     }
     if (rc == 0) {
         dm_print_summary(stdout, chosen, res, nrun, &o);
-        snprintf(path, sizeof path, "%s/curves.csv", a.out);
-        if (dm_write_curves_csv(path, chosen, res, nrun) != 0) {
-            fprintf(stderr, "amdemo: cannot write '%s': %s\n", path, strerror(errno));
+        if (write_results(a.out, chosen, res, nrun, &o) != 0) {
             rc = 1;
+        } else {
+            const char *tell = getenv("AMDEMO_OUT_DIR_FILE");
+            printf("\nwrote %s/curves.csv and %s/summary.txt\n", a.out, a.out);
+            /* scripts/demo.sh learns here where the results are (parsing the
+             * options again in bash missed forms getopt_long takes) */
+            if (tell && tell[0] && (f = fopen(tell, "w")) != NULL) {
+                fputs(a.out, f);
+                if (fclose(f) != 0) rc = 1;
+            }
         }
-        snprintf(path, sizeof path, "%s/summary.txt", a.out);
-        if (rc == 0 && (f = fopen(path, "w")) != NULL) {
-            dm_print_summary(f, chosen, res, nrun, &o);
-            if (fclose(f) != 0) rc = 1;
-        } else if (rc == 0) {
-            rc = 1;
-        }
-        if (rc) fprintf(stderr, "amdemo: cannot write '%s': %s\n", path, strerror(errno));
-        else printf("\nwrote %s/curves.csv and %s/summary.txt\n", a.out, a.out);
+    }
+    /* a failed write to standard output (a full disk, a closed pipe) */
+    if (fflush(stdout) != 0 || ferror(stdout)) {
+        fprintf(stderr, "amdemo: writing the standard output failed\n");
+        if (rc == 0) rc = 1;
     }
     for (r = 0; r < NRUNS; r++) dm_result_free(&res[r]);
     dm_examples_free(&train);

@@ -1,6 +1,7 @@
 /* report.c — progress bar, CSV and summary table (see report.h). */
 #include "report.h"
 
+#include <errno.h>
 #include <math.h>
 #include <string.h>
 #include <time.h>
@@ -76,6 +77,12 @@ int dm_write_curves_csv(const char *path, const dm_run_spec *specs, const dm_res
             for (t = 0; t < DM_NUM_TENSORS; t++) fprintf(f, ",%.6e", p->lr_tensor[t]);
             fprintf(f, ",%.3f\n", p->elapsed_s);
         }
+    if (ferror(f)) { /* (a full disk: every later fprintf failed too) */
+        const int e = errno;
+        fclose(f);
+        errno = e ? e : EIO;
+        return -1;
+    }
     return fclose(f) == 0 ? 0 : -1;
 }
 
@@ -109,7 +116,7 @@ void dm_print_summary(FILE *f, const dm_run_spec *specs, const dm_result *res, i
         char lr[32], st[32], ot[32];
         const dm_point *last = &res[r].points[res[r].npoints - 1];
         const double ms = 1e3 * res[r].train_s / o->steps, oms = 1e3 * res[r].opt_s / o->steps;
-        if (specs[r].opt == DM_OPT_ADAMW) snprintf(lr, sizeof lr, "%.0e (fixed)", (double)o->adamw_lr);
+        if (specs[r].opt == DM_OPT_ADAMW) snprintf(lr, sizeof lr, "%.3g (fixed)", (double)o->adamw_lr);
         else snprintf(lr, sizeof lr, "%.1e (mean)", last->lr_mean);
         if (ref_step > 0) snprintf(st, sizeof st, "%.2f (x%.2f)", ms, res[r].train_s / ref_step);
         else snprintf(st, sizeof st, "%.2f", ms);

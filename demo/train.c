@@ -120,7 +120,10 @@ int dm_train(const dm_config *c, const dm_examples *train, const dm_examples *va
     int64_t i, P;
     uint64_t batch_rng = o->seed ^ 0xB47C4ull, sample_rng = o->seed ^ 0x5A3913ull;
     double window = 0.0, tail = 0.0, ema = 0.0, t_start;
-    int step, nwin = 0, ntail = 0, tail_from = o->steps - o->steps / 10, s, t, maxpts;
+    int step, nwin = 0, ntail = 0, s, t, maxpts;
+    /* the last tenth of the steps, at least one (fewer than 10 steps gave
+     * an empty tail: a NaN train loss) */
+    const int tail_from = o->steps - (o->steps >= 10 ? o->steps / 10 : 1);
     int eval_b = B > 4096 ? B : 4096;
 
     memset(res, 0, sizeof *res);

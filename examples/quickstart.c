@@ -82,9 +82,15 @@ int main(void) {
             }
         }
         /* Each parameter is updated as soon as its gradient is complete. */
-        am_optimizer_update_param(opt, idW, gW, AM_DTYPE_FLOAT32, NULL);
-        am_optimizer_update_param(opt, idb, gb, AM_DTYPE_FLOAT32, NULL);
-        am_optimizer_lr_mean(opt, -1, &lr);
+        if ((st = am_optimizer_update_param(opt, idW, gW, AM_DTYPE_FLOAT32, NULL)) < 0 ||
+            (st = am_optimizer_update_param(opt, idb, gb, AM_DTYPE_FLOAT32, NULL)) < 0 ||
+            (st = am_optimizer_lr_mean(opt, -1, &lr)) < 0) {
+            fprintf(stderr, "quickstart: %s\n", am_status_string(st));
+            am_optimizer_destroy(opt);
+            return 1;
+        }
+        /* (a skipped update, AM_SKIPPED_*, is a success: parameter and
+         * state are as they were; this example's gradients are finite) */
         if (step % 50 == 0) printf("%6d %12.6f %12.3e\n", step, loss, lr);
     }
     am_optimizer_destroy(opt);

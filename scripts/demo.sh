@@ -29,17 +29,13 @@ fi
 cmake -S . -B build/demo -DCMAKE_BUILD_TYPE=Release -DAM_BUILD_TESTS=OFF >/dev/null
 cmake --build build/demo -j"$(nproc)" --target amdemo >/dev/null
 
-# Where amdemo writes: the last --out/-o given, else out/demo.
-out=out/demo
-prev=""
-for a in "$@"; do
-  case "$a" in
-    -h|--help) exec ./build/demo/demo/amdemo --help ;;
-    --out=*) out=${a#--out=} ;;
-    -o?*) out=${a#-o} ;;
-  esac
-  if [ "$prev" = "-o" ] || [ "$prev" = "--out" ]; then out=$a; fi
-  prev=$a
-done
-./build/demo/demo/amdemo --out "$out" "$@"
-$PY demo/plot.py "$out"
+# out/demo unless the arguments name another --out (the last one wins);
+# amdemo says where it wrote (AMDEMO_OUT_DIR_FILE): re-parsing its options
+# here missed forms getopt_long takes (--ou abbr, -qo dir) and plotted an
+# old directory. Nothing written (--help): nothing to plot.
+told=$(mktemp)
+trap 'rm -f "$told"' EXIT
+AMDEMO_OUT_DIR_FILE="$told" ./build/demo/demo/amdemo --out out/demo "$@"
+if [ -s "$told" ]; then
+  $PY demo/plot.py "$(cat "$told")"
+fi

@@ -32,9 +32,10 @@ VOCAB = 27  # '.' (word boundary) and a..z, as in the C demo
 
 
 def load_words(path):
-    """The lines made only of a..z (the C demo's rule)."""
+    """The lines made only of a..z (the C demo's rule: only the line end is
+    dropped, CR LF too; a line with a space is not a word)."""
     with open(path, encoding="utf-8", errors="replace") as f:
-        words = [w.strip() for w in f]
+        words = [w[:-1] if w.endswith("\n") else w for w in f]  # (CR LF read as LF)
     words = [w for w in words if w and len(w) <= 64 and all("a" <= c <= "z" for c in w)]
     if len(words) < 10:
         raise ValueError("%s has %d usable words (lines of a-z only); need at least 10"
@@ -114,23 +115,29 @@ def train(name, make_opt, init_state, args, Xtr, Ytr, Xva, Yva):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\nusage:")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=1000, help="steps per optimizer (default 1000)")
     p.add_argument("--data", default="/usr/share/dict/words",
                    help="word list, one word per line (default: Debian wamerican's)")
-    p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--context", type=int, default=4)
-    p.add_argument("--embed", type=int, default=16)
-    p.add_argument("--hidden", type=int, default=192)
-    p.add_argument("--adamw-lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--batch", type=int, default=128, help="minibatch size (default 128)")
+    p.add_argument("--context", type=int, default=4,
+                   help="previous characters seen (default 4)")
+    p.add_argument("--embed", type=int, default=16, help="embedding size (default 16)")
+    p.add_argument("--hidden", type=int, default=192, help="hidden units (default 192)")
+    p.add_argument("--adamw-lr", type=float, default=3e-3,
+                   help="AdamW's learning rate (default 3e-3)")
+    p.add_argument("--seed", type=int, default=1,
+                   help="seed of the split, init, batches and rounding (default 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = p.parse_args(argv)
     for k in ("steps", "batch", "context", "embed", "hidden", "threads"):
         if getattr(args, k) < 1:
             p.error("--%s must be at least 1" % k)
-    if not args.adamw_lr > 0:
-        p.error("--adamw-lr must be positive")
+    if not 0 < args.adamw_lr < math.inf:
+        p.error("--adamw-lr must be positive and finite")
+    if not 0 <= args.seed < 2 ** 64:
+        p.error("--seed must be in [0, 2**64)")
     return args
 
 

@@ -58,6 +58,28 @@ def test_example_rejects_a_missing_data_file(tmp_path, capsys):
     assert "cannot use data file" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--seed", "-1"], "--seed must be in"),                     # was a traceback
+    (["--seed", str(2 ** 64)], "--seed must be in"),             # was an OverflowError
+    (["--adamw-lr", "inf"], "--adamw-lr must be positive and finite"),  # trained to nan
+])
+def test_example_refuses_bad_arguments(argv, message, capsys):
+    ex = _load("examples/python/train_charmlp.py", "train_charmlp")
+    with pytest.raises(SystemExit) as e:
+        ex.parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_example_words_follow_the_demo_rule(tmp_path):
+    # only the line end is dropped, as amdemo does: a line with spaces around
+    # a word is not a word (strip() kept it); CR LF ends a line
+    ex = _load("examples/python/train_charmlp.py", "train_charmlp")
+    p = tmp_path / "w.txt"
+    p.write_bytes(("\n".join(WORDS.split()) + "\n  padded\nwith space\r\ncrlf\r\n").encode())
+    words = ex.load_words(str(p))
+    assert words == WORDS.split() + ["crlf"]
+
+
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib", reason="matplotlib not installed (scripts/demo.sh "
                         "installs it); demo/plot.py not checked")
@@ -77,3 +99,13 @@ def test_plot_writes_a_png(tmp_path):
     with open(tmp_path / "demo.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert plot.main(["plot.py", str(tmp_path / "missing")]) == 1
+    # a CSV without the float32 Automagic3 run (--runs adamw, DEMO.md's lr
+    # sweep): its loss panel, not an error
+    adamw = tmp_path / "adamw"
+    adamw.mkdir()
+    with open(tmp_path / "curves.csv") as src, open(adamw / "curves.csv", "w") as dst:
+        for i, line in enumerate(src):
+            if i == 0 or line.startswith("adamw,"):
+                dst.write(line)
+    assert plot.main(["plot.py", str(adamw)]) == 0
+    assert (adamw / "demo.png").exists()
