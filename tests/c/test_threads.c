@@ -456,6 +456,13 @@ static void test_threads_caller_flushes_subnormals(void **unused) {
     tiny_update(&a, 2); /* the workers exist, created without flushing */
     before = fp_get();
     fp_set(before | FP_FLUSH);
+    if (fp_get() != (before | FP_FLUSH)) {
+        /* valgrind keeps no flush-to-zero mode (it reads back as off):
+         * nothing to test there; native, ASan, TSan and qemu runs test it */
+        fp_set(before);
+        print_message("flush-to-zero cannot be set here (valgrind?): not tested\n");
+        skip();
+    }
     for (k = 0; k < 2; k++) {
         tiny_run *r = k ? &c : &b;
         tiny_update(r, k ? 2 : 1);
