@@ -219,7 +219,8 @@ typedef struct am_state {
 } am_state;
 
 /* Initialises state for a fresh parameter: every lr to initial_lr, polarity,
- * row, col and sq to zero, step to 0. initial_lr must be > 0 and finite (the
+ * row, col and sq to zero, step to 0. initial_lr must be > 0 and finite in
+ * float32, the precision it is stored in (the
  * SPEC's 1e-3 rule is applied by the caller or by am_optimizer_create; this
  * function stores what it is given). Errors: AM_ERR_NULL_POINTER (a buffer the
  * shape needs is NULL), AM_ERR_INVALID_SHAPE, AM_ERR_INVALID_HPARAM. */

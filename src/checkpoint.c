@@ -24,6 +24,7 @@
  */
 #include "optimizer_internal.h"
 #include "checkpoint_internal.h"
+#include "fpenv.h"
 
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -679,7 +680,7 @@ static am_status load_image(am_optimizer *o, const unsigned char *img, size_t si
     return load_values(o, L);
 }
 
-am_status am_optimizer_load_memory(am_optimizer *o, const void *image, size_t size) {
+static am_status load_memory_impl(am_optimizer *o, const void *image, size_t size) {
     ck_load L;
     cJSON *root = NULL;
     char *hdr = NULL;
@@ -696,4 +697,13 @@ am_status am_optimizer_load_memory(am_optimizer *o, const void *image, size_t si
     free(L.tmp);
     am_ck_items_free(&L.items);
     return st;
+}
+
+/* In IEEE defaults (fpenv.h): the value checks compare NaN moments, which
+ * must load, and a caller with floating-point traps enabled got SIGFPE. */
+am_status am_optimizer_load_memory(am_optimizer *o, const void *image, size_t size) {
+    const am_fpenv fe = am_fpenv_enter();
+    const am_status s = load_memory_impl(o, image, size);
+    am_fpenv_leave(fe);
+    return s;
 }

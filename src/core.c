@@ -1,6 +1,8 @@
 /* core.c — version, status strings, dtypes, logging, hyperparameters. */
 #include "internal.h"
 
+#include "fpenv.h"
+
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -101,7 +103,7 @@ am_hparams am_hparams_default(void) {
     AM_RETURN_IF(!(ok), AM_ERR_INVALID_HPARAM,                                \
                  "invalid hyperparameter %s = %g: must be %s", name, val, rule)
 
-am_status am_hparams_validate(const am_hparams *hp) {
+static am_status validate_impl(const am_hparams *hp) {
     AM_RETURN_IF(!hp, AM_ERR_NULL_POINTER, "hparams is NULL");
     /* Written so that NaN fails every test. */
     AM_HP_CHECK(hp->lr > 0 && isfinite(hp->lr), "lr", hp->lr, "> 0 and finite");
@@ -140,4 +142,14 @@ am_consts am_consts_from(const am_hparams *hp) {
     k.bump_up = am_expf(1.0f * k.bump);
     k.bump_down = am_expf(-1.0f * k.bump);
     return k;
+}
+
+/* In IEEE defaults (fpenv.h): a caller with floating-point traps enabled
+ * (feenableexcept) got SIGFPE from the comparisons of a NaN or the float
+ * conversion of a huge lr instead of AM_ERR_INVALID_HPARAM. */
+am_status am_hparams_validate(const am_hparams *hp) {
+    const am_fpenv fe = am_fpenv_enter();
+    const am_status s = validate_impl(hp);
+    am_fpenv_leave(fe);
+    return s;
 }

@@ -1,20 +1,24 @@
 /* state.c — initial state of a parameter (SPEC 2). */
 #include "internal.h"
 
+#include "fpenv.h"
+
 #include <math.h>
 #include <string.h>
 
-am_status am_state_init(const am_shape *shape, am_state *state,
-                        double initial_lr) {
+static am_status state_init_impl(const am_shape *shape, am_state *state,
+                                 double initial_lr) {
     am_geom g;
     int64_t i;
     AM_RETURN_IF(!state, AM_ERR_NULL_POINTER, "am_state_init: state is NULL");
     AM_CHECK(am_geom_init(shape, &g));
+    /* in float32, the state's precision: neither 0 nor infinite there
+     * (1e300 was stored as +inf) */
     AM_RETURN_IF(!(initial_lr > 0) || !isfinite(initial_lr) ||
-                     !((float)initial_lr > 0),
+                     !((float)initial_lr > 0) || !isfinite((float)initial_lr),
                  AM_ERR_INVALID_HPARAM,
-                 "am_state_init: initial_lr = %g must be > 0, finite, and not round "
-                 "to 0 in float32 (at least 1.4e-45)",
+                 "am_state_init: initial_lr = %g must be > 0 and finite in float32 "
+                 "(from 1.4e-45 to 3.4e38)",
                  initial_lr);
     AM_RETURN_IF(g.sizes.lr_count > 0 && !state->lr, AM_ERR_NULL_POINTER,
                  "am_state_init: state.lr is NULL");
@@ -37,4 +41,12 @@ am_status am_state_init(const am_shape *shape, am_state *state,
         memset(state->sq, 0, (size_t)g.sizes.sq_count * sizeof(float));
     state->step = 0;
     return AM_OK;
+}
+
+/* In IEEE defaults (fpenv.h; see am_hparams_validate). */
+am_status am_state_init(const am_shape *shape, am_state *state, double initial_lr) {
+    const am_fpenv fe = am_fpenv_enter();
+    const am_status s = state_init_impl(shape, state, initial_lr);
+    am_fpenv_leave(fe);
+    return s;
 }

@@ -19,6 +19,7 @@
 
 extern "C" {
 #include "am_cuda_plan.h"
+#include "fpenv.h"
 }
 
 #include "kernels.cuh"
@@ -209,11 +210,11 @@ am_status am_cuda_device_count(int *count) {
     return AM_OK;
 }
 
-am_status am_update_cuda(const am_tensor *param, const am_tensor *grad,
-                         const am_state *state, int64_t *step,
-                         const am_hparams *hp, am_rng_key key, void *workspace,
-                         size_t workspace_bytes, void *stream,
-                         am_report *report) {
+static am_status update_cuda_impl(const am_tensor *param, const am_tensor *grad,
+                                  const am_state *state, int64_t *step,
+                                  const am_hparams *hp, am_rng_key key, void *workspace,
+                                  size_t workspace_bytes, void *stream,
+                                  am_report *report) {
     am_geom g;
     am_ck_args a;
     cudaStream_t s = (cudaStream_t)stream;
@@ -248,6 +249,19 @@ am_status am_update_cuda(const am_tensor *param, const am_tensor *grad,
     e = cudaGetLastError();
     if (e != cudaSuccess) return device_error(e, "am_update_cuda");
     return AM_OK;
+}
+
+/* The host side in IEEE defaults (fpenv.h), as am_update. */
+am_status am_update_cuda(const am_tensor *param, const am_tensor *grad,
+                         const am_state *state, int64_t *step,
+                         const am_hparams *hp, am_rng_key key, void *workspace,
+                         size_t workspace_bytes, void *stream,
+                         am_report *report) {
+    const am_fpenv fe = am_fpenv_enter();
+    const am_status st = update_cuda_impl(param, grad, state, step, hp, key, workspace,
+                                          workspace_bytes, stream, report);
+    am_fpenv_leave(fe);
+    return st;
 }
 
 } /* extern "C" */
