@@ -150,13 +150,19 @@ class _Plan:
     reused: building them costs more than a small tensor's whole update."""
 
     __slots__ = ("sig", "pt", "gt", "st", "rep", "pt_ref", "gt_ref", "st_ref", "rep_ref",
-                 "key", "workspace_bytes", "hp", "hsig", "item", "item_hp", "item_ws")
+                 "key", "workspace_bytes", "hp", "hsig", "item", "item_hp", "item_ws",
+                 "held")
 
     def __init__(self, p: torch.Tensor, state: dict, sig: tuple, key) -> None:
         self.sig = sig
         self.pt = _lib.Tensor(0, _DTYPES[p.dtype], _shape(p))
         self.gt = _lib.Tensor(0, _DTYPES[p.dtype], _shape(p))
         self.st = _state_struct(p, state)
+        # The state tensors the C view points at, held: the signature knows
+        # them by address, and a replacement allocated where a freed one was
+        # (same address, smaller) passed unchecked and was written past its
+        # end. Held, the old memory cannot be reused before the next check.
+        self.held = tuple(state.values())
         self.rep = _lib.Report()
         self.pt_ref, self.gt_ref = ctypes.byref(self.pt), ctypes.byref(self.gt)
         self.st_ref, self.rep_ref = ctypes.byref(self.st), ctypes.byref(self.rep)
@@ -541,6 +547,7 @@ class Automagic3(torch.optim.Optimizer):
         ref, gid = weakref.ref(self), id(group)
 
         def _hook(p: torch.Tensor) -> None:
+            nonlocal gid
             opt = ref()
             if opt is None:
                 return
@@ -548,6 +555,15 @@ class Automagic3(torch.optim.Optimizer):
                 if id(g) == gid:
                     opt._on_grad_ready(p, g, index)
                     return
+            # the group dict was replaced (param_groups[i] = dict(...)): the
+            # one that lists p now
+            for g in opt.param_groups:
+                if any(q is p for q in g["params"]):
+                    gid = id(g)
+                    opt._on_grad_ready(p, g, index)
+                    return
+            opt._warn_once("nogroup", "a parameter of shape %s with a backward hook is in no "
+                           "parameter group: not updated" % (tuple(p.shape),))
         return _hook
 
     # ----------------------------------------------------------- fused

@@ -327,3 +327,22 @@ def test_group_lr_that_is_not_a_number_is_named(fused, lr):
         (p ** 2).sum().backward()
         opt.step()
     assert opt.state.get(p, {}) == {}
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_state_replaced_where_the_old_one_was_is_refused(fused):
+    # the plan knows state tensors by address: a smaller replacement
+    # allocated where the freed one was passed unchecked and was written past
+    # its end (glibc aborted). The plan now holds the tensors it points at,
+    # so the old memory cannot be reused before the check.
+    p = _param(1000, 4)
+    opt = automagic.Automagic3([p], fused=fused)
+    _one_step(p, opt)
+    st = opt.state[p]
+    del st["lr"]
+    st["lr"] = torch.full((900,), 1e-6)
+    before = p.detach().clone()
+    with pytest.raises(automagic.AutomagicError, match="state of a parameter"):
+        (p.float() ** 2).sum().backward()
+        opt.step()
+    assert torch.equal(p.detach(), before)

@@ -73,3 +73,18 @@ def test_hooks_of_a_live_optimizer_stay():
     assert all(_hooks(p) == 0 for p in m.parameters())
     _train(m, opt, 1, False)
     assert all(opt.state[p]["step"] == 3 for p in m.parameters())
+
+
+def test_replaced_group_dict_keeps_fused_updates():
+    # the hooks find their group by identity (they hold the optimizer
+    # weakly); a script that replaces a group dict (param_groups[0] =
+    # dict(...)) must not stop the fused updates of its parameters
+    m = _model()
+    opt = automagic.Automagic3(m.parameters())
+    _train(m, opt, 1, True)
+    opt.param_groups[0] = dict(opt.param_groups[0])
+    before = [p.detach().clone() for p in m.parameters()]
+    _train(m, opt, 1, True)
+    assert all(opt.state[p]["step"] == 2 for p in m.parameters())
+    assert all(not torch.equal(p.detach(), b) for p, b in zip(m.parameters(), before))
+    assert all(p.grad is None for p in m.parameters())
