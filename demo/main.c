@@ -151,7 +151,14 @@ static int parse_args(int argc, char **argv, args *a) {
             else fprintf(stderr, "amdemo: option '-%c' needs a value\n", optopt);
             return -1;
         default:
-            if (optopt) fprintf(stderr, "amdemo: unknown option '-%c' (try --help)\n", optopt);
+            /* a long option given a value it takes none of (--quiet=1):
+             * optopt holds its letter, the argument its word */
+            if (optopt && strncmp(argv[optind - 1], "--", 2) == 0 &&
+                strchr(argv[optind - 1], '=') != NULL)
+                fprintf(stderr, "amdemo: option '%s' takes no value (try --help)\n",
+                        argv[optind - 1]);
+            else if (optopt)
+                fprintf(stderr, "amdemo: unknown option '-%c' (try --help)\n", optopt);
             else fprintf(stderr, "amdemo: unknown option '%s' (try --help)\n", argv[optind - 1]);
             return -1;
         }
