@@ -51,10 +51,12 @@ static void test_statuses_not_sigfpe(void **unused) {
     assert_int_equal(am_optimizer_add_param(b, w, AM_DTYPE_FLOAT32, 2, shape, &id), AM_OK);
 
     feclearexcept(FE_ALL_EXCEPT);
-    if (feenableexcept(TRAPS) == -1) {
+    /* (valgrind keeps no trap mask: it reads back as none) */
+    if (feenableexcept(TRAPS) == -1 || fegetexcept() != TRAPS) {
+        fedisableexcept(TRAPS);
         free(img);
         am_optimizer_destroy(b);
-        print_message("floating-point traps cannot be enabled here: not tested\n");
+        print_message("floating-point traps cannot be enabled here (valgrind?): not tested\n");
         skip();
     }
     bad.lr = NAN;
