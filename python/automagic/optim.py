@@ -286,7 +286,7 @@ def _refuse_subclass(p: torch.Tensor, where: str, error) -> None:
     which has no data pointer (the C update said "param data is NULL")."""
     if p.numel() == 0 or p.data_ptr() != 0:
         return
-    if type(p).__name__ == "DTensor" or "DTensor" in [c.__name__ for c in type(p).__mro__]:
+    if "DTensor" in [c.__name__ for c in type(p).__mro__]:
         raise error("%s is a DTensor (FSDP2's fully_shard or tensor parallelism): sharded "
                     "parameters are not supported (README, Known limits); use "
                     "DistributedDataParallel with fused=False" % where)
