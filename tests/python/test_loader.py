@@ -37,14 +37,17 @@ def test_library_of_another_version_is_refused(monkeypatch):
 def test_found_in_every_package_folder(monkeypatch, tmp_path):
     # 'pip install -e' serves the .py files from the source tree and puts
     # the library in site-packages/automagic: found through __path__
+    # (the source folder simulated: one without the library, so that the
+    # test runs against an installed package too)
     monkeypatch.delenv("AUTOMAGIC_LIBRARY", raising=False)
-    here = os.path.dirname(os.path.abspath(_lib.__file__))
-    if os.path.exists(os.path.join(here, "libautomagic.so")):
-        pytest.skip("the package folder holds a library itself (an installed package)")
-    os.symlink(os.path.abspath(_lib._path), str(tmp_path / "libautomagic.so"))
-    monkeypatch.setattr(automagic, "__path__", list(automagic.__path__) + [str(tmp_path)])
+    src, site = tmp_path / "src", tmp_path / "site"
+    src.mkdir()
+    site.mkdir()
+    os.symlink(os.path.abspath(_lib._path), str(site / "libautomagic.so"))
+    monkeypatch.setattr(_lib, "__file__", str(src / "_lib.py"))
+    monkeypatch.setattr(automagic, "__path__", [str(src), str(site)])
     path, where = _lib._find_library()
-    assert path == str(tmp_path / "libautomagic.so") and where == "the package"
+    assert path == str(site / "libautomagic.so") and where == "the package"
 
 
 @pytest.mark.parametrize("target, match", [
