@@ -26,6 +26,8 @@
 #define AM_INLINE static inline __attribute__((always_inline))
 #define AM_NOINLINE __attribute__((noinline))
 #define AM_PREFETCH 512 /* elements ahead, as in kernels_avx2.c */
+/* stats_rows' prefetch distance (measured 4096-32768 alike, 1024 slower) */
+#define AM_STATS_PREFETCH_BYTES 8192
 
 /* Word w < 16 taken from word 2w + 1: the high halves of 16 32-bit lanes. */
 AM_INLINE __m512i high_idx(void) {
@@ -321,96 +323,70 @@ AM_INLINE uint32_t pos_mask16(const void *g, const int gdt, int64_t idx, __m512i
     }
 }
 
-/* Rows i..i+nr-1 (nr = 4 or 1, a constant) of stats_body: 32 columns of a
- * row per step. With cnt, the agreement is counted on the raw bits: a
- * gradient element is > 0 exactly when 1 <= bits <= bits of +inf, i.e.
- * when the unsigned bits - 1 is below +inf's bits (lim); the same bits - 1
- * keep the running minimum of the positive values in *mn (16-bit lanes for
- * 16-bit types, 32-bit for float32; their order is their bits' order; +0
- * wraps to all ones, negatives are above +inf's bits). When pend is not
- * NULL, the W sums of that group of 4 rows are added column by column
- * along (memory never idles during them). pf: the next 4 rows follow (a
- * group); they are prefetched as these are read: twice the streams in
- * flight, which one core needs to read memory at full speed here
- * (measured: the stats of a 4096x4096 float32 update at 2 threads 4.5 ->
- * 3.4 ms, bfloat16 3.2 -> 2.9 ms). pf 1: into L1 (as measured there, an
- * earlier session's machine); 2: into L2 only, where am_sw_prefetch is off (Zen 4,
- * twelfth session: into L1 no faster than none; into L2 the float32 stats
- * 4.9 -> 3.6-4.2 ms at 1 thread, 2.8-3.2 -> 2.0-2.6 ms at 2). */
-AM_INLINE void stats_rows(const void *g, const int gdt, const int cnt, const int nr,
-                          int64_t C, int64_t i, int64_t j0, int64_t n, float *rowpart,
-                          float *colpart, const am_polmap *pm, int32_t *rowmatch,
-                          __m512i *mn, float *mp, const wgroup *pend, const int pf) {
-    const int64_t n32 = n & ~(int64_t)31;
+/* Row i of stats_body, 32 columns per step. With cnt, the agreement is
+ * counted on the raw bits: a gradient element is > 0 exactly when 1 <= bits
+ * <= bits of +inf, i.e. when the unsigned bits - 1 is below +inf's bits
+ * (lim); the same bits - 1 keep the running minimum of the positive values
+ * in *mn (16-bit lanes for 16-bit types, 32-bit for float32; their order is
+ * their bits' order; +0 wraps to all ones, negatives are above +inf's bits).
+ * When pend is not NULL, the W sums of that group of 4 rows are added over
+ * the steps at tile columns [wa, wb) (and the columns past the last whole
+ * step when wtail), so that memory never idles during them. The gradient
+ * is prefetched AM_STATS_PREFETCH_BYTES ahead (the next row follows: one
+ * stream). One row at a time with that prefetch replaced four rows
+ * interleaved with the next four prefetched (Zen 5, twentieth session,
+ * runs alternated in one session: the stats of 4096x4096 float32 at 1
+ * thread 2.95-3.0 -> 2.28 ms, 11008x4096 8.06 -> 6.27 ms, bfloat16
+ * 4096x4096 1.80 -> 1.54 ms; 2 threads 1.64 -> 1.51 ms; docs/
+ * PERFORMANCE.md). */
+AM_INLINE void stats_rows(const void *g, const int gdt, const int cnt, int64_t C, int64_t i,
+                          int64_t j0, int64_t n, float *rowpart, float *colpart,
+                          const am_polmap *pm, int32_t *rowmatch, __m512i *mn, float *mp,
+                          const wgroup *pend, int64_t wa, int64_t wb, const int wtail) {
+    const int64_t n32 = n & ~(int64_t)31, base = i * C + j0;
     const size_t es = gdt == AM_DTYPE_FLOAT32 ? 4 : 2;
     const uint8_t *bits = cnt ? pm->bits : NULL;
-    __m256 acc[4];
-    int64_t q0[4], mism[4], j;
-    int q;
-    for (q = 0; q < nr; q++) {
-        acc[q] = _mm256_setzero_ps();
-        mism[q] = 0;
-        q0[q] = cnt ? am_polmap_bit(pm, i + q, j0) : 0;
-    }
+    const int64_t q0 = cnt ? am_polmap_bit(pm, i, j0) : 0;
+    const char *ahead = (const char *)g + (size_t)base * es + AM_STATS_PREFETCH_BYTES;
+    __m256 acc = _mm256_setzero_ps();
+    int64_t mism = 0, j;
+    float a[AM_LANES];
     for (j = 0; j < n32; j += 32) {
-        __m512 clo = _mm512_loadu_ps(colpart + j), chi = _mm512_loadu_ps(colpart + j + 16);
-        if (pf == 1) /* the next group's rows (stats_body) */
-            for (q = 0; q < 4; q++) {
-                const char *nx = (const char *)g + (size_t)((i + 4 + q) * C + j0 + j) * es;
-                _mm_prefetch(nx, _MM_HINT_T0);
-                if (es == 4) _mm_prefetch(nx + 64, _MM_HINT_T0);
-            }
-        else if (pf == 2) /* the same into L2 only (am_sw_prefetch off) */
-            for (q = 0; q < 4; q++) {
-                const char *nx = (const char *)g + (size_t)((i + 4 + q) * C + j0 + j) * es;
-                _mm_prefetch(nx, _MM_HINT_T1);
-                if (es == 4) _mm_prefetch(nx + 64, _MM_HINT_T1);
-            }
-        for (q = 0; q < nr; q++) {
-            __m512 lo, hi;
-            __m512i raw;
-            ld32(g, gdt, (i + q) * C + j0 + j, &lo, &hi, &raw);
-            if (cnt) {
-                const uint32_t pos =
-                    gdt == AM_DTYPE_FLOAT32
-                        ? pos_mask32(gdt, _mm512_castps_si512(lo), _mm512_castps_si512(hi), mn)
-                        : pos_mask32(gdt, raw, raw, mn);
-                mism[q] += __builtin_popcount(pos ^ am_bits32_at(bits, q0[q] + j));
-            }
-            lo = _mm512_mul_ps(lo, lo);
-            hi = _mm512_mul_ps(hi, hi);
-            acc[q] = add16(add16(acc[q], lo), hi);
-            clo = _mm512_add_ps(clo, lo);
-            chi = _mm512_add_ps(chi, hi);
+        __m512 lo, hi;
+        __m512i raw;
+        _mm_prefetch(ahead + (size_t)j * es, _MM_HINT_T0); /* (never faults) */
+        if (es == 4) _mm_prefetch(ahead + (size_t)j * es + 64, _MM_HINT_T0);
+        ld32(g, gdt, base + j, &lo, &hi, &raw);
+        if (cnt) {
+            const uint32_t pos =
+                gdt == AM_DTYPE_FLOAT32
+                    ? pos_mask32(gdt, _mm512_castps_si512(lo), _mm512_castps_si512(hi), mn)
+                    : pos_mask32(gdt, raw, raw, mn);
+            mism += __builtin_popcount(pos ^ am_bits32_at(bits, q0 + j));
         }
-        _mm512_storeu_ps(colpart + j, clo);
-        _mm512_storeu_ps(colpart + j + 16, chi);
-        if (pend) wsum32(g, gdt, C, j0, j, 4, pend);
+        lo = _mm512_mul_ps(lo, lo);
+        hi = _mm512_mul_ps(hi, hi);
+        acc = add16(add16(acc, lo), hi);
+        _mm512_storeu_ps(colpart + j, _mm512_add_ps(_mm512_loadu_ps(colpart + j), lo));
+        _mm512_storeu_ps(colpart + j + 16, _mm512_add_ps(_mm512_loadu_ps(colpart + j + 16), hi));
+        if (pend && j >= wa && j < wb) wsum32(g, gdt, C, j0, j, 4, pend);
     }
-    if (pend) wsum_tail(g, gdt, C, 4, j0, n32, n, pend);
+    if (pend && wtail) wsum_tail(g, gdt, C, 4, j0, n32, n, pend);
     if (n - n32 >= 16) { /* 16 more columns (e.g. C = 16, LoRA's B matrices) */
-        __m512 c = _mm512_loadu_ps(colpart + j);
-        for (q = 0; q < nr; q++) {
-            const int64_t idx = (i + q) * C + j0 + j;
-            __m512 x;
-            if (cnt)
-                mism[q] += __builtin_popcount(pos_mask16(g, gdt, idx, mn) ^
-                                              am_bits16_at(bits, q0[q] + j));
-            x = am_ld16(g, gdt, idx);
-            x = _mm512_mul_ps(x, x);
-            acc[q] = add16(acc[q], x);
-            c = _mm512_add_ps(c, x);
-        }
-        _mm512_storeu_ps(colpart + j, c);
+        __m512 x;
+        if (cnt)
+            mism += __builtin_popcount(pos_mask16(g, gdt, base + j, mn) ^
+                                       am_bits16_at(bits, q0 + j));
+        x = am_ld16(g, gdt, base + j);
+        x = _mm512_mul_ps(x, x);
+        acc = add16(acc, x);
+        _mm512_storeu_ps(colpart + j, _mm512_add_ps(_mm512_loadu_ps(colpart + j), x));
         j += 16;
     }
-    for (q = 0; q < nr; q++) {
-        float a[AM_LANES];
-        _mm256_storeu_ps(a, acc[q]);
-        am_stats_row_tail(g, gdt, cnt, (i + q) * C + j0, j, n, a, colpart, bits, q0[q],
-                          mism[q], cnt ? rowmatch + q : NULL, mp);
-        rowpart[q] = am_lanesum_finish(a);
-    }
+    _mm256_storeu_ps(a, acc);
+    am_stats_row_tail(g, gdt, cnt, base, j, n, a, colpart, bits, q0, mism,
+                      cnt ? rowmatch : NULL, mp);
+    *rowpart = am_lanesum_finish(a);
 }
 
 /* The smallest positive value recorded by stats_rows in mn (+inf when
@@ -447,8 +423,10 @@ AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C
     __m512i mn = _mm512_set1_epi32(-1);
     float mp = INFINITY;
     int64_t i, j;
-    int q, pending = 0; /* wg's W sums wait for the next group's stats */
-    const int pfmode = am_sw_prefetch() ? 1 : 2; /* stats_rows' pf */
+    /* wg's W sums wait for the next group's stats, a quarter of its
+     * columns during each of its rows (wq: a multiple of 32) */
+    int q, pending = 0;
+    const int64_t n32 = n & ~(int64_t)31, wq = (n32 / 32 + 3) / 4 * 32;
     wgroup wg;
     for (j = 0; j < n; j++) colpart[j] = 0.0f;
     if (ws) {
@@ -456,9 +434,10 @@ AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C
         for (j = 0; j < n; j++) ws->wpart[j] = 0.0f;
     }
     for (i = i0; i + 4 <= i1; i += 4) {
-        stats_rows(g, gdt, cnt, 4, C, i, j0, n, rowpart + (i - i0), colpart, pm,
-                   cnt ? rowmatch + (i - i0) : NULL, &mn, &mp, pending ? &wg : NULL,
-                   i + 8 <= i1 ? pfmode : 0);
+        for (q = 0; q < 4; q++)
+            stats_rows(g, gdt, cnt, C, i + q, j0, n, rowpart + (i + q - i0), colpart, pm,
+                       cnt ? rowmatch + (i + q - i0) : NULL, &mn, &mp, pending ? &wg : NULL,
+                       q * wq, q == 3 ? n32 : (q + 1) * wq, q == 3);
         if (ws) {
             for (q = 0; q < 4; q++) {
                 wg.w[q] = am_wsum_weight(ws, i + q, rowpart[i + q - i0]);
@@ -470,8 +449,8 @@ AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C
     }
     if (pending) wsum_rows(g, gdt, C, 4, j0, n, &wg);
     for (; i < i1; i++) {
-        stats_rows(g, gdt, cnt, 1, C, i, j0, n, rowpart + (i - i0), colpart, pm,
-                   cnt ? rowmatch + (i - i0) : NULL, &mn, &mp, NULL, 0);
+        stats_rows(g, gdt, cnt, C, i, j0, n, rowpart + (i - i0), colpart, pm,
+                   cnt ? rowmatch + (i - i0) : NULL, &mn, &mp, NULL, 0, 0, 0);
         if (ws) {
             wg.w[0] = am_wsum_weight(ws, i, rowpart[i - i0]);
             wg.wv[0] = _mm512_set1_ps(wg.w[0]);
@@ -692,6 +671,14 @@ AM_INLINE void apply_long4(float *p, const void *g, const int gdt, int64_t r, in
     }
 }
 
+/* Float32 rows up to this long are applied one at a time, not by
+ * apply_long4: their column factors stay in L1 (16 KiB) beside the two
+ * streams, while four rows interleaved are eight short streams (Zen 5,
+ * twentieth session, runs alternated in one session: the finish of
+ * 4096x4096 float32 at 1 thread 4.6 -> 3.9 ms, 11008x4096 12.8 -> 10.9 ms;
+ * 4096x11008 stays with apply_long4, 10.4 against 11.3 ms one at a time). */
+#define AM_ONE_ROW_APPLY_MAX 4096
+
 /* ref_apply_rows for a 16-bit parameter, rows of C >= 16 elements, with the
  * clip multiplication (scaled) and the decay (wd) fixed: the loop holds no test
  * of them and keeps its constants in registers. */
@@ -726,7 +713,7 @@ AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
         return;
     }
     r = r0;
-    if (lrs && pdt == AM_DTYPE_FLOAT32 && C >= AM_LONG_ROW_MIN && (r1 - 1) / R == r0 / R)
+    if (lrs && pdt == AM_DTYPE_FLOAT32 && C > AM_ONE_ROW_APPLY_MAX && (r1 - 1) / R == r0 / R)
         for (; r + 4 <= r1; r += 4) /* long float32 rows, four at a time */
             apply_long4((float *)p, g, gdt, r, r0, C, rf, cfb, inv, lrs, k, seed, param_id,
                         step, pol_row, scaled, wd, w);

@@ -1111,18 +1111,23 @@ static void test_updates(void **unused) {
     extra[nextra++] = mk(3, 2, 20, 16, 0);
     extra[nextra++] = mk(3, 2, 17, 32, 0);
     for (x = 0; x < nextra; x++) check_shape(&extra[x], x & 1 ? 0.1 : 0.0, &failures);
-    {   /* long float32 rows in blocks of 4 lr-rows (update.c, long_row_blocks;
-         * the AVX-512 apply's apply_long4): tails of 16 and of single
-         * columns and a last block of 3 rows, then whole vectors only; with
-         * and without software prefetch (an AVX-512 CPU runs the float32
-         * apply in AVX-512 only without it: avx512x_apply_rows) */
+    {   /* long float32 rows in blocks of 4 lr-rows (update.c, long_row_blocks):
+         * tails of 16 and of single columns and a last block of 3 rows, then
+         * whole vectors only; rows of up to 4096 (a, b) the AVX-512 apply
+         * takes one at a time, longer ones (c) four at a time (apply_long4,
+         * AM_ONE_ROW_APPLY_MAX); with and without software prefetch (an
+         * AVX-512 CPU runs the float32 apply in AVX-512 only without it:
+         * avx512x_apply_rows) */
         const int pf0 = am_sw_prefetch();
         int pf;
         for (pf = 0; pf <= 1; pf++) {
             am_shape a = mk(2, 67, 3100, 0, 0), b = mk(2, 64, 4096, 0, 0);
+            am_shape c = mk(2, 67, 4113, 0, 0), d = mk(2, 64, 4160, 0, 0);
             am_set_sw_prefetch(pf);
             check_shape(&a, pf ? 0.0 : 0.1, &failures);
             check_shape(&b, pf ? 0.1 : 0.0, &failures);
+            check_shape(&c, pf ? 0.0 : 0.1, &failures);
+            check_shape(&d, pf ? 0.1 : 0.0, &failures);
         }
         am_set_sw_prefetch(pf0);
     }
