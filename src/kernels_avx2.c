@@ -334,7 +334,13 @@ AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C
                 AM_STATS4(j + 8, 1);
                 AM_STATS4(j + 16, 2);
                 AM_STATS4(j + 24, 3);
-                if (pf) { /* the next group's rows (see stats_rows, kernels_avx512.c) */
+                if (pf) { /* the next group's rows: twice the streams in flight,
+                           * which one core needed to read memory at full
+                           * speed on earlier machines; into L2 only where
+                           * am_sw_prefetch is off (Zen 4, twelfth session:
+                           * into L1 no faster than none, into L2 faster;
+                           * docs/PERFORMANCE.md). The AVX-512 stats read
+                           * one row at a time instead (stats_rows there). */
                     const char *nx = (const char *)g + (size_t)(b3 + C + j) * es;
                     for (q = 0; q < 4; q++) {
                         if (l2pf) {

@@ -26,7 +26,9 @@
 #define AM_INLINE static inline __attribute__((always_inline))
 #define AM_NOINLINE __attribute__((noinline))
 #define AM_PREFETCH 512 /* elements ahead, as in kernels_avx2.c */
-/* stats_rows' prefetch distance (measured 4096-32768 alike, 1024 slower) */
+/* stats_rows' prefetch distance (Zen 5, 4096x4096 float32 stats at 1
+ * thread: 1 KiB 3.87 ms, 4 KiB 2.66, 8 KiB 2.28-2.31, 16 and 32 KiB
+ * 2.29-2.32) */
 #define AM_STATS_PREFETCH_BYTES 8192
 
 /* Word w < 16 taken from word 2w + 1: the high halves of 16 32-bit lanes. */
@@ -332,12 +334,15 @@ AM_INLINE uint32_t pos_mask16(const void *g, const int gdt, int64_t idx, __m512i
  * When pend is not NULL, the W sums of that group of 4 rows are added over
  * the steps at tile columns [wa, wb) (and the columns past the last whole
  * step when wtail), so that memory never idles during them. The gradient
- * is prefetched AM_STATS_PREFETCH_BYTES ahead (the next row follows: one
- * stream). One row at a time with that prefetch replaced four rows
- * interleaved with the next four prefetched (Zen 5, twentieth session,
- * runs alternated in one session: the stats of 4096x4096 float32 at 1
- * thread 2.95-3.0 -> 2.28 ms, 11008x4096 8.06 -> 6.27 ms, bfloat16
- * 4096x4096 1.80 -> 1.54 ms; 2 threads 1.64 -> 1.51 ms; docs/
+ * is prefetched AM_STATS_PREFETCH_BYTES ahead, past the row's end into the
+ * tile's next row (where tiles are whole rows, as for every matrix up to
+ * AM_COL_BLOCK columns, that is the next bytes: one stream). One row at a
+ * time with that prefetch replaced four rows interleaved with the next four
+ * prefetched (Zen 5, twentieth session, runs alternated in one session:
+ * the stats of 4096x4096 float32 at 1 thread 2.95-3.0 -> 2.28 ms,
+ * 11008x4096 8.06 -> 6.27 ms, bfloat16 4096x4096 1.80 -> 1.52-1.54 ms; 2
+ * threads 1.64 -> 1.50-1.51 ms; tiles narrower than their matrix,
+ * 1024x28672 float32 4.37 -> 3.91 ms, bfloat16 2.52 -> 2.53; docs/
  * PERFORMANCE.md). */
 AM_INLINE void stats_rows(const void *g, const int gdt, const int cnt, int64_t C, int64_t i,
                           int64_t j0, int64_t n, float *rowpart, float *colpart,
@@ -347,15 +352,22 @@ AM_INLINE void stats_rows(const void *g, const int gdt, const int cnt, int64_t C
     const size_t es = gdt == AM_DTYPE_FLOAT32 ? 4 : 2;
     const uint8_t *bits = cnt ? pm->bits : NULL;
     const int64_t q0 = cnt ? am_polmap_bit(pm, i, j0) : 0;
-    const char *ahead = (const char *)g + (size_t)base * es + AM_STATS_PREFETCH_BYTES;
+    /* The prefetch: AM_STATS_PREFETCH_BYTES ahead in the row, then on in
+     * the next row of the tile (where the tile is narrower than the matrix,
+     * C - n elements further on). As integers: the addresses may lie past
+     * the gradient (a prefetch never faults). */
+    const uintptr_t g0 = (uintptr_t)g + (uintptr_t)base * es;
+    const uintptr_t rowb = (uintptr_t)n * es, gap = (uintptr_t)(C - n) * es;
     __m256 acc = _mm256_setzero_ps();
     int64_t mism = 0, j;
     float a[AM_LANES];
     for (j = 0; j < n32; j += 32) {
         __m512 lo, hi;
         __m512i raw;
-        _mm_prefetch(ahead + (size_t)j * es, _MM_HINT_T0); /* (never faults) */
-        if (es == 4) _mm_prefetch(ahead + (size_t)j * es + 64, _MM_HINT_T0);
+        uintptr_t off = (uintptr_t)j * es + AM_STATS_PREFETCH_BYTES;
+        if (off >= rowb) off += gap;
+        _mm_prefetch((const char *)(g0 + off), _MM_HINT_T0);
+        if (es == 4) _mm_prefetch((const char *)(g0 + off + 64), _MM_HINT_T0);
         ld32(g, gdt, base + j, &lo, &hi, &raw);
         if (cnt) {
             const uint32_t pos =
@@ -617,7 +629,7 @@ AM_INLINE void apply_rows4(void *p, const int pdt, const void *g, const int gdt,
 }
 
 /* apply_mode's lrs mode for four rows r..r+3 of a float32 parameter in one
- * matrix (C >= AM_LONG_ROW_MIN, internal.h): 64 columns of each row in
+ * matrix (C > AM_ONE_ROW_APPLY_MAX): 64 columns of each row in
  * turn, the four vectors of column factors loaded once for the four rows
  * (one row at a time re-read them from L2 for every row); each row's bits
  * start on a byte (am_lrs_row_bytes), 8 bytes per 64 columns, then its

@@ -284,11 +284,11 @@ int am_cpu_has_avx2(void);
  * session) they cost time, the same apply 9.0 -> 7.7 ms without them and
  * 5.9 ms in AVX-512, which runs float32 parameters' apply only when this
  * is 0 (other AMD families follow Zen 4 unmeasured). Where it is 0, the
- * AVX2 stats and the 16-bit apply of large matrices prefetch into L2
- * instead (AM_L2_PREFETCH_BYTES). The AVX-512 stats pass does not look at
- * it: it always prefetches 8 KiB ahead into L1 (kernels_avx512.c,
- * stats_rows). AUTOMAGIC_PREFETCH=0 or 1 overrides the default. Either
- * way, the same bits. */
+ * AVX2 stats prefetch the next group of rows into L2 instead, and the
+ * 16-bit apply of large matrices AM_L2_PREFETCH_BYTES ahead into L2. The
+ * AVX-512 stats pass does not look at it: it always prefetches 8 KiB
+ * ahead into L1 (kernels_avx512.c, stats_rows). AUTOMAGIC_PREFETCH=0 or 1
+ * overrides the default. Either way, the same bits. */
 int am_sw_prefetch(void);
 
 /* For tests and benchmarks: sets am_sw_prefetch() (not thread-safe with

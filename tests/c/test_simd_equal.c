@@ -77,7 +77,11 @@ static void *xmalloc(size_t n) {
 
 /* ------------------------------------------- 1. kernel slot by slot ---- */
 
-static const int64_t SIZES[] = {0, 1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 31, 32, 33, 63, 65, 127, 1023, 4097};
+/* 133, 160, 256: tiles of whole 32-column steps only (check_slots' n =
+ * C - 5 = 128; whole rows of 160 and 256 in test_updates), whose W sums the
+ * AVX-512 stats spread over the next group's rows in quarters */
+static const int64_t SIZES[] = {0, 1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 31, 32, 33, 63, 65, 127,
+                                133, 160, 256, 1023, 4097};
 #define NSIZES ((int)(sizeof SIZES / sizeof SIZES[0]))
 
 static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int gdt,
