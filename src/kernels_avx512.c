@@ -109,8 +109,11 @@ static AM_NOINLINE void f16_fixup(uint16_t *p, rng512 *w) {
         const int l = __builtin_ctzll(m);
         const int64_t e = w->span0 + l;
         const float v = w->fv[l];
-        const uint32_t rnd = am_f16_wide(v) ? wide_word(w, e)
-                                            : ((const uint16_t *)w->w)[e - 8 * w->q0];
+        uint16_t h; /* the window's 16-bit noise of e, by memcpy (its words
+                     * are uint32_t: no read through another type) */
+        uint32_t rnd;
+        memcpy(&h, (const unsigned char *)w->w + 2 * (e - 8 * w->q0), 2);
+        rnd = am_f16_wide(v) ? wide_word(w, e) : h;
         p[e] = am_sr_f16(v, rnd);
         m &= m - 1;
     }
