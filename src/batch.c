@@ -314,8 +314,5 @@ static am_status update_batch_impl(am_batch_item *items, int64_t n, void *worksp
 /* In the library's floating-point environment (fpenv.h). */
 am_status am_update_batch(am_batch_item *items, int64_t n, void *workspace,
                           size_t workspace_bytes) {
-    const am_fpenv fe = am_fpenv_enter();
-    const am_status s = update_batch_impl(items, n, workspace, workspace_bytes);
-    am_fpenv_leave(fe);
-    return s;
+    AM_FPENV_RETURN(update_batch_impl(items, n, workspace, workspace_bytes));
 }

@@ -702,8 +702,5 @@ static am_status load_memory_impl(am_optimizer *o, const void *image, size_t siz
 /* In IEEE defaults (fpenv.h): the value checks compare NaN moments, which
  * must load, and a caller with floating-point traps enabled got SIGFPE. */
 am_status am_optimizer_load_memory(am_optimizer *o, const void *image, size_t size) {
-    const am_fpenv fe = am_fpenv_enter();
-    const am_status s = load_memory_impl(o, image, size);
-    am_fpenv_leave(fe);
-    return s;
+    AM_FPENV_RETURN(load_memory_impl(o, image, size));
 }

@@ -148,8 +148,5 @@ am_consts am_consts_from(const am_hparams *hp) {
  * (feenableexcept) got SIGFPE from the comparisons of a NaN or the float
  * conversion of a huge lr instead of AM_ERR_INVALID_HPARAM. */
 am_status am_hparams_validate(const am_hparams *hp) {
-    const am_fpenv fe = am_fpenv_enter();
-    const am_status s = validate_impl(hp);
-    am_fpenv_leave(fe);
-    return s;
+    AM_FPENV_RETURN(validate_impl(hp));
 }

@@ -53,4 +53,14 @@ static inline am_fpenv am_fpenv_enter(void) { return 0; }
 static inline void am_fpenv_leave(am_fpenv old) { (void)old; }
 #endif
 
+/* The body of a public entry point: returns CALL (an am_status expression)
+ * evaluated in IEEE defaults, with the caller's environment put back. */
+#define AM_FPENV_RETURN(CALL)                                                  \
+    do {                                                                       \
+        const am_fpenv am_fe_ = am_fpenv_enter();                              \
+        const am_status am_s_ = (CALL);                                        \
+        am_fpenv_leave(am_fe_);                                                \
+        return am_s_;                                                          \
+    } while (0)
+
 #endif /* AM_FPENV_H */

@@ -45,8 +45,5 @@ static am_status state_init_impl(const am_shape *shape, am_state *state,
 
 /* In IEEE defaults (fpenv.h; see am_hparams_validate). */
 am_status am_state_init(const am_shape *shape, am_state *state, double initial_lr) {
-    const am_fpenv fe = am_fpenv_enter();
-    const am_status s = state_init_impl(shape, state, initial_lr);
-    am_fpenv_leave(fe);
-    return s;
+    AM_FPENV_RETURN(state_init_impl(shape, state, initial_lr));
 }

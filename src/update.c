@@ -936,49 +936,30 @@ static am_status update_impl(const am_tensor *param, const am_tensor *grad,
 
 /* The public entry points: the impls above in the library's floating-point
  * environment (fpenv.h), the caller's put back after. */
-typedef am_status (*phase_fn)(const am_tensor *, const am_tensor *, const am_state *,
-                              const am_hparams *, void *, size_t);
-
-static am_status pinned_phase(phase_fn fn, const am_tensor *param, const am_tensor *grad,
-                              const am_state *state, const am_hparams *hp, void *workspace,
-                              size_t workspace_bytes) {
-    const am_fpenv fe = am_fpenv_enter();
-    const am_status s = fn(param, grad, state, hp, workspace, workspace_bytes);
-    am_fpenv_leave(fe);
-    return s;
-}
-
 am_status am_update_stats(const am_tensor *param, const am_tensor *grad,
                           const am_state *state, const am_hparams *hp,
                           void *workspace, size_t workspace_bytes) {
-    return pinned_phase(update_stats_impl, param, grad, state, hp, workspace, workspace_bytes);
+    AM_FPENV_RETURN(update_stats_impl(param, grad, state, hp, workspace, workspace_bytes));
 }
 
 am_status am_update_moments(const am_tensor *param, const am_tensor *grad,
                             const am_state *state, const am_hparams *hp,
                             void *workspace, size_t workspace_bytes) {
-    return pinned_phase(update_moments_impl, param, grad, state, hp, workspace,
-                        workspace_bytes);
+    AM_FPENV_RETURN(update_moments_impl(param, grad, state, hp, workspace, workspace_bytes));
 }
 
 am_status am_update_finish(const am_tensor *param, const am_tensor *grad,
                            am_state *state, const am_hparams *hp,
                            am_rng_key key, void *workspace,
                            size_t workspace_bytes, am_report *report) {
-    const am_fpenv fe = am_fpenv_enter();
-    const am_status s = update_finish_impl(param, grad, state, hp, key, workspace,
-                                           workspace_bytes, report);
-    am_fpenv_leave(fe);
-    return s;
+    AM_FPENV_RETURN(update_finish_impl(param, grad, state, hp, key, workspace,
+                                       workspace_bytes, report));
 }
 
 am_status am_update(const am_tensor *param, const am_tensor *grad,
                     am_state *state, const am_hparams *hp, am_rng_key key,
                     void *workspace, size_t workspace_bytes,
                     am_report *report) {
-    const am_fpenv fe = am_fpenv_enter();
-    const am_status s = update_impl(param, grad, state, hp, key, workspace, workspace_bytes,
-                                    report);
-    am_fpenv_leave(fe);
-    return s;
+    AM_FPENV_RETURN(update_impl(param, grad, state, hp, key, workspace, workspace_bytes,
+                                report));
 }

@@ -257,11 +257,8 @@ am_status am_update_cuda(const am_tensor *param, const am_tensor *grad,
                          const am_hparams *hp, am_rng_key key, void *workspace,
                          size_t workspace_bytes, void *stream,
                          am_report *report) {
-    const am_fpenv fe = am_fpenv_enter();
-    const am_status st = update_cuda_impl(param, grad, state, step, hp, key, workspace,
-                                          workspace_bytes, stream, report);
-    am_fpenv_leave(fe);
-    return st;
+    AM_FPENV_RETURN(update_cuda_impl(param, grad, state, step, hp, key, workspace,
+                                     workspace_bytes, stream, report));
 }
 
 } /* extern "C" */
