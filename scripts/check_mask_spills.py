@@ -10,7 +10,7 @@ came back with 16 stale bits on top, and the agreement counts were wrong
 (docs/RELIABILITY.md, section 3). Our source converts each mask to an
 unsigned int, which zero-extends it; the compiler's spill lost that. The
 tests catch it only for the shapes they run, so this check reads the whole
-machine code instead: for every kmovw (or kmovb) store to a stack slot, the
+machine code instead: for every kmovw, kmovb or kmovd store to a stack slot, the
 next instruction on its fall-through path that touches the slot must either
 overwrite it or read it at most as wide as it was stored (or read it wider
 into a register whose next use drops the upper bits: a shift left that far,
@@ -30,7 +30,7 @@ import sys
 SLOT = re.compile(r"(-?0x[0-9a-f]+)?\((%rsp|%rbp)\)")
 INSN = re.compile(r"^\s*([0-9a-f]+):\s+(\S+)\s*(.*)$")
 FUNC = re.compile(r"^[0-9a-f]+ <(.+)>:$")
-NARROW_STORES = {"kmovw": 16, "kmovb": 8}
+NARROW_STORES = {"kmovd": 32, "kmovw": 16, "kmovb": 8}
 REG_WIDTH = [(re.compile(r"^%r(?:[a-d]x|[sd]i|[sb]p|[0-9]+)$"), 64),
              (re.compile(r"^%(?:e[a-d]x|e[sd]i|e[sb]p|r[0-9]+d)$"), 32),
              (re.compile(r"^%(?:[a-d]x|[sd]i|[sb]p|r[0-9]+w)$"), 16),
