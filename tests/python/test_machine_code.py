@@ -1,8 +1,9 @@
 """The library this front end loads (the wheel's, or AUTOMAGIC_LIBRARY's),
 checked by scripts/check_mask_spills.py for a known gcc AVX-512 fault: an
 opmask register spilled to the stack narrowly (kmovw: 16 bits) and read back
-wider with stale upper bytes (docs/RELIABILITY.md, section 3). CTest checks the library of the C build; the wheel is built by
-scikit-build-core in a build of its own."""
+wider with stale upper bytes (docs/RELIABILITY.md, section 3). CTest checks
+the library of the C build; the wheel is built by scikit-build-core in a
+build of its own."""
 import os
 import platform
 import shutil
