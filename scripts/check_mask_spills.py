@@ -133,8 +133,6 @@ def access_bytes(op, ops, k):
     regs = [GPR[o][1] for j, o in enumerate(ops) if j != k and o in GPR]
     if regs and op not in ("shl", "shr", "sar", "rol", "ror", "sal"):
         return max(regs)
-    if regs:  # a shift by %cl: the suffix says
-        pass
     if vec and op.startswith(("vmov", "mov", "vp", "v")):
         return max(vec)
     if op[-1:] in "bwlq" and re.match(r"^(cmp|test|add|sub|and|or|xor|inc|dec|neg|not|"
