@@ -328,6 +328,55 @@ AM_INLINE uint32_t pos_mask16(const void *g, const int gdt, int64_t idx, __m512i
     }
 }
 
+/* One 32-column step of stats_rows at tile column j (row element base +
+ * j), its gradient prefetched at pf. */
+AM_INLINE void stats_step32(const void *g, const int gdt, const int cnt, int64_t base,
+                            int64_t j, const char *pf, const uint8_t *bits, int64_t q,
+                            const int al, __m256 *acc, int64_t *mism, __m512i *mn,
+                            float *colpart) {
+    __m512 lo, hi;
+    __m512i raw;
+    _mm_prefetch(pf, _MM_HINT_T0);
+    if (gdt == AM_DTYPE_FLOAT32) _mm_prefetch(pf + 64, _MM_HINT_T0);
+    ld32(g, gdt, base + j, &lo, &hi, &raw);
+    if (cnt) {
+        const uint32_t pos =
+            gdt == AM_DTYPE_FLOAT32
+                ? pos_mask32(gdt, _mm512_castps_si512(lo), _mm512_castps_si512(hi), mn)
+                : pos_mask32(gdt, raw, raw, mn);
+        uint32_t old;
+        if (al) memcpy(&old, bits + (q >> 3), 4);
+        else old = am_bits32_at(bits, q);
+        *mism += __builtin_popcount(pos ^ old);
+    }
+    lo = _mm512_mul_ps(lo, lo);
+    hi = _mm512_mul_ps(hi, hi);
+    *acc = add16(add16(*acc, lo), hi);
+    _mm512_storeu_ps(colpart + j, _mm512_add_ps(_mm512_loadu_ps(colpart + j), lo));
+    _mm512_storeu_ps(colpart + j + 16, _mm512_add_ps(_mm512_loadu_ps(colpart + j + 16), hi));
+}
+
+/* Steps j..je-1 (multiples of 32) of stats_rows, the prefetch of step j at
+ * pfb + j * es; with wsum (a constant) the W sums of pend at each. */
+AM_INLINE void stats_span(const void *g, const int gdt, const int cnt, int64_t C, int64_t j0,
+                          int64_t base, int64_t j, int64_t je, uintptr_t pfb,
+                          const uint8_t *bits, int64_t q0, __m256 *acc, int64_t *mism,
+                          __m512i *mn, float *colpart, const int wsum, const int al,
+                          const wgroup *pend) {
+    const uintptr_t es = gdt == AM_DTYPE_FLOAT32 ? 4 : 2;
+    __m256 a = *acc;
+    __m512i m = *mn;
+    int64_t mm = 0;
+    for (; j < je; j += 32) {
+        stats_step32(g, gdt, cnt, base, j, (const char *)(pfb + (uintptr_t)j * es), bits,
+                     q0 + j, al, &a, &mm, &m, colpart);
+        if (wsum) wsum32(g, gdt, C, j0, j, 4, pend);
+    }
+    *acc = a;
+    *mn = m;
+    *mism += mm;
+}
+
 /* Row i of stats_body, 32 columns per step. With cnt, the agreement is
  * counted on the raw bits: a gradient element is > 0 exactly when 1 <= bits
  * <= bits of +inf, i.e. when the unsigned bits - 1 is below +inf's bits
@@ -364,27 +413,44 @@ AM_INLINE void stats_rows(const void *g, const int gdt, const int cnt, int64_t C
     __m256 acc = _mm256_setzero_ps();
     int64_t mism = 0, j;
     float a[AM_LANES];
-    for (j = 0; j < n32; j += 32) {
-        __m512 lo, hi;
-        __m512i raw;
-        uintptr_t off = (uintptr_t)j * es + AM_STATS_PREFETCH_BYTES;
-        if (off >= rowb) off += gap;
-        _mm_prefetch((const char *)(g0 + off), _MM_HINT_T0);
-        if (es == 4) _mm_prefetch((const char *)(g0 + off + 64), _MM_HINT_T0);
-        ld32(g, gdt, base + j, &lo, &hi, &raw);
-        if (cnt) {
-            const uint32_t pos =
-                gdt == AM_DTYPE_FLOAT32
-                    ? pos_mask32(gdt, _mm512_castps_si512(lo), _mm512_castps_si512(hi), mn)
-                    : pos_mask32(gdt, raw, raw, mn);
-            mism += __builtin_popcount(pos ^ am_bits32_at(bits, q0 + j));
+    if (gdt != AM_DTYPE_FLOAT32) {
+        /* 16-bit gradients: spans of steps with the same W-sum flag and
+         * prefetch offset (from jx on the prefetch is past the row's end,
+         * in the tile's next row), with aligned stored bits read whole */
+        const int64_t ahead = (int64_t)(AM_STATS_PREFETCH_BYTES / es);
+        int64_t jx = n - ahead > 0 ? (n - ahead + 31) & ~(int64_t)31 : 0;
+        if (jx > n32) jx = n32;
+        j = 0;
+        while (j < n32) {
+            int64_t e = n32;
+            const int w = pend && j >= wa && j < wb;
+            const uintptr_t pfb = g0 + AM_STATS_PREFETCH_BYTES + (j >= jx ? gap : 0);
+            if (j < jx && jx < e) e = jx;
+            if (pend && j < wa && wa < e) e = wa;
+            if (pend && j < wb && wb < e) e = wb;
+#define AM_SPAN(W, AL)                                                                    \
+    stats_span(g, gdt, cnt, C, j0, base, j, e, pfb, bits, q0, &acc, &mism, mn, colpart, W, \
+               AL, pend)
+            if (!cnt || (q0 & 7) == 0) {
+                if (w) AM_SPAN(1, 1);
+                else AM_SPAN(0, 1);
+            } else {
+                if (w) AM_SPAN(1, 0);
+                else AM_SPAN(0, 0);
+            }
+#undef AM_SPAN
+            j = e;
         }
-        lo = _mm512_mul_ps(lo, lo);
-        hi = _mm512_mul_ps(hi, hi);
-        acc = add16(add16(acc, lo), hi);
-        _mm512_storeu_ps(colpart + j, _mm512_add_ps(_mm512_loadu_ps(colpart + j), lo));
-        _mm512_storeu_ps(colpart + j + 16, _mm512_add_ps(_mm512_loadu_ps(colpart + j + 16), hi));
-        if (pend && j >= wa && j < wb) wsum32(g, gdt, C, j0, j, 4, pend);
+    } else {
+        /* float32: one loop (the spans above were slower from memory here:
+         * docs/PERFORMANCE.md, twenty-second session) */
+        for (j = 0; j < n32; j += 32) {
+            uintptr_t off = (uintptr_t)j * es + AM_STATS_PREFETCH_BYTES;
+            if (off >= rowb) off += gap;
+            stats_step32(g, gdt, cnt, base, j, (const char *)(g0 + off), bits, q0 + j, 0,
+                         &acc, &mism, mn, colpart);
+            if (pend && j >= wa && j < wb) wsum32(g, gdt, C, j0, j, 4, pend);
+        }
     }
     if (pend && wtail) wsum_tail(g, gdt, C, 4, j0, n32, n, pend);
     if (n - n32 >= 16) { /* 16 more columns (e.g. C = 16, LoRA's B matrices) */
