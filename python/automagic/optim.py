@@ -389,7 +389,16 @@ class Automagic3(torch.optim.Optimizer):
         defaults = dict(lr=lr, min_lr=min_lr, max_lr=max_lr, lr_bump_rate=lr_bump_rate,
                         beta2=beta2, eps=eps, clip_threshold=clip_threshold,
                         weight_decay=weight_decay)
-        super().__init__(params, defaults)
+        try:
+            super().__init__(params, defaults)
+        except BaseException:
+            # torch adds the groups one at a time, each registering its
+            # hooks: a group refused after others leaves no hook behind
+            # (the half-built optimizer, kept alive by a traceback, would
+            # update and consume those parameters' gradients)
+            _remove_hooks(self._hook_handles)
+            self._hooked = set()
+            raise
         if fused and torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size() > 1:
             warnings.warn("Automagic3: fused=True updates each parameter inside backward, "
@@ -528,40 +537,47 @@ class Automagic3(torch.optim.Optimizer):
         return index
 
     def _register_params(self, group: dict) -> None:
-        for p in group["params"]:
+        for pos, p in enumerate(group["params"]):
             index = len(self._param_index)
             self._param_index[p] = index
             if self.fused and p.requires_grad:
                 self._hooked.add(index)
                 self._hook_handles.append(
-                    p.register_post_accumulate_grad_hook(self._make_hook(group, index)))
+                    p.register_post_accumulate_grad_hook(self._make_hook(group, pos, index)))
 
-    def _make_hook(self, group, index):
+    def _make_hook(self, group, pos, index):
         # Neither the optimizer nor the group (which lists p) held strongly:
         # the garbage collector does not look into a tensor's hooks, so
         # p -> hook -> optimizer -> p was a cycle never collected (the
         # optimizer, its state and the model stayed alive after del, and an
         # optimizer created again for the same model found the old one's
-        # hooks still updating it). The group is found by identity: a
-        # load_state_dict refills the same dicts.
+        # hooks still updating it). The group is found by identity, and
+        # taken only if it still lists p at position pos (a load_state_dict
+        # refills the same dicts): a dict created after the group's was
+        # freed may have its id (CPython reuses addresses), and a parameter
+        # may have been moved to another group by hand.
         ref, gid = weakref.ref(self), id(group)
 
         def _hook(p: torch.Tensor) -> None:
-            nonlocal gid
+            nonlocal gid, pos
             opt = ref()
             if opt is None:
                 return
             for g in opt.param_groups:
                 if id(g) == gid:
-                    opt._on_grad_ready(p, g, index)
-                    return
-            # the group dict was replaced (param_groups[i] = dict(...)): the
-            # one that lists p now
+                    ps = g["params"]
+                    if pos < len(ps) and ps[pos] is p:
+                        opt._on_grad_ready(p, g, index)
+                        return
+                    break
+            # the group dict was replaced (param_groups[i] = dict(...)) or
+            # its list changed: the one that lists p now
             for g in opt.param_groups:
-                if any(q is p for q in g["params"]):
-                    gid = id(g)
-                    opt._on_grad_ready(p, g, index)
-                    return
+                for i, q in enumerate(g["params"]):
+                    if q is p:
+                        gid, pos = id(g), i
+                        opt._on_grad_ready(p, g, index)
+                        return
             opt._warn_once("nogroup", "a parameter of shape %s with a backward hook is in no "
                            "parameter group: not updated" % (tuple(p.shape),))
         return _hook

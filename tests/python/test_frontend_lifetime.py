@@ -88,3 +88,66 @@ def test_replaced_group_dict_keeps_fused_updates():
     assert all(opt.state[p]["step"] == 2 for p in m.parameters())
     assert all(not torch.equal(p.detach(), b) for p, b in zip(m.parameters(), before))
     assert all(p.grad is None for p in m.parameters())
+
+
+@pytest.mark.parametrize("bad", [{"beta2": 1.5}, {"params": "dtype"}])
+def test_refused_constructor_leaves_no_hooks(bad):
+    # torch's Optimizer.__init__ adds the groups one at a time and each
+    # registered its hooks at once: a group refused after another left the
+    # first group's hooks behind, and the half-built optimizer (alive while
+    # a traceback holds it, as interactive shells keep sys.last_traceback)
+    # updated those parameters and consumed their gradients.
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(600, 600))  # updated in its own hook
+    s = torch.nn.Parameter(torch.randn(8))         # queued (small)
+    second = torch.nn.Parameter(torch.randn(4, dtype=torch.float64)
+                                if bad.get("params") == "dtype" else torch.randn(4))
+    group = {"params": [second]}
+    group.update({k: v for k, v in bad.items() if k != "params"})
+    kept = None
+    try:
+        automagic.Automagic3([{"params": [w, s]}, group])
+    except (TypeError, ValueError) as e:
+        kept = e  # its traceback holds the half-built optimizer
+    assert kept is not None and kept.__traceback__ is not None
+    gc.collect()
+    assert _hooks(w) == 0 and _hooks(s) == 0
+    before = (w.detach().clone(), s.detach().clone())
+    (w.sum() + s.sum()).backward()
+    assert w.grad is not None and s.grad is not None  # nobody consumed them
+    assert torch.equal(w.detach(), before[0]) and torch.equal(s.detach(), before[1])
+    # the optimizer built next updates them alone
+    w.grad = s.grad = None
+    opt = automagic.Automagic3([w, s])
+    (w.sum() + s.sum()).backward()
+    assert opt.state[w]["step"] == 1 and opt.state[s]["step"] == 1
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_hook_uses_the_group_that_lists_its_parameter(small):
+    # A hook found its group by id() alone: a group dict created after the
+    # original was freed can reuse its id (replacing the dicts one after
+    # another did, in CPython), and a parameter moved to another group by
+    # hand kept the first group's dict; either way the update used the
+    # wrong group's hyperparameters (here a weight decay of 1000).
+    torch.manual_seed(0)
+    shape = (4, 3) if small else (600, 600)  # queued, or updated in its hook
+    a = torch.nn.Parameter(torch.randn(shape))
+    b = torch.nn.Parameter(torch.randn(5))
+    opt = automagic.Automagic3([dict(params=[a], weight_decay=1000.0), dict(params=[b])])
+    g0, g1 = opt.param_groups
+
+    def move(src, dst):  # by identity (list.remove compares tensors with ==)
+        src["params"].pop(next(i for i, q in enumerate(src["params"]) if q is a))
+        dst["params"].append(a)
+
+    move(g0, g1)  # a moves to the group without decay
+    a0 = a.detach().clone()
+    (a.sum() * 0 + b.sum()).backward()  # a's gradient is zero: only decay moves it
+    assert opt.state[a]["step"] == 1
+    assert torch.equal(a.detach(), a0)
+    # and back: the hook follows the parameter again
+    move(g1, g0)
+    (a.sum() * 0 + b.sum()).backward()
+    assert opt.state[a]["step"] == 2
+    assert not torch.equal(a.detach(), a0)
