@@ -5,6 +5,7 @@
  */
 #include "checkpoint_internal.h"
 
+#include <fenv.h>
 #include <locale.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -84,23 +85,61 @@ uint32_t am_ck_checksum(ck_items *it) {
 }
 
 /* Locale-independent "%.17g": the decimal point is always '.'. */
+/* Number text must not depend on the caller's locale nor on its rounding
+ * mode: printf and strtod follow both. The locale's decimal point may be
+ * several bytes (U+066B in ps_AF.UTF-8 and fa_IR: two), and glibc's strtod
+ * and printf round by the x87 control word, which the library's entry
+ * points do not reset (fpenv.h resets MXCSR only): a checkpoint loaded under
+ * fesetround(FE_DOWNWARD) got hyperparameters 1 ulp off (both found by a
+ * review, twenty-second session). So the whole floating-point environment
+ * is set to round-to-nearest around each conversion and put back after. */
+static const char *decimal_point(size_t *len) {
+    const char *dp = localeconv()->decimal_point;
+    if (!dp || !*dp) dp = ".";
+    *len = strlen(dp);
+    return dp;
+}
+
 void am_ck_fmt_double(char *buf, size_t cap, double v) {
-    char dp = localeconv()->decimal_point[0];
+    size_t dl;
+    const char *dp = decimal_point(&dl);
     char *q;
+    fenv_t env;
+    const int saved = fegetenv(&env) == 0;
+    if (saved) fesetround(FE_TONEAREST);
     snprintf(buf, cap, "%.17g", v);
-    if (dp != '.')
-        for (q = buf; *q; q++)
-            if (*q == dp) *q = '.';
+    if (saved) fesetenv(&env);
+    if (strcmp(dp, ".") != 0 && (q = strstr(buf, dp)) != NULL) {
+        *q = '.'; /* one decimal point at most: the rest moves up */
+        memmove(q + 1, q + dl, strlen(q + dl) + 1);
+    }
 }
 
 int am_ck_parse_double(const char *s, double *out) {
-    char buf[64], *end;
-    char dp = localeconv()->decimal_point[0];
-    size_t n = strlen(s), i;
-    if (n == 0 || n >= sizeof buf) return 0;
-    for (i = 0; i <= n; i++) buf[i] = s[i] == '.' ? dp : s[i];
+    char buf[96], *end;
+    size_t dl;
+    const char *dp = decimal_point(&dl);
+    size_t n = strlen(s), i, k = 0;
+    fenv_t env;
+    int saved;
+    if (n == 0 || n >= 64) return 0;
+    for (i = 0; i < n; i++) {
+        if (s[i] == '.') {
+            if (k + dl >= sizeof buf) return 0;
+            memcpy(buf + k, dp, dl);
+            k += dl;
+        } else {
+            /* the locale's own decimal point is not ours: refused */
+            if (strcmp(dp, ".") != 0 && (unsigned char)s[i] == (unsigned char)dp[0]) return 0;
+            buf[k++] = s[i];
+        }
+    }
+    buf[k] = '\0';
     if (buf[0] == ' ' || buf[0] == '\t' || buf[0] == '\n') return 0;
+    saved = fegetenv(&env) == 0;
+    if (saved) fesetround(FE_TONEAREST);
     *out = strtod(buf, &end);
+    if (saved) fesetenv(&env);
     return *end == '\0';
 }
 
