@@ -148,15 +148,21 @@ AM_API am_status am_set_log_callback(am_log_fn fn, void *user);
 
 /* --------------------------------------------------------- hyperparams --- */
 
-/* SPEC 1. Values are double; the kernels compute in float32. */
+/* SPEC 1. Values are double; the kernels compute in float32, and "finite"
+ * below means finite in float32 (at most 3.4028235e38). An update whose
+ * applied value overflows float32 (lr * (u + weight_decay * p) beyond
+ * 3.4e38: a max_lr or weight_decay near that limit, or parameters near it)
+ * writes +-inf into those elements and returns AM_OK, as the reference
+ * does: it is not detected (AM_SKIPPED_NONFINITE_UPDATE covers the sums,
+ * see there). */
 typedef struct am_hparams {
-    double lr;             /* initial lr of every row; 0 < lr */
+    double lr;             /* initial lr of every row; 0 < lr, finite */
     double min_lr;         /* 0 <= min_lr <= max_lr */
     double max_lr;         /* >= 0, finite */
     double lr_bump_rate;   /* >= 0, finite */
     double beta2;          /* 0 <= beta2 < 1 */
     double eps;            /* >= 0, finite */
-    double clip_threshold; /* > 0 (+inf disables the clip) */
+    double clip_threshold; /* > 0 (+inf, or beyond float32's range, disables the clip) */
     double weight_decay;   /* >= 0, finite */
 } am_hparams;
 
@@ -543,7 +549,8 @@ AM_API am_status am_optimizer_get_hparams(const am_optimizer *opt,
  * safe (different temporary files). */
 
 /* Saves opt to path atomically: the image is written to a new temporary
- * file "<path>.tmp.<pid>.<n>" in the same directory, flushed to the disk
+ * file "<path>.tmp.<pid>.<n>" in the same directory (where the file name is
+ * too long for that suffix: "<dir>/.automagic.tmp.<pid>.<n>"), flushed to the disk
  * (fsync), renamed over path, and the directory is fsynced. A process killed
  * meanwhile leaves path as it was (old checkpoint, or absent), possibly with
  * a stale temporary file beside it. The new file's mode is 0666 minus the

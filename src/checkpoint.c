@@ -569,9 +569,10 @@ static am_status load_values(const am_optimizer *o, ck_load *L) {
             if (t[f].elem == 4) {
                 /* lrs are clamped to [min_lr >= 0, max_lr] and moments are
                  * averages of squares: never negative. NaN and +inf are
-                 * accepted: extreme but valid hyperparameters (max_lr or
-                 * lr_bump_rate beyond float range) can produce them, and a
-                 * state the optimizer holds must always load again. */
+                 * accepted: hyperparameters beyond float32's range (max_lr,
+                 * lr_bump_rate; accepted until the twenty-second session)
+                 * could produce them, and a state the optimizer held must
+                 * always load again. */
                 const float *x = (const float *)(L->tmp + t[f].at);
                 for (i = 0; i < t[f].count; i++)
                     if (x[i] < 0)

@@ -3,8 +3,9 @@
  * whole-file load. The format itself is in checkpoint.c.
  *
  * Save never leaves a partial file under the final name: the image goes to
- * "<path>.tmp.<pid>.<n>" in the same directory (so rename cannot cross file
- * systems), is flushed to the disk (fsync), then renamed over path, and the
+ * "<path>.tmp.<pid>.<n>" (or, for a file name too long for that suffix,
+ * "<dir>/.automagic.tmp.<pid>.<n>") in the same directory (so rename cannot
+ * cross file systems), is flushed to the disk (fsync), then renamed over path, and the
  * directory is fsynced so the rename itself survives a power cut. A process
  * killed at any point leaves either the old checkpoint or the new one under
  * path (plus, at worst, a stale .tmp file).
@@ -93,10 +94,20 @@ am_status am_optimizer_save(const am_optimizer *o, const char *path) {
         free(tmp);
         return st;
     }
-    /* O_EXCL: never write into a file another saver is writing. */
+    /* O_EXCL: never write into a file another saver is writing. A file name
+     * near the system's limit (NAME_MAX, 255 bytes on Linux) leaves no room
+     * for the suffix: then a short name in the same directory,
+     * "<dir>/.automagic.tmp.<pid>.<n>" (found by a review, twenty-second
+     * session: such a path could not be saved to). */
     for (k = 0; k < 1000 && fd < 0; k++) {
         snprintf(tmp, plen + 48, "%s.tmp.%ld.%d", path, (long)getpid(), k);
         fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL, 0666);
+        if (fd < 0 && errno == ENAMETOOLONG) {
+            const char *slash = strrchr(path, '/');
+            const int dl = slash ? (int)(slash - path + 1) : 0;
+            snprintf(tmp, plen + 48, "%.*s.automagic.tmp.%ld.%d", dl, path, (long)getpid(), k);
+            fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL, 0666);
+        }
         if (fd < 0 && errno != EEXIST) break;
     }
     if (fd < 0) {

@@ -106,26 +106,34 @@ am_hparams am_hparams_default(void) {
 static am_status validate_impl(const am_hparams *hp) {
     AM_RETURN_IF(!hp, AM_ERR_NULL_POINTER, "hparams is NULL");
     /* Written so that NaN fails every test. */
-    AM_HP_CHECK(hp->lr > 0 && isfinite(hp->lr), "lr", hp->lr, "> 0 and finite");
+    /* Finite means finite in float32, the kernels' precision: a value
+     * that rounds to infinity there made the update write inf/NaN into the
+     * parameter (weight_decay) or its lrs (lr_bump_rate, max_lr) while
+     * returning AM_OK (found by a review, twenty-second session). */
+    AM_HP_CHECK(hp->lr > 0 && isfinite((float)hp->lr), "lr", hp->lr,
+                "> 0 and finite in float32 (at most 3.4028235e38)");
     /* the state holds lrs in float32: one that rounds to 0 there would be
      * refused by every am_state_init, i.e. every parameter added */
     AM_HP_CHECK((float)hp->lr > 0, "lr", hp->lr,
                 "at least float32's smallest positive value, 1.4e-45 (it rounds to 0)");
-    AM_HP_CHECK(hp->max_lr >= 0 && isfinite(hp->max_lr), "max_lr", hp->max_lr,
-                ">= 0 and finite");
+    AM_HP_CHECK(hp->max_lr >= 0 && isfinite((float)hp->max_lr), "max_lr", hp->max_lr,
+                ">= 0 and finite in float32 (at most 3.4028235e38)");
     AM_HP_CHECK(hp->min_lr >= 0 && hp->min_lr <= hp->max_lr, "min_lr",
                 hp->min_lr, ">= 0 and <= max_lr");
-    AM_HP_CHECK(hp->lr_bump_rate >= 0 && isfinite(hp->lr_bump_rate),
-                "lr_bump_rate", hp->lr_bump_rate, ">= 0 and finite");
+    AM_HP_CHECK(hp->lr_bump_rate >= 0 && isfinite((float)hp->lr_bump_rate),
+                "lr_bump_rate", hp->lr_bump_rate,
+                ">= 0 and finite in float32 (at most 3.4028235e38)");
     AM_HP_CHECK(hp->beta2 >= 0 && hp->beta2 < 1, "beta2", hp->beta2,
                 "in [0, 1)");
-    AM_HP_CHECK(hp->eps >= 0 && isfinite(hp->eps), "eps", hp->eps,
-                ">= 0 and finite");
-    /* +inf is allowed: it disables clipping. */
+    AM_HP_CHECK(hp->eps >= 0 && isfinite((float)hp->eps), "eps", hp->eps,
+                ">= 0 and finite in float32 (at most 3.4028235e38)");
+    /* +inf is allowed: it disables clipping (so does any value beyond
+     * float32's range, which rounds to +inf). */
     AM_HP_CHECK(hp->clip_threshold > 0, "clip_threshold", hp->clip_threshold,
                 "> 0");
-    AM_HP_CHECK(hp->weight_decay >= 0 && isfinite(hp->weight_decay),
-                "weight_decay", hp->weight_decay, ">= 0 and finite");
+    AM_HP_CHECK(hp->weight_decay >= 0 && isfinite((float)hp->weight_decay),
+                "weight_decay", hp->weight_decay,
+                ">= 0 and finite in float32 (at most 3.4028235e38)");
     return AM_OK;
 }
 

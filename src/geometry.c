@@ -15,25 +15,29 @@ static size_t take(size_t *cursor, int64_t n, size_t sz) {
 }
 
 am_status am_geom_init(const am_shape *shape, am_geom *g) {
+    return am_geom_init_as(shape, g, "shape");
+}
+
+am_status am_geom_init_as(const am_shape *shape, am_geom *g, const char *what) {
     int64_t n = 1, bound = 1;
     int32_t d;
     size_t cur = sizeof(am_ws_header);
-    AM_RETURN_IF(!shape, AM_ERR_NULL_POINTER, "shape is NULL");
+    AM_RETURN_IF(!shape, AM_ERR_NULL_POINTER, "%s is NULL", what);
     AM_RETURN_IF(shape->ndim < 0 || shape->ndim > AM_MAX_DIMS,
-                 AM_ERR_INVALID_SHAPE, "shape: ndim = %d, must be in [0, %d]",
+                 AM_ERR_INVALID_SHAPE, "%s: ndim = %d, must be in [0, %d]", what,
                  (int)shape->ndim, AM_MAX_DIMS);
     for (d = 0; d < shape->ndim; d++) {
         int64_t s = shape->dims[d];
         AM_RETURN_IF(s < 0, AM_ERR_INVALID_SHAPE,
-                     "shape: dims[%d] = %lld is negative", (int)d, (long long)s);
+                     "%s: dims[%d] = %lld is negative", what, (int)d, (long long)s);
         /* Every derived count (B, R, C, B*R, lr-rows, tiles) is at most the
          * product of the nonzero dims, and the workspace needs under 64
          * bytes per unit of it: bounding that product by 2^56 keeps every
          * size representable, also for zero-element shapes such as
          * [0, 2^62] whose other dims would otherwise overflow. */
         AM_RETURN_IF(s > 0 && bound > AM_MAX_SHAPE_PRODUCT / s, AM_ERR_INVALID_SHAPE,
-                     "shape: too large at dims[%d] (the product of the nonzero "
-                     "dims must be at most 2^56)", (int)d);
+                     "%s: too large at dims[%d] (the product of the nonzero "
+                     "dims must be at most 2^56)", what, (int)d);
         if (s > 0) bound *= s;
         n *= s;
     }

@@ -79,8 +79,11 @@ typedef struct am_geom {
     size_t off_wpart, off_wnr;
 } am_geom;
 
-/* Fills g from shape; AM_ERR_NULL_POINTER / AM_ERR_INVALID_SHAPE. */
+/* Fills g from shape; AM_ERR_NULL_POINTER / AM_ERR_INVALID_SHAPE, the
+ * message naming the shape "shape" (am_geom_init) or what (e.g. "param
+ * shape": am_update takes two shapes). */
 am_status am_geom_init(const am_shape *shape, am_geom *g);
+am_status am_geom_init_as(const am_shape *shape, am_geom *g, const char *what);
 
 /* The header at the start of the workspace. */
 typedef struct am_ws_header {

@@ -88,7 +88,7 @@ static am_status validate(upd *u, const am_tensor *param, const am_tensor *grad,
     int32_t d;
     AM_RETURN_IF(!param, AM_ERR_NULL_POINTER, "param is NULL");
     AM_RETURN_IF(!grad, AM_ERR_NULL_POINTER, "grad is NULL");
-    AM_CHECK(am_geom_init(&param->shape, &u->g));
+    AM_CHECK(am_geom_init_as(&param->shape, &u->g, "param shape"));
     AM_RETURN_IF(am_dtype_size(param->dtype) == 0, AM_ERR_INVALID_DTYPE,
                  "param dtype %d is not float32, bfloat16 or float16",
                  (int)param->dtype);

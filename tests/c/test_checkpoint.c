@@ -552,6 +552,19 @@ static void test_file_errors(void **unused) {
     assert_int_equal(am_optimizer_save(a.opt, path), AM_OK);
     assert_int_equal(am_optimizer_load(a.opt, path), AM_OK);
     unlink(path);
+    { /* a file name of 250 bytes (the limit is 255): no room for the
+       * ".tmp.<pid>.<n>" suffix, so a short temporary name in the same
+       * directory (it failed with "File name too long") */
+        char name[251], longp[512];
+        memset(name, 'c', 250);
+        name[250] = '\0';
+        snprintf(longp, sizeof longp, "%s/%s", g_dir, name);
+        assert_int_equal(am_optimizer_save(a.opt, longp), AM_OK);
+        assert_int_equal(am_optimizer_save(a.opt, longp), AM_OK); /* over it */
+        assert_int_equal(am_optimizer_load(a.opt, longp), AM_OK);
+        assert_int_equal(count_tmp_files(), 0);
+        unlink(longp);
+    }
     am_optimizer_destroy(a.opt);
 }
 

@@ -14,15 +14,16 @@ T_ERROR_LOG_FIXTURE()
 /* ------------------------------------------------------ hparams -------- */
 
 static void test_hparams(void **unused) {
-    static const struct { size_t off; const char *name; double bad[6]; int nbad; } cs[] = {
-        {offsetof(am_hparams, lr), "lr", {0.0, -1e-6, NAN, INFINITY, -INFINITY, 1e-50}, 6},
-        {offsetof(am_hparams, min_lr), "min_lr", {-1e-9, NAN, 0.5, INFINITY, 0, 0}, 4},
-        {offsetof(am_hparams, max_lr), "max_lr", {NAN, INFINITY, 1e-9, -1.0, 0, 0}, 4},
-        {offsetof(am_hparams, lr_bump_rate), "lr_bump_rate", {-0.1, NAN, INFINITY, 0, 0, 0}, 3},
-        {offsetof(am_hparams, beta2), "beta2", {-0.1, 1.0, 1.5, NAN, INFINITY, 0}, 5},
-        {offsetof(am_hparams, eps), "eps", {-1e-30, NAN, INFINITY, 0, 0, 0}, 3},
-        {offsetof(am_hparams, clip_threshold), "clip_threshold", {0.0, -1.0, NAN, -INFINITY, 0, 0}, 4},
-        {offsetof(am_hparams, weight_decay), "weight_decay", {-0.1, NAN, INFINITY, 0, 0, 0}, 3},
+    static const struct { size_t off; const char *name; double bad[7]; int nbad; } cs[] = {
+        {offsetof(am_hparams, lr), "lr", {0.0, -1e-6, NAN, INFINITY, -INFINITY, 1e-50, 1e39}, 7},
+        {offsetof(am_hparams, min_lr), "min_lr", {-1e-9, NAN, 0.5, INFINITY, 0, 0, 0}, 4},
+        {offsetof(am_hparams, max_lr), "max_lr", {NAN, INFINITY, 1e-9, -1.0, 1e39, 0, 0}, 5},
+        /* beyond float32's range (the kernels' precision): rounds to inf */
+        {offsetof(am_hparams, lr_bump_rate), "lr_bump_rate", {-0.1, NAN, INFINITY, 1e39, 0, 0, 0}, 4},
+        {offsetof(am_hparams, beta2), "beta2", {-0.1, 1.0, 1.5, NAN, INFINITY, 0, 0}, 5},
+        {offsetof(am_hparams, eps), "eps", {-1e-30, NAN, INFINITY, 1e39, 0, 0, 0}, 4},
+        {offsetof(am_hparams, clip_threshold), "clip_threshold", {0.0, -1.0, NAN, -INFINITY, 0, 0, 0}, 4},
+        {offsetof(am_hparams, weight_decay), "weight_decay", {-0.1, NAN, INFINITY, 1e39, 0, 0, 0}, 4},
     };
     size_t c;
     int b;
@@ -44,6 +45,11 @@ static void test_hparams(void **unused) {
     assert_int_equal(am_hparams_validate(&ok), AM_OK);
     ok.lr = 1.5e-45; /* float32's smallest subnormal, 1.4e-45, after rounding */
     assert_int_equal(am_hparams_validate(&ok), AM_OK);
+    /* float32's largest finite value is valid for every "finite" field */
+    ok.max_lr = ok.lr_bump_rate = ok.eps = ok.weight_decay = 3.4028234e38;
+    assert_int_equal(am_hparams_validate(&ok), AM_OK);
+    ok.clip_threshold = 1e39; /* rounds to +inf: disables the clip, as +inf */
+    assert_int_equal(am_hparams_validate(&ok), AM_OK);
     for (c = 0; c < sizeof cs / sizeof cs[0]; c++)
         for (b = 0; b < cs[c].nbad; b++) {
             am_hparams bad = hp;
@@ -54,6 +60,45 @@ static void test_hparams(void **unused) {
                 fail_msg("%s = %g: message '%s' does not name it", cs[c].name, cs[c].bad[b],
                          g_log.msg);
         }
+}
+
+/* The largest valid lr_bump_rate (finite in float32): the lrs stay in
+ * [min_lr, max_lr] at every agreement (an agreement of exactly one half
+ * multiplies the rate by 0: with a rate beyond float32's range, accepted
+ * until the twenty-second session, that was 0 * inf = NaN), and the
+ * parameters finite. (A max_lr near float32's limit is valid too, but its
+ * updates overflow: the header says so at am_hparams.) */
+static void test_extreme_valid_hparams(void **unused) {
+    const int64_t d[2] = {4, 8};
+    am_shape sh = t_shape(2, d);
+    t_fix f;
+    float p[32], g[32];
+    am_tensor pt = t_tensor(p, AM_DTYPE_FLOAT32, &sh), gt = t_tensor(g, AM_DTYPE_FLOAT32, &sh);
+    am_hparams hp = am_hparams_default();
+    int i, step;
+    (void)unused;
+    hp.lr_bump_rate = 3.4028234e38;
+    t_fix_init(&f, &sh, 1e-3);
+    for (i = 0; i < 32; i++) p[i] = 0.1f * (float)(i % 7);
+    for (step = 0; step < 4; step++) {
+        /* row 0 agrees exactly half the time at step 1 (4 of its 8 signs
+         * flip), the others all or never */
+        for (i = 0; i < 32; i++) {
+            const int r = i / 8, j = i % 8;
+            const float sgn = r == 0 ? (step % 2 && j < 4 ? -1.0f : 1.0f)
+                                     : (r == 1 ? 1.0f : (step % 2 ? -1.0f : 1.0f));
+            g[i] = sgn * 0.01f * (float)(1 + j);
+        }
+        assert_int_equal(am_update(&pt, &gt, &f.st, &hp, (am_rng_key){1, 0}, f.ws, f.ws_bytes,
+                                   NULL),
+                         AM_OK);
+        for (i = 0; i < 4; i++)
+            if (!(f.st.lr[i] >= (float)hp.min_lr && f.st.lr[i] <= (float)hp.max_lr))
+                fail_msg("step %d: lr[%d] = %g", step, i, (double)f.st.lr[i]);
+        for (i = 0; i < 32; i++)
+            if (!isfinite(p[i])) fail_msg("step %d: p[%d] = %g", step, i, (double)p[i]);
+    }
+    t_fix_free(&f);
 }
 
 /* ------------------------------------------------------- shapes -------- */
@@ -237,6 +282,8 @@ static void update_invalid(const am_shape *sh) {
             bp.data = p; bp.dtype = AM_DTYPE_FLOAT32;
             bg = gt; bg.shape = bp.shape;
             EXPECT_ERR(call_phase(which, &bp, &bg, stp, &hp, f.ws, f.ws_bytes, &rep), AM_ERR_INVALID_SHAPE);
+            /* the message names the parameter's shape (two shapes are passed) */
+            if (!strstr(g_log.msg, "param shape")) fail_msg("message '%s'", g_log.msg);
         }
         bg = gt; bg.shape.ndim = sh->ndim + 1; bg.shape.dims[sh->ndim] = 1; /* same numel */
         EXPECT_ERR(call_phase(which, &pt, &bg, stp, &hp, f.ws, f.ws_bytes, &rep), AM_ERR_INVALID_SHAPE);
@@ -479,6 +526,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_status_dtype_version),
         cmocka_unit_test(test_hparams),
+        cmocka_unit_test(test_extreme_valid_hparams),
         cmocka_unit_test(test_state_get_sizes),
         cmocka_unit_test(test_state_init),
         cmocka_unit_test(test_update_invalid),
