@@ -10,6 +10,7 @@ import math
 import threading
 import warnings
 import weakref
+from collections import OrderedDict
 from typing import List, Optional
 
 import torch
@@ -423,6 +424,8 @@ class Automagic3(torch.optim.Optimizer):
     def _init_runtime(self) -> None:
         """Attributes that are rebuilt, not copied, by pickle and deepcopy."""
         self._hook_handles = []
+        self._hook_cdata = {}          # index -> p._cdata when its hook was registered
+        self._hook_ids = {}            # index -> its hook's handle id
         # the hooks hold no strong reference to the optimizer (_make_hook):
         # when it is collected, its hooks are removed from the parameters
         weakref.finalize(self, _remove_hooks, self._hook_handles)
@@ -542,8 +545,43 @@ class Automagic3(torch.optim.Optimizer):
             self._param_index[p] = index
             if self.fused and p.requires_grad:
                 self._hooked.add(index)
-                self._hook_handles.append(
-                    p.register_post_accumulate_grad_hook(self._make_hook(group, pos, index)))
+                handle = p.register_post_accumulate_grad_hook(self._make_hook(group, pos, index))
+                self._hook_handles.append(handle)
+                self._hook_ids[index] = handle.id
+                self._hook_cdata[index] = p._cdata
+
+    def _rehook_swapped(self, ps) -> set:
+        """Of ps (parameters with a gradient, fused mode), the ids of those
+        whose tensor was swapped since their hook was registered
+        (torch.utils.swap_tensors: model.to() or half() under
+        torch.__future__.set_swap_module_params_on_conversion(True),
+        load_state_dict(assign=True)). The swap keeps the Parameter object
+        and its dict of post-accumulate-grad hooks, but that dict is no
+        longer attached to the new tensor: no hook fires, so fused training
+        stopped silently (found by a review, twenty-second session). The
+        dict is attached again (torch attaches it when the attribute is
+        set), which revives the user's own hooks too; ours is registered
+        anew if it is not in it."""
+        out, index_of, hooked, cdata = set(), self._param_index, self._hooked, self._hook_cdata
+        for p in ps:
+            index = index_of.get(p)
+            if index is None or index not in hooked or cdata.get(index) == p._cdata:
+                continue
+            hooks = p._post_accumulate_grad_hooks
+            p._post_accumulate_grad_hooks = None
+            p._post_accumulate_grad_hooks = hooks if hooks is not None else OrderedDict()
+            if self._hook_ids.get(index) not in p._post_accumulate_grad_hooks:
+                group = next((g for g in self.param_groups
+                              if any(q is p for q in g["params"])), None)
+                if group is None:
+                    continue
+                pos = next(i for i, q in enumerate(group["params"]) if q is p)
+                handle = p.register_post_accumulate_grad_hook(self._make_hook(group, pos, index))
+                self._hook_handles.append(handle)
+                self._hook_ids[index] = handle.id
+            cdata[index] = p._cdata
+            out.add(id(p))
+        return out
 
     def _make_hook(self, group, pos, index):
         # Neither the optimizer nor the group (which lists p) held strongly:
@@ -1079,11 +1117,14 @@ class Automagic3(torch.optim.Optimizer):
         # it was. Loops per group, not per parameter with its group: this
         # runs for every parameter at every step.
         self._adopt_listed()
-        todo, index_of = [], self._param_index
+        todo, index_of, swapped = [], self._param_index, set()
         for group in self.param_groups:
             ps = [p for p in group["params"] if p.grad is not None]
             if self.fused:
-                ps = [p for p in ps if index_of.get(p) not in self._hooked]
+                hooked = [p for p in ps if index_of.get(p) in self._hooked]
+                if hooked:
+                    swapped |= self._rehook_swapped(hooked)
+                ps = [p for p in ps if index_of.get(p) not in self._hooked or id(p) in swapped]
             if ps:
                 todo.append((group, ps))
         check, cpu_only = self._check, True
@@ -1100,12 +1141,19 @@ class Automagic3(torch.optim.Optimizer):
             for p in ps:
                 if not check(p, p.grad):
                     cpu_only = False
-        if todo and self.fused:
+        if swapped:
+            self._warn_once("swapped", "a parameter's tensor was swapped (torch.utils."
+                            "swap_tensors: model.to()/half() under torch.__future__."
+                            "set_swap_module_params_on_conversion(True), or load_state_dict("
+                            "assign=True)) and its backward hook stopped firing; step() "
+                            "updated it and its hook is registered again (warned once)")
+        unhooked = [p for _, ps in todo for p in ps if id(p) not in swapped]
+        if unhooked and self.fused:
             self._warn_once("nohook", "a parameter of shape %s has a gradient but "
                             "no backward hook (it did not require grad when it "
                             "was added, or it was put into param_groups by hand, not "
                             "with add_param_group); step() updates it"
-                            % (tuple(todo[0][1][0].shape),))
+                            % (tuple(unhooked[0].shape),))
         if not cpu_only and torch.cuda.is_current_stream_capturing():
             _cuda.refuse_capture(self, AutomagicError)  # before anything is queued
         _lib.lib.am_set_num_threads(torch.get_num_threads())
@@ -1130,6 +1178,15 @@ class Automagic3(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.fused:
             self._steps.close()
+            if self._micro == 0 and self._rehook_swapped(
+                    [p for g in self.param_groups for p in g["params"] if p.grad is not None]):
+                self._warn_once("swapped_zero", "a parameter's tensor was swapped (torch.utils."
+                                "swap_tensors: model.to()/half() under torch.__future__."
+                                "set_swap_module_params_on_conversion(True), or "
+                                "load_state_dict(assign=True)) and its backward hook stopped "
+                                "firing: zero_grad() drops the gradient it was not updated "
+                                "with; its hook is registered again, so the next backward "
+                                "updates it (warned once)")
             if self._micro != 0 and any(
                     p.grad is not None for g in self.param_groups for p in g["params"]):
                 self._warn_once("zero_grad", "zero_grad() in the middle of an "

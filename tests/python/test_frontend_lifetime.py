@@ -151,3 +151,57 @@ def test_hook_uses_the_group_that_lists_its_parameter(small):
     (a.sum() * 0 + b.sum()).backward()
     assert opt.state[a]["step"] == 2
     assert not torch.equal(a.detach(), a0)
+
+
+@pytest.fixture
+def swap_on_conversion():
+    # torch.utils.swap_tensors for Module.to()/half(): the Parameter object
+    # stays, its tensor is swapped (and its post-accumulate-grad hooks stop
+    # firing, though the Python dict still lists them)
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    yield
+    torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+def test_swapped_parameters_found_by_step(swap_on_conversion):
+    # after the swap, fused mode stopped updating silently: the hooks no
+    # longer fired and step() skipped the parameters it had hooked
+    m = torch.nn.Linear(4, 3)
+    opt = automagic.Automagic3(m.parameters(), lr=1e-3)
+    m(torch.randn(2, 4)).sum().backward()
+    assert all(opt.state[p]["step"] == 1 for p in m.parameters())
+    w = m.weight
+    m.to(torch.bfloat16)
+    assert m.weight is w and w.dtype == torch.bfloat16
+    m(torch.randn(2, 4, dtype=torch.bfloat16)).sum().backward()
+    assert w.grad is not None  # no hook fired
+    before = w.detach().clone()
+    with pytest.warns(UserWarning, match="swapped"):
+        opt.step()
+    assert all(opt.state[p]["step"] == 2 for p in m.parameters())
+    assert w.grad is None and not torch.equal(w.detach(), before)
+    # hooked again: the next backward updates in fused mode, no step() call
+    m(torch.randn(2, 4, dtype=torch.bfloat16)).sum().backward()
+    assert all(opt.state[p]["step"] == 3 for p in m.parameters())
+    assert all(p.grad is None for p in m.parameters())
+
+
+def test_swapped_parameters_found_by_zero_grad(swap_on_conversion):
+    # load_state_dict(assign=True) swaps too under that flag; a fused-mode
+    # loop that calls zero_grad() but not step() is warned, and trains on
+    m = torch.nn.Linear(4, 3)
+    opt = automagic.Automagic3(m.parameters(), lr=1e-3)
+    m(torch.randn(2, 4)).sum().backward()
+    sd = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    w = m.weight
+    m.load_state_dict(sd, assign=True)
+    assert m.weight is w
+    m(torch.randn(2, 4)).sum().backward()
+    assert m.weight.grad is not None
+    with pytest.warns(UserWarning, match="zero_grad\\(\\) drops"):
+        opt.zero_grad()
+    assert all(opt.state[p]["step"] == 1 for p in m.parameters())
+    m(torch.randn(2, 4)).sum().backward()
+    assert all(opt.state[p]["step"] == 2 for p in m.parameters())
+    assert all(p.grad is None for p in m.parameters())
