@@ -2,14 +2,18 @@
 # (CTest alone can check one or the other, not both).
 #   cmake -DEXE=... -DARGS="a;b" -DEXPECT_RC=2 -DEXPECT_OUT=regex
 #         [-DEXPECT_FILE=path] [-DFORBID_OUT=regex] [-DPRE_MKDIR=dir]
-#         [-DSTDOUT_FILE=path] -P check_cli.cmake
+#         [-DSTDOUT_FILE=path] [-DKEEP_FILE=path] -P check_cli.cmake
 # FORBID_OUT: the output must not match it; PRE_MKDIR: a directory made
-# before the run; STDOUT_FILE: standard output goes there (e.g. /dev/full).
+# before the run; STDOUT_FILE: standard output goes there (e.g. /dev/full);
+# KEEP_FILE: a file written before the run that must be unchanged after it.
 if(DEFINED EXPECT_FILE)
   file(REMOVE "${EXPECT_FILE}")
 endif()
 if(DEFINED PRE_MKDIR)
   file(MAKE_DIRECTORY "${PRE_MKDIR}")
+endif()
+if(DEFINED KEEP_FILE)
+  file(WRITE "${KEEP_FILE}" "previous contents\n")
 endif()
 if(DEFINED STDOUT_FILE)
   execute_process(COMMAND ${EXE} ${ARGS} OUTPUT_FILE "${STDOUT_FILE}"
@@ -31,4 +35,10 @@ if(DEFINED FORBID_OUT AND "${out}${err}" MATCHES "${FORBID_OUT}")
 endif()
 if(DEFINED EXPECT_FILE AND NOT EXISTS "${EXPECT_FILE}")
   message(FATAL_ERROR "expected file ${EXPECT_FILE} was not written")
+endif()
+if(DEFINED KEEP_FILE)
+  file(READ "${KEEP_FILE}" kept)
+  if(NOT kept STREQUAL "previous contents\n")
+    message(FATAL_ERROR "${KEEP_FILE} was replaced")
+  endif()
 endif()

@@ -243,6 +243,11 @@ static int check_writable(const char *dir) {
 /* Writes curves.csv and summary.txt beside their final names, then renames
  * them over: a failed write (a full disk) leaves the previous files as they
  * were, no truncated one, and is reported once, naming the file. 0 or -1. */
+static int is_dir(const char *path) {
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
 static int write_results(const char *dir, const dm_run_spec *chosen, const dm_result *res,
                          int nrun, const dm_train_opts *o) {
     char csv[4200], sum[4200], csv_t[4300], sum_t[4300];
@@ -265,6 +270,12 @@ static int write_results(const char *dir, const dm_run_spec *chosen, const dm_re
         if (fclose(f) != 0 && e == 0) e = errno;
         if (e) failed = sum;
     }
+    /* a final name that is a directory makes its rename fail: found before
+     * either rename, so that curves.csv is not replaced when summary.txt
+     * cannot be (both are in one directory: other rename failures hit the
+     * first as well) */
+    if (!failed && is_dir(csv)) failed = csv, e = EISDIR;
+    if (!failed && is_dir(sum)) failed = sum, e = EISDIR;
     if (!failed && rename(csv_t, csv) != 0) failed = csv, e = errno;
     if (!failed && rename(sum_t, sum) != 0) failed = sum, e = errno;
     if (failed) {

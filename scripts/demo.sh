@@ -5,7 +5,9 @@
 # Usage: scripts/demo.sh [amdemo options]      (scripts/demo.sh --help)
 # Writes out/demo/{curves.csv,summary.txt,demo.png} (or the --out directory).
 set -euo pipefail
+caller=$PWD # relative --data and --out name paths from here, where it was run
 cd "$(dirname "$0")/.."
+root=$PWD
 bash scripts/setup_env.sh
 . scripts/python_env.sh
 SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
@@ -35,7 +37,10 @@ cmake --build build/demo -j"$(nproc)" --target amdemo >/dev/null
 # old directory. Nothing written (--help): nothing to plot.
 told=$(mktemp)
 trap 'rm -f "$told"' EXIT
-AMDEMO_OUT_DIR_FILE="$told" ./build/demo/demo/amdemo --out out/demo "$@"
+# (run from the caller's directory: relative paths in the arguments are
+# theirs; the default output stays the repository's out/demo)
+(cd "$caller" && AMDEMO_OUT_DIR_FILE="$told" "$root/build/demo/demo/amdemo" \
+  --out "$root/out/demo" "$@")
 if [ -s "$told" ]; then
-  $PY demo/plot.py "$(cat "$told")"
+  (cd "$caller" && $PY "$root/demo/plot.py" "$(cat "$told")")
 fi
