@@ -315,9 +315,9 @@ AM_API am_status am_update_batch_workspace(const am_batch_item *items, int64_t n
  * the thread count, never on timing.
  *
  * Every item is checked before anything is updated: an argument error in
- * any item (what am_update would return), two items whose parameters or
- * states share memory, or one's gradient with the other's parameter or
- * state (AM_ERR_INVALID_ARGUMENT; in turn the second would read the
+ * any item (what am_update would return), two items whose parameters,
+ * states or reports share memory, or one's gradient with the other's
+ * parameter or state (AM_ERR_INVALID_ARGUMENT; in turn the second would read the
  * first's result, at the same time they would race), a workspace size over
  * SIZE_MAX / 2 (AM_ERR_INVALID_ARGUMENT), a workspace NULL
  * (AM_ERR_NULL_POINTER) or smaller than am_update_batch_workspace says for

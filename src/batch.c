@@ -99,7 +99,7 @@ static int conflict(const span *a, const span *b) {
  * furthest, and the furthest one of another item, so a span nested in one
  * of its own item's spans cannot hide another item's). */
 static am_status check_overlap(const am_batch_item *items, int64_t n) {
-    enum { PER_ITEM = 7 };
+    enum { PER_ITEM = 8 };
     span *sp;
     int64_t i;
     int k = 0, j;
@@ -112,6 +112,10 @@ static am_status check_overlap(const am_batch_item *items, int64_t n) {
     for (i = 0; i < n; i++) {
         const am_batch_item *it = &items[i];
         am_state_sizes sz;
+        /* reports are written by every item, zero-element ones too: two
+         * items writing one report raced on two threads (found by a
+         * review, twenty-second session) */
+        add_span(sp, &k, it->report, (int64_t)sizeof(am_report), i, 0);
         if (am_state_get_sizes(&it->param->shape, &sz) != AM_OK || sz.numel == 0) continue;
         add_span(sp, &k, it->param->data, sz.numel * (int64_t)am_dtype_size(it->param->dtype), i,
                  0);
@@ -144,7 +148,7 @@ static am_status check_overlap(const am_batch_item *items, int64_t n) {
                                      "am_update_batch: items %lld and %lld share memory (%s)",
                                      (long long)(a < b ? a : b), (long long)(a < b ? b : a),
                                      pg ? "one's gradient is the other's parameter or state"
-                                        : "a parameter or a state buffer");
+                                        : "a parameter, a state buffer or a report");
                     }
                 }
             g = x->grad;

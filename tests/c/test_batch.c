@@ -252,6 +252,14 @@ static void test_errors(void **unused) {
     assert_true(s->fix[2].sz.lr_count >= s->fix[9].sz.lr_count);
     expect_rejected(s, it, ws, bytes, AM_ERR_INVALID_ARGUMENT, -1, "items 2 and 9 share");
     items_of(s, it);
+    /* two items writing one report (they raced on two threads) */
+    {
+        am_report shared_rep;
+        it[3].report = &shared_rep;
+        it[7].report = &shared_rep;
+        expect_rejected(s, it, ws, bytes, AM_ERR_INVALID_ARGUMENT, -1, "items 3 and 7 share");
+    }
+    items_of(s, it);
     /* the same parameter twice */
     it[11].param = &s->pt[1];
     it[11].grad = &s->gt[1];
