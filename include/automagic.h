@@ -420,10 +420,13 @@ typedef void (*am_parallel_runner)(void (*work)(void *arg), void *arg,
 
 /* Sends the parallel work of every later update to runner (with ctx); NULL
  * returns to the library's own pool. Process-wide; waits for a parallel job
- * in progress to finish (so it must not be called from inside a runner's
- * work). A process that fork()s forgets the runner in the
+ * in progress to finish. A process that fork()s forgets the runner in the
  * child (the host's pool may not survive the fork) and uses the library's
- * pool there. Never fails: returns AM_OK. */
+ * pool there. Returns AM_OK; called from inside a runner (the runner
+ * function on the thread the library called it from, or work on any
+ * thread), where that wait would never end, it changes nothing and returns
+ * AM_ERR_INVALID_ARGUMENT (from the runner function on another thread of
+ * the host's it would wait forever: do not). */
 AM_API am_status am_set_parallel_runner(am_parallel_runner runner, void *ctx);
 
 /* A ready-made runner for a GNU OpenMP runtime (libgomp, as loaded by

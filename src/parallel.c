@@ -80,7 +80,18 @@ static void run_tasks(const job *j) {
     am_fpenv_leave(fe);
 }
 
-static void runner_work(void *arg) { run_tasks((const job *)arg); }
+/* Set on a thread while it runs a host runner's call or its work: there
+ * am_set_parallel_runner would wait for the job it is part of, forever
+ * (found by a review, twenty-second session: a runner that reset the runner
+ * before returning hung). */
+static _Thread_local int g_in_runner;
+
+static void runner_work(void *arg) {
+    const int was = g_in_runner;
+    g_in_runner = 1;
+    run_tasks((const job *)arg);
+    g_in_runner = was;
+}
 
 static int64_t mono_ns(void) {
     struct timespec ts;
@@ -192,8 +203,11 @@ static job make_job(int nthreads, int avail, int64_t ntasks, am_task_fn fn,
 
 /* Runs the job on the host's runner; called with g_busy held. */
 static void run_on_runner(job *j) {
+    const int was = g_in_runner;
     atomic_store(&g_next, 0);
+    g_in_runner = 1;
     g_runner(runner_work, j, (unsigned)j->nwant, g_runner_ctx);
+    g_in_runner = was;
     run_tasks(j); /* whatever the runner's threads left */
 }
 
@@ -235,6 +249,9 @@ int am_pool_run(int nthreads, int64_t ntasks, am_task_fn fn, void *ctx) {
 }
 
 am_status am_set_parallel_runner(am_parallel_runner runner, void *ctx) {
+    AM_RETURN_IF(g_in_runner, AM_ERR_INVALID_ARGUMENT,
+                 "am_set_parallel_runner: called from inside a runner or its work, which "
+                 "would wait for the job it is part of; call it between updates");
     pthread_once(&g_atfork_once, register_atfork);
     pthread_mutex_lock(&g_busy);
     g_runner = runner;

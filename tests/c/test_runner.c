@@ -133,8 +133,59 @@ static void test_runner_forgotten_after_fork(void **unused) {
     assert_true(g_child_calls > 0);
 }
 
+/* A runner that tries to change the runner from inside (its own call and
+ * its work): refused there (it hung: am_set_parallel_runner waited for the
+ * job it was part of), the update completes, the runner stays. */
+static int g_reset_status[2], g_reset_calls;
+
+typedef struct work_call {
+    void (*work)(void *);
+    void *arg;
+} work_call;
+
+static void resetting_work(void *p) {
+    const work_call *w = (const work_call *)p;
+    g_reset_status[1] = am_set_parallel_runner(NULL, NULL);
+    w->work(w->arg);
+}
+
+static void resetting_runner(void (*work)(void *), void *arg, unsigned nthreads, void *ctx) {
+    work_call w;
+    (void)nthreads;
+    (void)ctx;
+    g_reset_calls++;
+    g_reset_status[0] = am_set_parallel_runner(NULL, NULL);
+    w.work = work;
+    w.arg = arg;
+    resetting_work(&w);
+}
+
+static void test_runner_reset_from_inside_refused(void **unused) {
+    am_shape sh;
+    pool_run a, b;
+    (void)unused;
+    pool_shape(1, &sh);
+    pool_update(&sh, 1, &a); /* one thread: the reference bits */
+    assert_int_equal(am_set_parallel_runner(resetting_runner, NULL), AM_OK);
+    g_reset_calls = 0;
+    g_reset_status[0] = g_reset_status[1] = AM_OK;
+    pool_update(&sh, 3, &b);
+    assert_true(g_reset_calls > 0);
+    assert_int_equal(g_reset_status[0], AM_ERR_INVALID_ARGUMENT);
+    assert_int_equal(g_reset_status[1], AM_ERR_INVALID_ARGUMENT);
+    pool_assert_equal(&a, &b, sh.ndim);
+    g_reset_calls = 0;
+    pool_free(&b);
+    pool_update(&sh, 3, &b); /* still the runner */
+    assert_true(g_reset_calls > 0);
+    assert_int_equal(am_set_parallel_runner(NULL, NULL), AM_OK);
+    pool_free(&a);
+    pool_free(&b);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_runner_reset_from_inside_refused),
         cmocka_unit_test(test_runner_gomp_same_bits),
         cmocka_unit_test(test_runner_gomp_null_runtime),
         cmocka_unit_test(test_runner_forgotten_after_fork),
