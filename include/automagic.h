@@ -572,7 +572,7 @@ AM_API am_status am_optimizer_save(const am_optimizer *opt, const char *path);
 
 /* The checkpoint image (the same bytes am_optimizer_save writes) into buf.
  * *size receives the image's size. buf == NULL with capacity 0 queries the
- * size only. Errors: AM_ERR_NULL_POINTER (opt or size NULL, or buf NULL
+ * size only (no image is built and no state read). Errors: AM_ERR_NULL_POINTER (opt or size NULL, or buf NULL
  * with capacity > 0), AM_ERR_BUFFER_SIZE (capacity too small: buf and *size
  * untouched), AM_ERR_OUT_OF_MEMORY, AM_ERR_UNSUPPORTED (as for
  * am_optimizer_save). */

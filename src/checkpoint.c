@@ -239,8 +239,20 @@ static int add_tensor_json(cJSON *root, int32_t p, int f, const ck_tensor *t) {
     return ok;
 }
 
+static am_status serialize(const am_optimizer *o, unsigned char **out, size_t *out_len,
+                           const int size_only);
+
 am_status am_ck_serialize(const am_optimizer *o, unsigned char **out,
                           size_t *out_len) {
+    return serialize(o, out, out_len, 0);
+}
+
+/* The image, or with size_only its size alone (*out untouched): the header
+ * is built with a checksum of the same length, and no state buffer is
+ * read, so a size query neither copies the whole state nor races with an
+ * update (found by a review, twenty-second session). */
+static am_status serialize(const am_optimizer *o, unsigned char **out, size_t *out_len,
+                           const int size_only) {
     size_t data_len = 0, nmeta, i, k, hlen, pad, total;
     ck_tensor *t = plan_layout(o, &data_len);
     ck_meta *meta = (ck_meta *)calloc(CK_FIXED_META + 2 * (size_t)o->count, sizeof *meta);
@@ -251,13 +263,13 @@ am_status am_ck_serialize(const am_optimizer *o, unsigned char **out,
     int ok;
     memset(&items, 0, sizeof items);
     ok = t && meta;
-    if (ok) {
+    if (ok && !size_only) {
         data = (unsigned char *)malloc(data_len ? data_len : 1);
         ok = data != NULL;
     }
     if (ok) {
         nmeta = build_meta(o, meta);
-        for (i = 0; i < (size_t)o->count * F_COUNT; i++) {
+        for (i = 0; !size_only && i < (size_t)o->count * F_COUNT; i++) {
             if (!t[i].present) continue;
             am_ck_copy_le(data + t[i].begin,
                           field_src(&o->params[i / F_COUNT], (int)(i % F_COUNT)),
@@ -268,7 +280,7 @@ am_status am_ck_serialize(const am_optimizer *o, unsigned char **out,
         for (k = 0; k < nmeta; k++)
             am_ck_items_add(&items, NULL, 0, "m:%s=%s", meta[k].key, meta[k].val);
         snprintf(crc, sizeof crc, "crc32:%08lx",
-                 (unsigned long)am_ck_checksum(&items));
+                 size_only ? 0ul : (unsigned long)am_ck_checksum(&items));
         ok = !items.oom && (root = cJSON_CreateObject()) != NULL &&
              (mj = cJSON_AddObjectToObject(root, "__metadata__")) != NULL;
         for (k = 0; ok && k < nmeta; k++)
@@ -295,10 +307,14 @@ am_status am_ck_serialize(const am_optimizer *o, unsigned char **out,
                          (int)o->count);
         }
         total = 8 + hlen + pad + data_len;
-        img = (unsigned char *)malloc(total);
-        ok = img != NULL;
+        if (size_only) {
+            *out_len = total;
+        } else {
+            img = (unsigned char *)malloc(total);
+            ok = img != NULL;
+        }
     }
-    if (ok) {
+    if (ok && !size_only) {
         uint64_t h = (uint64_t)(hlen + pad);
         for (k = 0; k < 8; k++) img[k] = (unsigned char)(h >> (8 * k));
         memcpy(img + 8, json, hlen);
@@ -325,13 +341,18 @@ am_status am_optimizer_save_memory(const am_optimizer *o, void *buf,
     AM_RETURN_IF(!size, AM_ERR_NULL_POINTER, "am_optimizer_save_memory: size is NULL");
     AM_RETURN_IF(!buf && capacity > 0, AM_ERR_NULL_POINTER,
                  "am_optimizer_save_memory: buf is NULL with capacity %zu", capacity);
+    if (!buf) { /* the size only */
+        AM_CHECK(serialize(o, &img, &n, 1));
+        *size = n;
+        return AM_OK;
+    }
     AM_CHECK(am_ck_serialize(o, &img, &n));
-    if (buf && capacity < n) {
+    if (capacity < n) {
         free(img);
         AM_RETURN_IF(1, AM_ERR_BUFFER_SIZE,
                      "am_optimizer_save_memory: capacity %zu, need %zu", capacity, n);
     }
-    if (buf) memcpy(buf, img, n);
+    memcpy(buf, img, n);
     free(img);
     *size = n;
     return AM_OK;

@@ -576,6 +576,10 @@ static void test_save_memory_sizes(void **unused) {
     model_init(&a, 1);
     img = t_image(a.opt, &n);
     assert_true(n > 8);
+    /* the size query (which builds no image and reads no state) agrees */
+    assert_int_equal(am_optimizer_save_memory(a.opt, NULL, 0, &m), AM_OK);
+    assert_int_equal(m, n);
+    m = 12345;
     assert_int_equal((8 + img[0] + 256 * img[1]) % 8, 0); /* data 8-aligned */
     assert_int_equal(img[2] | img[3] | img[4] | img[5] | img[6] | img[7], 0);
     memset(small, 0xAB, sizeof small);
