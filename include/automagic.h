@@ -515,7 +515,9 @@ AM_API am_status am_optimizer_lr_mean(const am_optimizer *opt, int32_t id,
 AM_API int64_t am_optimizer_skipped_count(const am_optimizer *opt);
 
 /* Read-only access to parameter id's state (pointers owned by the optimizer,
- * valid until it is destroyed). Errors: AM_ERR_NULL_POINTER, AM_ERR_NOT_FOUND. */
+ * valid until it is destroyed) into *out, and its shape into *shape (shape
+ * may be NULL). Errors: AM_ERR_NULL_POINTER (opt or out NULL),
+ * AM_ERR_NOT_FOUND. */
 AM_API am_status am_optimizer_get_state(const am_optimizer *opt, int32_t id,
                                         am_state *out, am_shape *shape);
 
@@ -604,7 +606,8 @@ AM_API am_status am_optimizer_load_memory(am_optimizer *opt,
  *
  * Where: am_update_cuda and am_cuda_device_count work in libautomagic_cuda
  * (built when the CMake option AM_CUDA is ON; it also contains the whole CPU
- * API). In libautomagic they return AM_ERR_UNSUPPORTED.
+ * API). In libautomagic they return AM_ERR_UNSUPPORTED (but
+ * am_cuda_device_count(NULL) is AM_ERR_NULL_POINTER there too).
  * am_cuda_workspace_bytes is host arithmetic and works in both. */
 
 /* Bytes of device workspace one am_update_cuda() of a parameter of this

@@ -193,8 +193,12 @@ am_status am_cuda_device_count(int *count) {
         (void)cudaGetLastError();
         /* zero devices, but say why when a GPU may be there: the CUDA
          * runtime is linked statically, so a driver older than the toolkit
-         * this was built with cannot run it */
-        if (e == cudaErrorInsufficientDriver)
+         * this was built with cannot run it. The runtime gives the same
+         * error when no driver is installed at all, whose version reads 0:
+         * no warning then (it said "older" on a machine without a GPU) */
+        int driver = 0;
+        if (e == cudaErrorInsufficientDriver && cudaDriverGetVersion(&driver) == cudaSuccess &&
+            driver > 0)
             am_log(AM_LOG_WARNING,
                    "am_cuda_device_count: %s (the driver is older than the CUDA %d.%d "
                    "runtime this library was built with): no device usable",
