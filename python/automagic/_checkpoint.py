@@ -9,6 +9,8 @@ Two formats are accepted for one parameter's state:
 Either is turned into ours, on the parameter's device, without touching the
 optimizer: the caller commits only when every parameter converted.
 """
+import math
+
 import torch
 
 
@@ -136,6 +138,11 @@ def prepare_load(state_dict, groups, hparam_keys, polarity_bytes_of):
         raise CheckpointError("Automagic3: not an optimizer state_dict (needs 'state' "
                               "and 'param_groups')")
     saved_groups = state_dict["param_groups"]
+    if not isinstance(state_dict["state"], dict) or not isinstance(saved_groups, (list, tuple)) \
+            or not all(isinstance(sg, dict) and isinstance(sg.get("params"), (list, tuple))
+                       for sg in saved_groups):
+        raise CheckpointError("Automagic3: not an optimizer state_dict ('state' must be a "
+                              "dict, 'param_groups' a list of dicts with a 'params' list)")
     if len(saved_groups) != len(groups):
         raise CheckpointError("Automagic3: state_dict has %d parameter groups, the "
                               "optimizer %d" % (len(saved_groups), len(groups)))
@@ -157,9 +164,15 @@ def prepare_load(state_dict, groups, hparam_keys, polarity_bytes_of):
             # opt.state[p] before p's first update leaves {} to be saved;
             # p has no state (the reference loads it the same way)
             continue
-        new_state[p] = convert_state(saved, p, polarity_bytes_of(p),
-                                     "Automagic3: state of parameter %r (shape %s)"
-                                     % (pid, tuple(p.shape)))
+        where = "Automagic3: state of parameter %r (shape %s)" % (pid, tuple(p.shape))
+        try:
+            new_state[p] = convert_state(saved, p, polarity_bytes_of(p), where)
+        except CheckpointError:
+            raise
+        except (RuntimeError, TypeError, ValueError, AttributeError, NotImplementedError) as e:
+            # a tensor torch cannot convert (sparse, on the meta device, ...)
+            raise CheckpointError("%s: cannot be loaded: %s: %s"
+                                  % (where, type(e).__name__, e)) from None
     new_groups = []
     for sg, g in zip(saved_groups, groups):
         ng = dict(g)
@@ -167,6 +180,16 @@ def prepare_load(state_dict, groups, hparam_keys, polarity_bytes_of):
             if k != "params" and k not in hparam_keys and k != "lr":
                 ng[k] = v
         if "initial_lr" in sg:
-            ng["lr"] = sg["lr"]
+            # a scheduler's lr, restored: a number >= 0 (a NaN or negative one
+            # was restored and made every later update of a new row fail)
+            lr = sg["lr"]
+            v = (float(lr) if isinstance(lr, torch.Tensor) and lr.numel() == 1
+                 and lr.is_floating_point() else lr)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 \
+                    or not math.isfinite(v):
+                raise CheckpointError("Automagic3: group %d's saved lr %r (restored with its "
+                                      "initial_lr) must be a finite number >= 0"
+                                      % (len(new_groups), lr))
+            ng["lr"] = lr
         new_groups.append(ng)
     return new_state, new_groups

@@ -691,6 +691,10 @@ class Automagic3(torch.optim.Optimizer):
                     continue
                 try:
                     self._check(p, p.grad)
+                    # its C view too: one refused inside the batch call's
+                    # preparation stopped the others of the batch (found by
+                    # a review, twenty-second session)
+                    self._precheck_plan(p)
                     if id(group) not in hyper:
                         hyper[id(group)] = (self._lr_scale(group), self._hsig(group))
                 except AutomagicError as e:
@@ -765,19 +769,22 @@ class Automagic3(torch.optim.Optimizer):
         return lr
 
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
+        # built whole, then stored: a start lr refused (_start_lr raises) left
+        # {'step': 0} behind, and every later step() failed on its missing
+        # 'lr' (found by a review, twenty-second session)
         sizes = _state_sizes(p)
         f32 = dict(dtype=torch.float32, device=p.device)
-        state = self.state[p]
-        state["step"] = 0
         lr_shape = (p.shape[0],) if p.dim() >= 2 else p.shape
-        state["lr"] = torch.full(lr_shape, self._start_lr(group), **f32)
-        state["polarity"] = torch.zeros(sizes.polarity_bytes, dtype=torch.uint8,
-                                        device=p.device)
+        new = {"step": 0, "lr": torch.full(lr_shape, self._start_lr(group), **f32),
+               "polarity": torch.zeros(sizes.polarity_bytes, dtype=torch.uint8,
+                                       device=p.device)}
         if p.dim() >= 2:
-            state["exp_avg_sq_row"] = torch.zeros(p.shape[:-1], **f32)
-            state["exp_avg_sq_col"] = torch.zeros(p.shape[:-2] + p.shape[-1:], **f32)
+            new["exp_avg_sq_row"] = torch.zeros(p.shape[:-1], **f32)
+            new["exp_avg_sq_col"] = torch.zeros(p.shape[:-2] + p.shape[-1:], **f32)
         else:
-            state["exp_avg_sq"] = torch.zeros(p.shape, **f32)
+            new["exp_avg_sq"] = torch.zeros(p.shape, **f32)
+        state = self.state[p]
+        state.update(new)
         return state
 
     def _workspace(self, nbytes: int):
@@ -926,6 +933,22 @@ class Automagic3(torch.optim.Optimizer):
                 status = item[0].status
         self._finish_call(call, status)
 
+    def _precheck_plan(self, p: torch.Tensor) -> None:
+        """Raises AutomagicError when p's C view would be refused by
+        _prepare_calls (its state or p.data changed since it was built)."""
+        state = self.state.get(p) if p in self.state else None
+        if not state:
+            return  # created whole at its first update
+        index = self._param_index.get(p)
+        plan = self._plans.get(index) if index is not None else None
+        try:
+            sig = _plan_signature(p, state, self.seed)
+        except (KeyError, AttributeError, TypeError):
+            _check_plan_inputs(p, state)
+            raise
+        if plan is None or plan.sig != sig:
+            _check_plan_inputs(p, state)
+
     def _prepare_calls(self, jobs) -> list:
         """The C views of the updates of jobs [(p, group, scale, hsig)],
         pointed at their data: a call (p, plan, target, grad, hp, lr_before,
@@ -935,8 +958,23 @@ class Automagic3(torch.optim.Optimizer):
         seed), its hyperparameters when the group's values (hsig) changed.
         One loop with its names local, no call per parameter: this runs for
         every parameter at every step (2.4 -> 1.6 us a parameter)."""
-        state_of, plans, index_of, seed = self.state, self._plans, self._param_index, self.seed
         calls = []
+        try:
+            self._prepare_into(jobs, calls)
+        except BaseException:
+            # a later job refused (its state or p.data changed): the lrs of
+            # the earlier ones back from their schedule's scaling (they were
+            # left scaled, once more at every retry; found by a review,
+            # twenty-second session)
+            for call in calls:
+                if call[5] is not None:
+                    call[6]["lr"].copy_(call[5])
+            raise
+        return calls
+
+    def _prepare_into(self, jobs, calls) -> None:
+        """_prepare_calls' loop, appending to calls as it goes."""
+        state_of, plans, index_of, seed = self.state, self._plans, self._param_index, self.seed
         for p, group, scale, hsig in jobs:
             grad = p.grad
             state = state_of[p]
@@ -953,7 +991,14 @@ class Automagic3(torch.optim.Optimizer):
             if index is None:
                 index = self._index_of(p)
             plan = plans.get(index)
-            sig = _plan_signature(p, state, seed)
+            try:
+                sig = _plan_signature(p, state, seed)
+            except (KeyError, AttributeError, TypeError):
+                # a state key missing or not a tensor (p.data given another
+                # number of dims, a state entry replaced): the check says
+                # which, as AutomagicError (it was a bare KeyError)
+                _check_plan_inputs(p, state)
+                raise
             if plan is None or plan.sig != sig:
                 plan = plans[index] = _Plan(p, state, sig,
                                             _lib.RngKey(seed, index & 0xFFFFFFFF))
@@ -970,7 +1015,6 @@ class Automagic3(torch.optim.Optimizer):
             else:
                 hp, lr_before = _scaled_hparams(group, state, scale)
             calls.append((p, plan, target, grad, hp, lr_before, state, scale))
-        return calls
 
     @staticmethod
     def _finish_ok(call) -> None:
@@ -1141,6 +1185,16 @@ class Automagic3(torch.optim.Optimizer):
             for p in ps:
                 if not check(p, p.grad):
                     cpu_only = False
+        if not (self.batch_updates and self.nonfinite != "raise" and cpu_only):
+            # one update at a time below: each parameter's C view is checked
+            # first, so that a refused one leaves every other as it was (the
+            # earlier ones were updated before a later one was refused, under
+            # a message saying nothing was; found by a review, twenty-second
+            # session). One batch call prepares every view before it runs.
+            for _, ps in todo:
+                for p in ps:
+                    if not p.is_cuda:
+                        self._precheck_plan(p)
         if swapped:
             self._warn_once("swapped", "a parameter's tensor was swapped (torch.utils."
                             "swap_tensors: model.to()/half() under torch.__future__."
@@ -1277,6 +1331,27 @@ class Automagic3(torch.optim.Optimizer):
             state_dict, self.param_groups, _HPARAM_KEYS,
             lambda p: _state_sizes(p).polarity_bytes)
         extra = state_dict.get("automagic", {})
+        # the bookkeeping values converted before the commit: a bad one
+        # raised there, after the groups and the state had been replaced
+        # (found by a review, twenty-second session)
+        if not isinstance(extra, dict):
+            raise CheckpointError("Automagic3: the state_dict's 'automagic' entry must be a "
+                                  "dict, got %s" % type(extra).__name__)
+        try:
+            skips = int(extra.get("nonfinite_skips", 0))
+            skipped = {int(k): int(v) for k, v in extra.get("skipped_by_param", {}).items()}
+            micro = int(extra.get("micro_step", 0))
+            deferred = set(int(i) for i in extra.get("deferred", ()))
+        except (TypeError, ValueError, AttributeError) as e:
+            raise CheckpointError("Automagic3: the state_dict's 'automagic' entry holds an "
+                                  "invalid value (%s)" % e) from None
+        nparams = sum(len(g["params"]) for g in self.param_groups)
+        if (skips < 0 or micro < 0 or any(v < 0 for v in skipped.values())
+                or any(not 0 <= i < nparams for i in set(skipped) | deferred)):
+            raise CheckpointError("Automagic3: the state_dict's 'automagic' entry holds a "
+                                  "negative count or a parameter index out of range "
+                                  "(nonfinite_skips %r, micro_step %r, skipped_by_param %r, "
+                                  "deferred %r)" % (skips, micro, skipped, sorted(deferred)))
         seed = extra.get("seed", self.seed)
         if seed != self.seed:
             warnings.warn("Automagic3: the state_dict was saved with seed %r, this optimizer "
@@ -1292,10 +1367,10 @@ class Automagic3(torch.optim.Optimizer):
             self.state.clear()
             for p, st in new_state.items():
                 self.state[p] = st
-            self.nonfinite_skips = int(extra.get("nonfinite_skips", 0))
-            self._skipped = {int(k): int(v) for k, v in extra.get("skipped_by_param", {}).items()}
-            self._micro = int(extra.get("micro_step", 0)) % self.accumulation_steps
-            self._deferred = set(int(i) for i in extra.get("deferred", ()))
+            self.nonfinite_skips = skips
+            self._skipped = skipped
+            self._micro = micro % self.accumulation_steps
+            self._deferred = deferred
             self._updated = set()
             self._window_fired = set() if self._micro == 0 else None
 

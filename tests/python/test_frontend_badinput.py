@@ -346,3 +346,105 @@ def test_state_replaced_where_the_old_one_was_is_refused(fused):
         (p.float() ** 2).sum().backward()
         opt.step()
     assert torch.equal(p.detach(), before)
+
+
+def _two(fused=False, **kw):
+    """A module of two small linear maps, one step taken."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 3))
+    opt = automagic.Automagic3(m.parameters(), fused=fused, **kw)
+    m(torch.randn(6, 5)).square().mean().backward()
+    if not fused:
+        opt.step()
+    return m, opt
+
+
+@pytest.mark.parametrize("key, value", [("nonfinite_skips", None),
+                                        ("skipped_by_param", {"a": 1}),
+                                        ("micro_step", "x"), ("deferred", [None]),
+                                        ("deferred", [99]), ("nonfinite_skips", -1)])
+def test_load_bad_bookkeeping_changes_nothing(key, value):
+    # these were converted after the groups and the state had been replaced
+    from automagic._checkpoint import CheckpointError
+    m, opt = _two()
+    sd = copy.deepcopy(opt.state_dict())
+    m(torch.randn(6, 5)).square().mean().backward()
+    opt.step()
+    snap = snapshot(m, opt)
+    sd["automagic"][key] = value
+    with pytest.raises(CheckpointError, match="'automagic' entry"):
+        opt.load_state_dict(sd)
+    assert_unchanged(m, opt, snap)
+
+
+def test_load_refuses_a_nan_scheduler_lr():
+    # restored with its initial_lr, a NaN lr made every later new row fail
+    from automagic._checkpoint import CheckpointError
+    m, opt = _two()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["param_groups"][0]["initial_lr"] = 1e-6
+    sd["param_groups"][0]["lr"] = float("nan")
+    snap = snapshot(m, opt)
+    with pytest.raises(CheckpointError, match="saved lr nan"):
+        opt.load_state_dict(sd)
+    assert_unchanged(m, opt, snap)
+
+
+def test_refused_start_lr_leaves_no_half_state():
+    # the state got {'step': 0} before the start lr was refused, and every
+    # later step() failed on the missing 'lr'
+    p = torch.nn.Parameter(torch.randn(3, 4))
+    opt = automagic.Automagic3([p], fused=False)
+    opt.param_groups[0]["lr"] = -1.0
+    p.grad = torch.randn(3, 4)
+    with pytest.warns(UserWarning), pytest.raises(automagic.AutomagicError, match="lr"):
+        opt.step()
+    assert not opt.state.get(p)
+    opt.param_groups[0]["lr"] = 1e-6
+    opt.step()
+    assert opt.state[p]["step"] == 1
+
+
+@pytest.mark.parametrize("kw", [dict(lr_schedule="scale"), dict(nonfinite="raise"),
+                                dict(batch_updates=None)])
+def test_refused_second_parameter_changes_nothing(kw):
+    # the second parameter's state no longer fits p.data: under "scale" the
+    # first one's lrs were left scaled (once more per retry); one at a time
+    # (nonfinite="raise", batch_updates=False) the first was updated before
+    # the second was refused, though the message said nothing was
+    batch_off = kw.pop("batch_updates", 1) is None
+    m, opt = _two(**kw)
+    if batch_off:
+        opt.batch_updates = False
+    if "lr_schedule" in kw:
+        opt.param_groups[0]["lr"] = opt.param_groups[0]["lr"] * 0.5
+    w = m[1].weight
+    w.data = torch.randn(5, 4)  # its state is for (3, 4)
+    m[1].bias.data = torch.randn(5)
+    m(torch.randn(6, 5))  # (forward no longer matches: set the gradients by hand)
+    for p in m.parameters():
+        p.grad = torch.randn_like(p)
+    snap = snapshot(m, opt)
+    for _ in range(2):
+        with pytest.raises(automagic.AutomagicError, match="Nothing was updated"):
+            opt.step()
+        assert_unchanged(m, opt, snap)
+
+
+def test_fused_queue_updates_the_others_when_one_is_refused():
+    # a queued parameter refused in the batch's preparation stopped the
+    # others of its batch; now they are updated, then the error is raised
+    m, opt = _two(fused=True)
+    m(torch.randn(6, 5)).square().mean().backward()  # a step the callback closed
+    m[1].weight.data = torch.randn(5, 4)
+    before = [p.detach().clone() for p in m.parameters()]
+    x = torch.randn(6, 5)
+    h = torch.tanh(m[0](x))
+    loss = (h.sum(1, keepdim=True) * m[1].weight.sum() + m[1].bias.sum()).mean()
+    with pytest.raises(automagic.AutomagicError, match="Nothing was updated"):
+        loss.backward()
+    ps = list(m.parameters())
+    assert m[1].weight.grad is not None and torch.equal(m[1].weight.detach(), before[2])
+    for i in (0, 1, 3):
+        assert not torch.equal(ps[i].detach(), before[i]), i
+        assert ps[i].grad is None, i
