@@ -240,14 +240,14 @@ static int check_writable(const char *dir) {
     return 0;
 }
 
-/* Writes curves.csv and summary.txt beside their final names, then renames
- * them over: a failed write (a full disk) leaves the previous files as they
- * were, no truncated one, and is reported once, naming the file. 0 or -1. */
 static int is_dir(const char *path) {
     struct stat st;
     return stat(path, &st) == 0 && S_ISDIR(st.st_mode);
 }
 
+/* Writes curves.csv and summary.txt beside their final names, then renames
+ * them over: a failed write (a full disk) leaves the previous files as they
+ * were, no truncated one, and is reported once, naming the file. 0 or -1. */
 static int write_results(const char *dir, const dm_run_spec *chosen, const dm_result *res,
                          int nrun, const dm_train_opts *o) {
     char csv[4200], sum[4200], csv_t[4300], sum_t[4300];

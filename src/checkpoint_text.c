@@ -84,7 +84,6 @@ uint32_t am_ck_checksum(ck_items *it) {
     return (uint32_t)c;
 }
 
-/* Locale-independent "%.17g": the decimal point is always '.'. */
 /* Number text must not depend on the caller's locale nor on its rounding
  * mode: printf and strtod follow both. The locale's decimal point may be
  * several bytes (U+066B in ps_AF.UTF-8 and fa_IR: two), and glibc's strtod
@@ -100,6 +99,7 @@ static const char *decimal_point(size_t *len) {
     return dp;
 }
 
+/* Locale-independent "%.17g": the decimal point is always '.'. */
 void am_ck_fmt_double(char *buf, size_t cap, double v) {
     size_t dl;
     const char *dp = decimal_point(&dl);
@@ -131,6 +131,10 @@ int am_ck_parse_double(const char *s, double *out) {
         } else {
             /* the locale's own decimal point is not ours: refused */
             if (strcmp(dp, ".") != 0 && (unsigned char)s[i] == (unsigned char)dp[0]) return 0;
+            /* every byte checked: many '.' of a longer decimal point wrote
+             * past buf (a reviewer's ASan run, a crafted header under
+             * ps_AF.UTF-8) */
+            if (k + 1 >= sizeof buf) return 0;
             buf[k++] = s[i];
         }
     }

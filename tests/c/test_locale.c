@@ -23,6 +23,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* the parser of the header's numbers (src/checkpoint_text.c, internal) */
+int am_ck_parse_double(const char *s, double *out);
+
 typedef struct saved {
     unsigned char *img;
     size_t n;
@@ -143,6 +146,24 @@ static void test_locales(void **unused) {
             fail_msg("saved under %s: the image differs from the C locale's", name);
         check_load(a, &s, "its image loaded in the C locale");
         free(s.img);
+        { /* a header's number text of up to 63 bytes, each a '.': with a
+           * two-byte decimal point they filled past the parser's buffer
+           * (ASan saw it); refused, not parsed */
+            char dots[64];
+            double x = 0;
+            assert_non_null(setlocale(LC_NUMERIC, name));
+            memset(dots, '.', 47);
+            memcpy(dots + 47, "1234567890123456", 17);
+            assert_int_equal(am_ck_parse_double(dots, &x), 0);
+            memset(dots, '.', 63);
+            dots[63] = '\0';
+            assert_int_equal(am_ck_parse_double(dots, &x), 0);
+            assert_int_equal(am_ck_parse_double("0.25", &x), 1);
+            assert_true(x == 0.25);
+            assert_int_equal(am_ck_parse_double("1e-30", &x), 1);
+            assert_true(x == 1e-30);
+            assert_non_null(setlocale(LC_NUMERIC, "C"));
+        }
     }
     if (!tried) print_message("no locale of the list was available: nothing checked\n");
     free(ref.img);
