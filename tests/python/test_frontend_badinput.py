@@ -448,3 +448,36 @@ def test_fused_queue_updates_the_others_when_one_is_refused():
     for i in (0, 1, 3):
         assert not torch.equal(ps[i].detach(), before[i]), i
         assert ps[i].grad is None, i
+
+
+def test_own_state_dict_loads_after_a_parameter_left_its_group():
+    # indices are never renumbered: a skip counted for index 2 while only
+    # two parameters are listed is valid (the first bound refused it)
+    ps = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(3)]
+    opt = automagic.Automagic3(ps, fused=False)
+    for p in ps[1:]:
+        p.grad = torch.randn(4, 4)
+    ps[2].grad[0, 0] = float("nan")
+    with pytest.warns(RuntimeWarning):
+        opt.step()
+    opt.zero_grad()
+    del opt.param_groups[0]["params"][0]
+    opt.load_state_dict(opt.state_dict())
+    assert opt._skipped == {2: 1}
+
+
+def test_one_at_a_time_refused_start_lr_changes_nothing():
+    # a parameter without state refused at its start lr (a NaN group lr)
+    # after another had been updated, one at a time
+    a = torch.nn.Parameter(torch.randn(3, 4))
+    opt = automagic.Automagic3([a], fused=False, nonfinite="raise")
+    a.grad = torch.randn(3, 4)
+    opt.step()
+    b = torch.nn.Parameter(torch.randn(5))
+    opt.add_param_group({"params": [b], "lr": 1e-6})
+    opt.param_groups[1]["lr"] = float("nan")
+    a.grad, b.grad = torch.randn(3, 4), torch.randn(5)
+    a0 = a.detach().clone()
+    with pytest.warns(UserWarning), pytest.raises(automagic.AutomagicError, match="start"):
+        opt.step()
+    assert torch.equal(a.detach(), a0) and opt.state[a]["step"] == 1 and a.grad is not None
