@@ -1221,8 +1221,9 @@ class Automagic3(torch.optim.Optimizer):
                             "set_swap_module_params_on_conversion(True), or load_state_dict("
                             "assign=True)) and its backward hook stopped firing; step() "
                             "updated it and its hook is registered again (warned once)")
-        unhooked = [p for _, ps in todo for p in ps if id(p) not in swapped]
-        if unhooked and self.fused:
+        unhooked = ([p for _, ps in todo for p in ps if id(p) not in swapped]
+                    if self.fused and todo else None)
+        if unhooked:
             self._warn_once("nohook", "a parameter of shape %s has a gradient but "
                             "no backward hook (it did not require grad when it "
                             "was added, or it was put into param_groups by hand, not "
