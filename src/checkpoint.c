@@ -239,14 +239,6 @@ static int add_tensor_json(cJSON *root, int32_t p, int f, const ck_tensor *t) {
     return ok;
 }
 
-static am_status serialize(const am_optimizer *o, unsigned char **out, size_t *out_len,
-                           const int size_only);
-
-am_status am_ck_serialize(const am_optimizer *o, unsigned char **out,
-                          size_t *out_len) {
-    return serialize(o, out, out_len, 0);
-}
-
 /* The image, or with size_only its size alone (*out untouched): the header
  * is built with a checksum of the same length, and no state buffer is
  * read, so a size query neither copies the whole state nor races with an
@@ -277,7 +269,7 @@ static am_status serialize(const am_optimizer *o, unsigned char **out, size_t *o
             tensor_item(&items, (int32_t)(i / F_COUNT), (int)(i % F_COUNT), &t[i],
                         data + t[i].begin);
         }
-        for (k = 0; k < nmeta; k++)
+        for (k = 0; !size_only && k < nmeta; k++)
             am_ck_items_add(&items, NULL, 0, "m:%s=%s", meta[k].key, meta[k].val);
         snprintf(crc, sizeof crc, "crc32:%08lx",
                  size_only ? 0ul : (unsigned long)am_ck_checksum(&items));
@@ -331,6 +323,11 @@ static am_status serialize(const am_optimizer *o, unsigned char **out, size_t *o
     free(t);
     AM_RETURN_IF(!ok, AM_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
     return AM_OK;
+}
+
+am_status am_ck_serialize(const am_optimizer *o, unsigned char **out,
+                          size_t *out_len) {
+    return serialize(o, out, out_len, 0);
 }
 
 am_status am_optimizer_save_memory(const am_optimizer *o, void *buf,

@@ -138,12 +138,19 @@ def _plan_signature(p: torch.Tensor, state: dict, seed: int) -> tuple:
     or set_() move it without changing the tensor object), and the seed."""
     # written out, not a loop over the keys: this runs for every parameter
     # at every step (1.2 -> 0.7 us)
-    if p.dim() >= 2:
+    try:
+        if p.dim() >= 2:
+            return (p.data_ptr(), p.dtype, p.shape, seed, state["lr"].data_ptr(),
+                    state["polarity"].data_ptr(), state["exp_avg_sq_row"].data_ptr(),
+                    state["exp_avg_sq_col"].data_ptr())
         return (p.data_ptr(), p.dtype, p.shape, seed, state["lr"].data_ptr(),
-                state["polarity"].data_ptr(), state["exp_avg_sq_row"].data_ptr(),
-                state["exp_avg_sq_col"].data_ptr())
-    return (p.data_ptr(), p.dtype, p.shape, seed, state["lr"].data_ptr(),
-            state["polarity"].data_ptr(), state["exp_avg_sq"].data_ptr())
+                state["polarity"].data_ptr(), state["exp_avg_sq"].data_ptr())
+    except (KeyError, AttributeError, TypeError):
+        # a state key missing or not a tensor (p.data given another number
+        # of dims, a state entry replaced): the check says which, as
+        # AutomagicError (it was a bare KeyError)
+        _check_plan_inputs(p, state)
+        raise
 
 
 class _Plan:
@@ -961,12 +968,7 @@ class Automagic3(torch.optim.Optimizer):
             return
         index = self._param_index.get(p)
         plan = self._plans.get(index) if index is not None else None
-        try:
-            sig = _plan_signature(p, state, self.seed)
-        except (KeyError, AttributeError, TypeError):
-            _check_plan_inputs(p, state)
-            raise
-        if plan is None or plan.sig != sig:
+        if plan is None or plan.sig != _plan_signature(p, state, self.seed):
             _check_plan_inputs(p, state)
 
     def _prepare_calls(self, jobs) -> list:
@@ -1011,14 +1013,7 @@ class Automagic3(torch.optim.Optimizer):
             if index is None:
                 index = self._index_of(p)
             plan = plans.get(index)
-            try:
-                sig = _plan_signature(p, state, seed)
-            except (KeyError, AttributeError, TypeError):
-                # a state key missing or not a tensor (p.data given another
-                # number of dims, a state entry replaced): the check says
-                # which, as AutomagicError (it was a bare KeyError)
-                _check_plan_inputs(p, state)
-                raise
+            sig = _plan_signature(p, state, seed)
             if plan is None or plan.sig != sig:
                 plan = plans[index] = _Plan(p, state, sig,
                                             _lib.RngKey(seed, index & 0xFFFFFFFF))
