@@ -665,7 +665,7 @@ class Automagic3(torch.optim.Optimizer):
             # queue (BackwardSteps.can_queue)
             if (grad is not None and p.is_cpu and self.nonfinite != "raise"
                     and steps.can_queue(task)):
-                nbytes = grad.numel() * grad.element_size()
+                nbytes = grad.nbytes
                 if 0 < nbytes <= self._fused_batch_bytes // 4:
                     self._queue.append((p, group))
                     self._queue_bytes += nbytes
@@ -936,6 +936,15 @@ class Automagic3(torch.optim.Optimizer):
         after checking them all (the fixed cost per parameter is most of a
         small tensor's update)."""
         call = self._prepare_calls([(p, group, scale, hsig)])[0]
+        s0 = call[1].st.step  # (the state's step, set by _prepare_calls)
+        try:
+            self._apply_call(call)
+        except BaseException:
+            self._settle([call], [s0])
+            raise
+
+    def _apply_call(self, call) -> None:
+        """_apply's C call and finish for its prepared call."""
         plan, hp = call[1], call[4]
         # am_update_batch of one item: am_update, bit for bit (batch.c),
         # with four plain arguments instead of eight through ctypes (0.9 us
@@ -1037,11 +1046,17 @@ class Automagic3(torch.optim.Optimizer):
         back to their unscaled values, the step, the parameter from its copy;
         the caller bumps p's autograd version and drops p.grad."""
         p, plan, target, _, _, lr_before, state, scale = call
-        if lr_before is not None:
-            state["lr"].copy_(_unscaled_lrs(state["lr"], lr_before, scale))
-        state["step"] = plan.st.step
+        # In this order, so that an interrupt anywhere leaves either the
+        # step unrecorded and the stored lrs scaled (_settle then does all
+        # of it again: the parameter's copy is copied again, the same
+        # values) or everything done: Python checks for signals when a call
+        # returns, never between the step's store and the lrs' copy_.
+        lrs = _unscaled_lrs(state["lr"], lr_before, scale) if lr_before is not None else None
         if target is not p and scale != 0.0:
             p.copy_(target)
+        state["step"] = plan.st.step
+        if lrs is not None:
+            state["lr"].copy_(lrs)
 
     def _finish_call(self, call, status: int) -> None:
         """After the update of a call of _prepare_calls returned status."""
@@ -1095,6 +1110,41 @@ class Automagic3(torch.optim.Optimizer):
         while the same plans and hyperparameters come in the same order
         (rebuilding them cost about 2 us per parameter)."""
         calls = self._prepare_calls(jobs)
+        steps = [c[1].st.step for c in calls]  # (the states' steps, set by _prepare_calls)
+        try:
+            self._run_batch(jobs, calls, cache_key)
+        except BaseException:
+            self._settle(calls, steps)
+            raise
+
+    def _settle(self, calls, recorded) -> None:
+        """After an exception escaped an update of calls (of _prepare_calls)
+        whose states recorded steps `recorded` before it: KeyboardInterrupt
+        (raised when the C call returns, before the finish), MemoryError, or
+        an error the finish raised on purpose. C advances a plan's step
+        exactly when it applied the update: such an update not yet recorded
+        is recorded now (step, gradient dropped, lrs unscaled, the
+        parameter from its copy); the lrs of one not applied go back from
+        their schedule's scaling. Each call's finish did or does this once;
+        found by a review (twenty-third session): an interrupt there left
+        the parameter updated, its step not advanced and its gradient kept,
+        and a retry applied the gradient again with the same noise."""
+        applied = []
+        for call, s0 in zip(calls, recorded):
+            p, plan, _, _, _, lr_before, state, _ = call
+            if plan.st.step == s0 + 1:  # applied (by this call or a retry of it)
+                if int(state["step"]) == s0:
+                    self._finish_ok(call)  # (its step recorded last: see there)
+                p.grad = None
+                applied.append(p)
+            elif lr_before is not None and int(state["step"]) == s0:
+                state["lr"].copy_(lr_before)  # not applied: lrs back (again, maybe)
+        if applied:
+            # (a second bump of a finished one's version changes nothing)
+            torch.autograd.graph.increment_version(applied)
+
+    def _run_batch(self, jobs, calls, cache_key) -> None:
+        """_apply_batch's C call and finish for its prepared calls."""
         n = len(calls)
         threads = torch.get_num_threads()
         plans = [c[1] for c in calls]
@@ -1374,21 +1424,40 @@ class Automagic3(torch.optim.Optimizer):
                           "has seed %r (kept: constructor arguments win); stochastic "
                           "rounding will differ from the saved run" % (seed, self.seed),
                           UserWarning, stacklevel=2)
-        # ---- commit (nothing above changed the optimizer)
+        # ---- commit (nothing above changed the optimizer), undone whole if
+        # an exception cuts it short: a KeyboardInterrupt there left some
+        # parameters with the new state and the rest with none, silently
+        # started again at the next step (found by a review, twenty-third
+        # session). (The tensors' hash is Python code: Python may raise a
+        # pending signal at any key of these loops.)
+        old_groups = [dict(g) for g in self.param_groups]
+        old_state = dict(self.state)
+        old_book = (self.nonfinite_skips, self._skipped, self._micro, self._deferred,
+                    self._updated, self._window_fired)
         with self._steps.lock:
             self._steps.close()
-            for g, ng in zip(self.param_groups, new_groups):
-                g.clear()
-                g.update(ng)
-            self.state.clear()
-            for p, st in new_state.items():
-                self.state[p] = st
-            self.nonfinite_skips = skips
-            self._skipped = skipped
-            self._micro = micro % self.accumulation_steps
-            self._deferred = deferred
-            self._updated = set()
-            self._window_fired = set() if self._micro == 0 else None
+            try:
+                for g, ng in zip(self.param_groups, new_groups):
+                    g.clear()
+                    g.update(ng)
+                self.state.clear()
+                for p, st in new_state.items():
+                    self.state[p] = st
+                self.nonfinite_skips = skips
+                self._skipped = skipped
+                self._micro = micro % self.accumulation_steps
+                self._deferred = deferred
+                self._updated = set()
+                self._window_fired = set() if self._micro == 0 else None
+            except BaseException:
+                for g, og in zip(self.param_groups, old_groups):
+                    g.clear()
+                    g.update(og)
+                self.state.clear()
+                self.state.update(old_state)
+                (self.nonfinite_skips, self._skipped, self._micro, self._deferred,
+                 self._updated, self._window_fired) = old_book
+                raise
 
     # ---------------------------------------------- pickle and deepcopy
     def __getstate__(self) -> dict:

@@ -1,0 +1,225 @@
+"""An exception that escapes an update midway (KeyboardInterrupt from Ctrl-C,
+which Python raises when the C call returns, before the front end's
+bookkeeping; MemoryError in that bookkeeping): the update is either recorded
+whole (step advanced, gradient dropped, lrs unscaled) or not applied at all,
+and a retry does not apply the gradient twice. Each case is compared with a
+twin optimizer that was never interrupted."""
+import copy
+
+import pytest
+import torch
+
+import automagic
+from automagic import _lib, optim
+
+
+def _params(n=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(24, 40, generator=g) * 0.1) for _ in range(n)]
+
+
+def _grads(ps, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(p.shape, generator=g) * 1e-3 for p in ps]
+
+
+class _Interrupt:
+    """Raises KeyboardInterrupt after the n-th call of am_update_batch has
+    returned (the C update done: where Ctrl-C during it surfaces)."""
+
+    def __init__(self, monkeypatch, n=1):
+        self.real, self.left = _lib.lib.am_update_batch, n
+        monkeypatch.setattr(_lib.lib, "am_update_batch", self)
+
+    def __call__(self, *args):
+        status = self.real(*args)
+        self.left -= 1
+        if self.left == 0:
+            raise KeyboardInterrupt
+        return status
+
+
+def _same_state(o1, ps1, o2, ps2):
+    for p1, p2 in zip(ps1, ps2):
+        assert torch.equal(p1, p2)
+        s1, s2 = o1.state[p1], o2.state[p2]
+        assert s1.keys() == s2.keys()
+        for k in s1:
+            if isinstance(s1[k], torch.Tensor):
+                assert torch.equal(s1[k], s2[k]), k
+            else:
+                assert s1[k] == s2[k], k
+
+
+def _step(opt, ps, seed, lr=None):
+    for p, g in zip(ps, _grads(ps, seed)):
+        p.grad = g
+    if lr is not None:
+        opt.param_groups[0]["lr"] = lr
+    opt.step()
+
+
+@pytest.mark.parametrize("schedule", ["ignore", "scale"])
+@pytest.mark.parametrize("batch", [True, False])
+def test_interrupt_after_the_c_update_records_it(monkeypatch, schedule, batch):
+    ps1, ps2 = _params(), _params()
+    kw = dict(fused=False, lr_schedule=schedule)
+    o1, o2 = automagic.Automagic3(ps1, **kw), automagic.Automagic3(ps2, **kw)
+    o1.batch_updates = o2.batch_updates = batch  # (an attribute: one call, or one each)
+    _step(o1, ps1, 1)
+    _step(o2, ps2, 1)
+    lr = 5e-7 if schedule == "scale" else None  # a schedule's factor of 0.5
+    spy = _Interrupt(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        _step(o1, ps1, 2, lr)
+    monkeypatch.setattr(_lib.lib, "am_update_batch", spy.real)
+    _step(o2, ps2, 2, lr)
+    if batch:  # one call for all three: every one recorded
+        assert all(p.grad is None for p in ps1)
+        _same_state(o1, ps1, o2, ps2)
+    else:  # the first recorded; the others not applied, their lrs unscaled
+        assert ps1[0].grad is None and all(p.grad is not None for p in ps1[1:])
+        assert o1.state[ps1[0]]["step"] == 2
+        assert all(o1.state[p]["step"] == 1 for p in ps1[1:])
+        o1.step()  # the rest, once
+        _same_state(o1, ps1, o2, ps2)
+    for s in (3, 4):  # and training goes on identically
+        _step(o1, ps1, s, lr)
+        _step(o2, ps2, s, lr)
+    _same_state(o1, ps1, o2, ps2)
+
+
+@pytest.mark.parametrize("where", ["unscale", "copy"])
+def test_interrupt_inside_the_finish_completes_it(monkeypatch, where):
+    # a non-contiguous parameter is updated in a contiguous copy that the
+    # finish copies back; lr_schedule="scale" unscales the lrs there
+    def make():
+        g = torch.Generator().manual_seed(3)
+        return [torch.nn.Parameter((torch.randn(40, 24, generator=g) * 0.1).t())]
+    ps1, ps2 = make(), make()
+    assert not ps1[0].is_contiguous()
+    kw = dict(fused=False, lr_schedule="scale")
+    o1, o2 = automagic.Automagic3(ps1, **kw), automagic.Automagic3(ps2, **kw)
+    _step(o1, ps1, 1)
+    _step(o2, ps2, 1)
+    if where == "unscale":
+        real = optim._unscaled_lrs
+        calls = []
+
+        def boom(*a):
+            out = real(*a)
+            calls.append(1)
+            if len(calls) == 1:
+                raise KeyboardInterrupt
+            return out
+        monkeypatch.setattr(optim, "_unscaled_lrs", boom)
+    else:
+        real_copy = torch.Tensor.copy_
+        state = {"armed": True}
+
+        def copy_once(self, src, *a, **k):
+            out = real_copy(self, src, *a, **k)
+            if state["armed"] and self is ps1[0]:
+                state["armed"] = False
+                raise KeyboardInterrupt
+            return out
+        monkeypatch.setattr(torch.Tensor, "copy_", copy_once)
+    with pytest.raises(KeyboardInterrupt):
+        _step(o1, ps1, 2, 5e-7)
+    monkeypatch.undo()
+    _step(o2, ps2, 2, 5e-7)
+    assert ps1[0].grad is None
+    _same_state(o1, ps1, o2, ps2)
+
+
+def test_memory_error_for_the_workspace_leaves_lrs_unscaled(monkeypatch):
+    ps = _params()
+    opt = automagic.Automagic3(ps, fused=False, lr_schedule="scale")
+    _step(opt, ps, 1)
+    before = {id(p): {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                      for k, v in opt.state[p].items()} for p in ps}
+    saved = [p.detach().clone() for p in ps]
+    opt._tls.__dict__.pop("ws", None)  # the next step allocates its workspace
+
+    def no_memory(nbytes):
+        raise MemoryError("test: no memory for the workspace")
+    monkeypatch.setattr(opt, "_workspace", no_memory)
+    with pytest.raises(MemoryError):
+        _step(opt, ps, 2, 5e-7)
+    for p, s in zip(ps, saved):
+        assert torch.equal(p, s) and p.grad is not None
+        for k, v in before[id(p)].items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(opt.state[p][k], v), k
+            else:
+                assert opt.state[p][k] == v, k
+
+
+def test_interrupt_in_a_fused_update_records_it(monkeypatch):
+    torch.manual_seed(0)
+    m1 = torch.nn.Linear(40, 24)
+    m2 = torch.nn.Linear(40, 24)
+    m2.load_state_dict(m1.state_dict())
+    o1 = automagic.Automagic3(m1.parameters())
+    o2 = automagic.Automagic3(m2.parameters())
+    x = torch.randn(8, 40)
+    for m in (m1, m2):
+        m(x).square().sum().backward()
+    spy = _Interrupt(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        m1(x * 2).square().sum().backward()
+    monkeypatch.setattr(_lib.lib, "am_update_batch", spy.real)
+    m2(x * 2).square().sum().backward()
+    # the interrupted batch's parameters are recorded whole (the twin's
+    # values); one whose update did not run keeps its gradient and step
+    recorded = [(p1, p2) for p1, p2 in zip(m1.parameters(), m2.parameters())
+                if p1.grad is None]
+    assert recorded
+    for p1, p2 in recorded:
+        assert torch.equal(p1, p2) and o1.state[p1]["step"] == o2.state[p2]["step"] == 2
+    for p1 in m1.parameters():
+        if p1.grad is not None:
+            assert o1.state[p1]["step"] == 1
+
+
+def test_interrupt_during_load_state_dict_changes_nothing_or_all(monkeypatch):
+    # The tensors' __hash__ is Python code, so Python may raise a pending
+    # signal at any key: raise KeyboardInterrupt at the k-th hash of the
+    # load, for every k up to a whole load's count. Each time the optimizer
+    # holds all of the old state or all of the new one.
+    ps = _params(6)
+    opt = automagic.Automagic3(ps, fused=False)
+    _step(opt, ps, 1)
+    sd_a = copy.deepcopy(opt.state_dict())  # step 1 everywhere (a state_dict
+    _step(opt, ps, 2)  # shares the live state's dicts, as torch.optim's do)
+    sd_b = copy.deepcopy(opt.state_dict())  # step 2
+    real = torch.Tensor.__hash__
+    count = {"n": 0, "at": None}
+
+    def hash_(self):
+        count["n"] += 1
+        if count["n"] == count["at"]:
+            raise KeyboardInterrupt
+        return real(self)
+    monkeypatch.setattr(torch.Tensor, "__hash__", hash_)
+    opt.load_state_dict(sd_a)  # uninterrupted: how many hashes a load takes
+    total = count["n"]
+    assert total > len(ps)
+    outcomes = set()
+    for k in range(1, total + 1):
+        count["n"], count["at"] = 0, None
+        opt.load_state_dict(sd_b)
+        count["n"], count["at"] = 0, k
+        try:
+            opt.load_state_dict(sd_a)
+            outcomes.add("loaded")
+        except KeyboardInterrupt:
+            outcomes.add("refused")
+        count["at"] = None
+        steps = [opt.state[p]["step"] if p in opt.state else None for p in ps]
+        assert steps in ([1] * len(ps), [2] * len(ps)), (k, steps)
+        assert all(g["params"] for g in opt.param_groups)
+    assert outcomes == {"refused"}  # (the load's last hash is in its commit)
+    count["at"] = None
+    opt.load_state_dict(sd_a)
+    assert [opt.state[p]["step"] for p in ps] == [1] * len(ps)
