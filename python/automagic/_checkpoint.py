@@ -10,8 +10,17 @@ Either is turned into ours, on the parameter's device, without touching the
 optimizer: the caller commits only when every parameter converted.
 """
 import math
+import numbers
 
 import torch
+
+
+def is_real_number(v) -> bool:
+    """A real number as a hyperparameter: int, float, numpy's scalars and
+    other numbers.Real (the reference and torch.optim take numpy float32
+    values, which are not floats: they were refused, found by a review,
+    twenty-third session); never a bool."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 class CheckpointError(ValueError):
@@ -185,8 +194,7 @@ def prepare_load(state_dict, groups, hparam_keys, polarity_bytes_of):
             lr = sg["lr"]
             v = (float(lr) if isinstance(lr, torch.Tensor) and lr.numel() == 1
                  and lr.is_floating_point() else lr)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 \
-                    or not math.isfinite(v):
+            if not is_real_number(v) or not v >= 0 or not math.isfinite(v):
                 raise CheckpointError("Automagic3: group %d's saved lr %r (restored with its "
                                       "initial_lr) must be a finite number >= 0"
                                       % (len(new_groups), lr))

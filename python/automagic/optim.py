@@ -16,7 +16,7 @@ from typing import List, Optional
 import torch
 
 from . import _cuda, _lib, _threads
-from ._checkpoint import CheckpointError, expected_shapes, prepare_load
+from ._checkpoint import CheckpointError, expected_shapes, is_real_number, prepare_load
 from ._fused import BackwardSteps
 
 _DTYPES = {torch.float32: _lib.DTYPE_FLOAT32, torch.bfloat16: _lib.DTYPE_BFLOAT16,
@@ -247,7 +247,7 @@ def _validate_group(group: dict, check_lr: bool = True) -> None:
         if name == "lr" and isinstance(v, torch.Tensor) and v.numel() == 1 \
                 and v.is_floating_point():
             continue  # (a one-element tensor lr, as the constructor takes)
-        if isinstance(v, (bool, torch.Tensor)) or not isinstance(v, (int, float)):
+        if not is_real_number(v):
             raise TypeError("Automagic3: %s must be a number, got %r" % (name, v))
     hp = _hparams(group)
     if check_lr:
@@ -356,7 +356,7 @@ class Automagic3(torch.optim.Optimizer):
                  nonfinite: str = "skip", lr_schedule: str = "ignore"):
         # a one-element tensor too, as torch's optimizers and the reference
         # take (a schedule may change it in place: lr_schedule="scale")
-        if isinstance(lr, bool) or not (isinstance(lr, (int, float)) or (
+        if not (is_real_number(lr) or (
                 isinstance(lr, torch.Tensor) and lr.numel() == 1 and lr.is_floating_point())):
             raise TypeError("Automagic3: lr must be a number, got %r" % (lr,))
         if float(lr) > 1e-3:
@@ -860,11 +860,14 @@ class Automagic3(torch.optim.Optimizer):
         lr, base = group["lr"], group.get("initial_lr", group["base_lr"])
         if isinstance(lr, torch.Tensor) and lr.numel() == 1 and lr.is_floating_point():
             lr = float(lr)
-        elif isinstance(lr, bool) or not isinstance(lr, (int, float)):
+        elif not is_real_number(lr):
             raise AutomagicError("Automagic3: group['lr'] must be a number (or a one-element "
                                  "floating tensor), got %r" % (lr,))
         if self.lr_schedule == "ignore":
-            if lr != group["base_lr"] and lr != base:
+            # (to float32's precision: a schedule's tensor lr holds the same
+            # value in float32, which warned "changed from 4e-05 to 4e-05")
+            if not (math.isclose(lr, group["base_lr"], rel_tol=1e-6)
+                    or math.isclose(lr, base, rel_tol=1e-6)):
                 self._warn_once("schedule", "group['lr'] changed from %g to %g (an lr "
                                 "scheduler?) but, as in the reference, it is not applied: "
                                 "each row tunes its own lr (group['lr'] only sets where the "
@@ -900,7 +903,7 @@ class Automagic3(torch.optim.Optimizer):
         if sig is None or self._hsig_seen.get(id(group)) != sig:
             for name in _lib.HPARAM_NAMES[1:]:
                 v = group[name]
-                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                if not is_real_number(v):
                     raise AutomagicError("Automagic3: %s must be a number, got %r" % (name, v))
             if sig is None:  # lr: neither a number nor a tensor of one
                 raise AutomagicError("Automagic3: lr must be a number, got %r" % (group["lr"],))

@@ -481,3 +481,50 @@ def test_one_at_a_time_refused_start_lr_changes_nothing():
     with pytest.warns(UserWarning), pytest.raises(automagic.AutomagicError, match="start"):
         opt.step()
     assert torch.equal(a.detach(), a0) and opt.state[a]["step"] == 1 and a.grad is not None
+
+
+def test_numpy_and_fraction_hyperparameters_are_numbers():
+    # numpy float32 values are not floats (np.float64 is): the reference and
+    # torch.optim take them, from a constructor or a numpy-based schedule
+    import fractions
+
+    import numpy as np
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(8, 5)), torch.nn.Parameter(torch.randn(5))]
+    ref = [p.detach().clone().requires_grad_() for p in ps]
+    opt = automagic.Automagic3(ps, lr=np.float32(1e-4), weight_decay=np.float32(0.01),
+                               beta2=fractions.Fraction(999, 1000), fused=False)
+    twin = automagic.Automagic3(ref, lr=float(np.float32(1e-4)),
+                                weight_decay=float(np.float32(0.01)), beta2=0.999, fused=False)
+    for o, qs in ((opt, ps), (twin, ref)):
+        for step in range(3):
+            for q in qs:
+                q.grad = torch.full_like(q, 1e-3 * (step + 1))
+            o.param_groups[0]["lr"] = np.float32(1e-4) if o is opt else float(np.float32(1e-4))
+            o.step()
+    for a, b in zip(ps, ref):
+        assert torch.equal(a, b)
+    with pytest.raises(TypeError, match="weight_decay"):
+        automagic.Automagic3(ps, weight_decay=np.bool_(True))
+    with pytest.raises(TypeError, match="lr"):
+        automagic.Automagic3(ps, lr=True)
+
+
+def test_a_float32_tensor_lr_equal_to_the_start_lr_does_not_warn():
+    # OneCycleLR on a one-element tensor lr writes its start value into the
+    # tensor (float32) and into initial_lr (float64): "group['lr'] changed
+    # from 4e-05 to 4e-05" was warned at the first step
+    import warnings
+    p = torch.nn.Parameter(torch.randn(6, 4))
+    opt = automagic.Automagic3([p], lr=torch.tensor(1e-4), fused=False)
+    torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=10,
+                                        cycle_momentum=False)
+    assert float(opt.param_groups[0]["lr"]) != opt.param_groups[0]["initial_lr"]
+    p.grad = torch.ones_like(p)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+    opt.param_groups[0]["lr"].fill_(2e-5)  # a real change still warns
+    p.grad = torch.ones_like(p)
+    with pytest.warns(UserWarning, match="changed from"):
+        opt.step()
