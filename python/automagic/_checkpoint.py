@@ -134,14 +134,18 @@ def convert_state(saved: dict, p: torch.Tensor, polarity_bytes: int, where: str)
     return out
 
 
-def prepare_load(state_dict, groups, hparam_keys, polarity_bytes_of):
+def prepare_load(state_dict, groups, hparam_keys, polarity_bytes_of, restore_lr=False):
     """Validates a whole optimizer state_dict against the optimizer's groups
     and returns (new state by parameter, new group dicts) without changing
     anything. Parameters are matched by position, as torch does.
 
     Group keys in hparam_keys (and "lr") keep the optimizer's values (its
     constructor wins); other saved keys (a scheduler's initial_lr) are
-    restored, and "lr" too when the saved group has an initial_lr."""
+    restored, and "lr" too when the saved group has an initial_lr or with
+    restore_lr (lr_schedule="scale": group["lr"] is the schedule's state,
+    which ReduceLROnPlateau or a hand-written decay keep without an
+    initial_lr: a resumed run started again at the first lr, found by a
+    review, twenty-third session)."""
     if not isinstance(state_dict, dict) or "state" not in state_dict \
             or "param_groups" not in state_dict:
         raise CheckpointError("Automagic3: not an optimizer state_dict (needs 'state' "
@@ -188,15 +192,15 @@ def prepare_load(state_dict, groups, hparam_keys, polarity_bytes_of):
         for k, v in sg.items():
             if k != "params" and k not in hparam_keys and k != "lr":
                 ng[k] = v
-        if "initial_lr" in sg:
+        if "initial_lr" in sg or (restore_lr and "lr" in sg):
             # a scheduler's lr, restored: a number >= 0 (a NaN or negative one
             # was restored and made every later update of a new row fail)
             lr = sg["lr"]
             v = (float(lr) if isinstance(lr, torch.Tensor) and lr.numel() == 1
                  and lr.is_floating_point() else lr)
             if not is_real_number(v) or not v >= 0 or not math.isfinite(v):
-                raise CheckpointError("Automagic3: group %d's saved lr %r (restored with its "
-                                      "initial_lr) must be a finite number >= 0"
+                raise CheckpointError("Automagic3: group %d's saved lr %r (restored: a "
+                                      "schedule's) must be a finite number >= 0"
                                       % (len(new_groups), lr))
             ng["lr"] = lr
         new_groups.append(ng)

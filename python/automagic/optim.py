@@ -1394,11 +1394,13 @@ class Automagic3(torch.optim.Optimizer):
         hyperparameters (constructor, add_param_group) win over saved ones,
         as in the reference; saved non-hyperparameter group keys (a
         scheduler's initial_lr) are restored, and so is group["lr"] when the
-        saved group has an initial_lr (a scheduler owns it)."""
+        saved group has an initial_lr (a scheduler owns it) or under
+        lr_schedule="scale" (the lr is the schedule's)."""
         self._adopt_listed()  # (parameters put into a group by hand: their state too)
         new_state, new_groups = prepare_load(
             state_dict, self.param_groups, _HPARAM_KEYS,
-            lambda p: _state_sizes(p).polarity_bytes)
+            lambda p: _state_sizes(p).polarity_bytes,
+            restore_lr=self.lr_schedule == "scale")
         extra = state_dict.get("automagic", {})
         # the bookkeeping values converted before the commit: a bad one
         # raised there, after the groups and the state had been replaced

@@ -317,3 +317,40 @@ def test_reference_resumed_checkpoint_loads():
     o3 = automagic.Automagic3(copy.deepcopy(m_ref).parameters(), fused=False)
     with pytest.raises(CheckpointError, match="other than 0 and 1"):
         o3.load_state_dict(bad)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_scale_schedule_without_initial_lr_resumes_its_lr(fused):
+    # lr_schedule="scale": group["lr"] is the schedule's state. ReduceLROnPlateau
+    # (and a hand-written decay) keep it without an initial_lr: a resumed run
+    # came back at the first lr, 1000x the reduced one, without a warning
+    def run(resume):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(6, 4)
+        opt = automagic.Automagic3(m.parameters(), lr=1e-4, lr_schedule="scale", fused=fused)
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.1, patience=0)
+        x = torch.randn(16, 6)
+        for step in range(8):
+            if resume and step == 4:
+                buf = io.BytesIO()
+                torch.save({"opt": opt.state_dict(), "sched": sched.state_dict(),
+                            "model": m.state_dict()}, buf)
+                buf.seek(0)
+                ck = torch.load(buf, weights_only=True)
+                m = torch.nn.Linear(6, 4)
+                m.load_state_dict(ck["model"])
+                opt = automagic.Automagic3(m.parameters(), lr=1e-4, lr_schedule="scale",
+                                           fused=fused)
+                sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.1, patience=0)
+                opt.load_state_dict(ck["opt"])
+                sched.load_state_dict(ck["sched"])
+            m(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step(1.0)  # a plateau: every step reduces
+        return m, opt
+    m1, o1 = run(False)
+    m2, o2 = run(True)
+    assert o1.param_groups[0]["lr"] == o2.param_groups[0]["lr"] < 1e-7
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
