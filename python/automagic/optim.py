@@ -793,14 +793,16 @@ class Automagic3(torch.optim.Optimizer):
                                  "rows: it must be finite and >= 0" % (group["lr"],))
         return lr
 
-    def _init_state(self, p: torch.Tensor, group: dict) -> dict:
+    def _init_state(self, p: torch.Tensor, group: dict, start: Optional[float] = None) -> dict:
         # built whole, then stored: a start lr refused (_start_lr raises) left
         # {'step': 0} behind, and every later step() failed on its missing
         # 'lr' (found by a review, twenty-second session)
         sizes = _state_sizes(p)
         f32 = dict(dtype=torch.float32, device=p.device)
         lr_shape = (p.shape[0],) if p.dim() >= 2 else p.shape
-        new = {"step": 0, "lr": torch.full(lr_shape, self._start_lr(group), **f32),
+        if start is None:
+            start = self._start_lr(group)
+        new = {"step": 0, "lr": torch.full(lr_shape, start, **f32),
                "polarity": torch.zeros(sizes.polarity_bytes, dtype=torch.uint8,
                                        device=p.device)}
         if p.dim() >= 2:
@@ -1229,6 +1231,8 @@ class Automagic3(torch.optim.Optimizer):
         # it was. Loops per group, not per parameter with its group: this
         # runs for every parameter at every step.
         self._adopt_listed()
+        if self._initialise_only():
+            return loss
         todo, index_of, swapped = [], self._param_index, set()
         for group in self.param_groups:
             ps = [p for p in group["params"] if p.grad is not None]
@@ -1297,6 +1301,32 @@ class Automagic3(torch.optim.Optimizer):
                     self._apply(p, group, scale, hsig)
         self._apply_jobs(batch, "step")
         return loss
+
+    def _initialise_only(self) -> bool:
+        """torch.distributed.checkpoint's get/set_optimizer_state_dict (used
+        by torchtitan, accelerate and Lightning) "initialise" an optimizer
+        with no state by a step() with every group's lr set to 0 and zero
+        gradients, so that its state_dict has the tensors a checkpoint
+        loads into. An update there started every row at lr 0 (training
+        then crawled up from min_lr; fused mode, where step() leaves hooked
+        parameters alone, made no state, so a distributed checkpoint had
+        nothing to load into; found by a review, twenty-third session).
+        Such a step creates the state of every parameter with a gradient
+        (step 0, rows at the group's start lr) and updates nothing; True
+        then. The test is one float per group at every other step."""
+        for group in self.param_groups:
+            lr = group["lr"]
+            if not ((isinstance(lr, torch.Tensor) and lr.numel() == 1 and float(lr) == 0.0)
+                    or (is_real_number(lr) and lr == 0)):
+                return False
+        ps = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if (not ps or any(self.state.get(p) for p, _ in ps)
+                or any(p.grad.layout != torch.strided or bool(p.grad.any()) for p, _ in ps)):
+            return False
+        with self._steps.lock:
+            for p, group in ps:
+                self._init_state(p, group, float(group["base_lr"]))
+        return True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.fused:

@@ -181,3 +181,41 @@ def _fsdp2_run(store_path):
 
 def test_fsdp2_dtensor_parameters_are_refused_by_name(tmp_path):
     _run_in_child("_fsdp2_run", tmp_path)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_distributed_checkpoint_initialisation_updates_nothing(fused):
+    # torch.distributed.checkpoint's get/set_optimizer_state_dict "initialise"
+    # an optimizer without state by a step() with lr 0 and zero gradients: in
+    # step mode every row started at lr 0 (training crawled up from min_lr),
+    # in fused mode no state was made for a checkpoint to load into
+    sd_mod = pytest.importorskip("torch.distributed.checkpoint.state_dict")
+    init = getattr(sd_mod, "_init_optim_state", None)
+    if init is None:
+        pytest.skip("this torch has no torch.distributed.checkpoint.state_dict."
+                    "_init_optim_state")
+
+    def train(touch):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(16, 4)
+        opt = automagic.Automagic3(m.parameters(), lr=1e-4, fused=fused)
+        if touch:
+            before = [p.detach().clone() for p in m.parameters()]
+            init(opt)
+            for p, b in zip(m.parameters(), before):
+                assert torch.equal(p, b) and p.grad is None
+                st = opt.state[p]
+                assert st["step"] == 0 and torch.all(st["lr"] == 1e-4)
+            assert opt.param_groups[0]["lr"] == 1e-4
+        torch.manual_seed(1)
+        for _ in range(5):
+            m(torch.randn(8, 16)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return m, opt
+    m1, o1 = train(False)
+    m2, o2 = train(True)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+        assert o1.state[a]["step"] == o2.state[b]["step"] == 5
+        assert torch.equal(o1.state[a]["lr"], o2.state[b]["lr"])
