@@ -442,6 +442,9 @@ class Automagic3(torch.optim.Optimizer):
         self._tls = threading.local()  # per-thread workspace
         self._steps = BackwardSteps(_weak_on_close(self))
         self._micro = 0                # backward passes done in this window
+        # fused mode: whether every step() so far came at a window's end
+        # (None: no step() yet; see step())
+        self._aligned_steps = None
         self._updated = set()          # indices updated in this window
         # indices whose hook fired in this window (None: not known, after a
         # state_dict was loaded or the optimizer unpickled mid-window)
@@ -756,9 +759,15 @@ class Automagic3(torch.optim.Optimizer):
         self._micro += 1
         if self._micro < self.accumulation_steps:
             return
+        self._close_window(flush=True)
+
+    def _close_window(self, flush: bool) -> None:
+        """Ends the accumulation window: with flush, its gradients applied
+        (_flush); without, dropped by the caller (zero_grad)."""
         self._micro = 0
         try:
-            self._flush()
+            if flush:
+                self._flush()
         finally:
             self._updated.clear()
             self._window_fired = set()
@@ -1224,7 +1233,25 @@ class Automagic3(torch.optim.Optimizer):
         if self.fused:
             self._steps.close()
             if self._micro != 0:
-                return loss  # mid-window: gradients keep accumulating
+                # Mid-window. A caller whose step() calls so far all came at
+                # window ends (a trainer with gradient accumulation: HF
+                # Trainer, accelerate) calls it mid-window for the last,
+                # shorter window of an epoch: that window ends here, as in
+                # step mode (it was left open, and every later window
+                # straddled two of the trainer's; found by a review,
+                # twenty-third session). Otherwise (step() after every
+                # backward pass, as the reference allows) the gradients keep
+                # accumulating.
+                if not self._aligned_steps:
+                    self._aligned_steps = False
+                    return loss
+                self._warn_once("partial", "step() after %d of the %d backward passes of an "
+                                "accumulation window: the window ends here, its gradients "
+                                "applied (a trainer's last window of an epoch; warned once)"
+                                % (self._micro, self.accumulation_steps))
+                self._close_window(flush=True)
+            elif self._aligned_steps is None:
+                self._aligned_steps = True
         # Per group: its parameters with a gradient (in fused mode those
         # without a hook). Everything is checked before anything is updated,
         # so that a bad gradient or hyperparameter leaves every parameter as
@@ -1340,12 +1367,17 @@ class Automagic3(torch.optim.Optimizer):
                                 "firing: zero_grad() drops the gradient it was not updated "
                                 "with; its hook is registered again, so the next backward "
                                 "updates it (warned once)")
-            if self._micro != 0 and any(
-                    p.grad is not None for g in self.param_groups for p in g["params"]):
-                self._warn_once("zero_grad", "zero_grad() in the middle of an "
-                                "accumulation window (accumulation_steps=%d, %d backward "
-                                "passes done) discards the gradients accumulated so far"
-                                % (self.accumulation_steps, self._micro))
+            if self._micro != 0:
+                if any(p.grad is not None for g in self.param_groups for p in g["params"]):
+                    self._warn_once("zero_grad", "zero_grad() in the middle of an "
+                                    "accumulation window (accumulation_steps=%d, %d backward "
+                                    "passes done) discards the gradients accumulated so far; "
+                                    "the next backward pass starts a new window"
+                                    % (self.accumulation_steps, self._micro))
+                # the window's gradients are gone: a new one starts (it went
+                # on counting, and every later window straddled two of the
+                # caller's; found by a review, twenty-third session)
+                self._close_window(flush=False)
         super().zero_grad(set_to_none=set_to_none)
 
     # ------------------------------------------------------- inspection

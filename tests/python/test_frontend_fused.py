@@ -741,3 +741,70 @@ def test_remove_hooks_mid_window_resets_the_window():
     lin(torch.ones(1, 3)).sum().backward()  # micro-batch 1 of 2
     opt.remove_hooks()
     assert opt.state_dict()["automagic"]["micro_step"] == 0
+
+
+def _trainer_run(fused, zero_grad_by, epochs=2, n=8, k=3):
+    """A trainer's gradient accumulation (HF Trainer, accelerate): step()
+    after every k-th batch and after an epoch's last batch (a shorter
+    window); fused mode runs with accumulation_steps=k."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    kw = dict(accumulation_steps=k) if fused else {}
+    opt = automagic.Automagic3(m.parameters(), fused=fused, **kw)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randn(4, 6, generator=g) for _ in range(n)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(epochs):
+            for i, x in enumerate(data):
+                m(x).square().mean().backward()
+                if (i + 1) % k == 0 or i == n - 1:
+                    opt.step()
+                    if zero_grad_by == "optimizer":
+                        opt.zero_grad()
+                    else:
+                        m.zero_grad()
+    return m, opt
+
+
+@pytest.mark.parametrize("zero_grad_by", ["optimizer", "model"])
+def test_a_trainers_shorter_last_window_ends_at_its_step(zero_grad_by):
+    # the epoch's last window (2 of 3 batches) was left open at its step():
+    # accelerate's zero_grad() then dropped it, HF Trainer's model.zero_grad()
+    # not even that, and every later window straddled two of the trainer's
+    m1, o1 = _trainer_run(True, zero_grad_by)
+    m2, o2 = _trainer_run(False, zero_grad_by)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+        assert o1.state[a]["step"] == o2.state[b]["step"] == 6
+
+
+def test_step_after_every_backward_keeps_accumulating():
+    # a loop that calls step() after every backward pass (a no-op in the
+    # reference) with accumulation_steps=k: windows of k passes, as before
+    torch.manual_seed(0)
+    m = torch.nn.Linear(6, 3)
+    opt = automagic.Automagic3(m.parameters(), accumulation_steps=3)
+    for i in range(7):
+        m(torch.randn(4, 6)).square().mean().backward()
+        opt.step()
+    assert opt.state[m.weight]["step"] == 2
+    assert m.weight.grad is not None  # the third window's first pass
+
+
+def test_zero_grad_mid_window_starts_a_new_window():
+    # the gradients are gone: the next backward pass is the first of a new
+    # window (the window went on counting: it ended one pass later)
+    torch.manual_seed(0)
+    m = torch.nn.Linear(6, 3)
+    opt = automagic.Automagic3(m.parameters(), accumulation_steps=3)
+    xs = [torch.randn(4, 6) for _ in range(5)]
+    for x in xs[:2]:
+        m(x).square().mean().backward()
+    with pytest.warns(UserWarning, match="new window"):
+        opt.zero_grad()
+    for x in xs[2:4]:
+        m(x).square().mean().backward()
+    assert m.weight not in opt.state or opt.state[m.weight].get("step", 0) == 0
+    m(xs[4]).square().mean().backward()
+    assert opt.state[m.weight]["step"] == 1 and m.weight.grad is None
