@@ -1441,11 +1441,22 @@ class Automagic3(torch.optim.Optimizer):
 
     # ----------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
-        sd = super().state_dict()
+        # torch's state_dict post hooks run after the "automagic" entry is
+        # added (they ran before it: a hook could neither see nor change it)
+        hooks = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        try:
+            sd = super().state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = hooks
         sd["automagic"] = dict(format=_STATE_DICT_FORMAT, seed=self.seed,
                                nonfinite_skips=self.nonfinite_skips,
                                skipped_by_param=dict(self._skipped), micro_step=self._micro,
                                deferred=sorted(self._deferred))
+        for hook in list(hooks.values()):
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -1458,6 +1469,20 @@ class Automagic3(torch.optim.Optimizer):
         scheduler's initial_lr) are restored, and so is group["lr"] when the
         saved group has an initial_lr (a scheduler owns it) or under
         lr_schedule="scale" (the lr is the schedule's)."""
+        # torch's load_state_dict pre and post hooks, as torch.optim runs them
+        # (a pre hook is torch's documented way to migrate an old dict; they
+        # were not run)
+        state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
+        for hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._load(state_dict)
+        for hook in list(self._optimizer_load_state_dict_post_hooks.values()):
+            hook(self)
+
+    def _load(self, state_dict) -> None:
+        """load_state_dict's work, between torch's hooks."""
         self._adopt_listed()  # (parameters put into a group by hand: their state too)
         new_state, new_groups = prepare_load(
             state_dict, self.param_groups, _HPARAM_KEYS,
@@ -1490,7 +1515,7 @@ class Automagic3(torch.optim.Optimizer):
             warnings.warn("Automagic3: the state_dict was saved with seed %r, this optimizer "
                           "has seed %r (kept: constructor arguments win); stochastic "
                           "rounding will differ from the saved run" % (seed, self.seed),
-                          UserWarning, stacklevel=2)
+                          UserWarning, stacklevel=3)
         # ---- commit (nothing above changed the optimizer), undone whole if
         # an exception cuts it short: a KeyboardInterrupt there left some
         # parameters with the new state and the rest with none, silently

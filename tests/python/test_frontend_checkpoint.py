@@ -354,3 +354,32 @@ def test_scale_schedule_without_initial_lr_resumes_its_lr(fused):
     assert o1.param_groups[0]["lr"] == o2.param_groups[0]["lr"] < 1e-7
     for a, b in zip(m1.parameters(), m2.parameters()):
         assert torch.equal(a, b)
+
+
+def test_torch_state_dict_hooks_run():
+    # a load_state_dict pre hook is torch's documented way to migrate an old
+    # dict: they were not run; state_dict post hooks ran before the
+    # "automagic" entry was added
+    m = torch.nn.Linear(5, 3)
+    opt = automagic.Automagic3(m.parameters(), fused=False)
+    m(torch.randn(4, 5)).square().sum().backward()
+    opt.step()
+    seen = []
+    opt.register_state_dict_post_hook(lambda o, sd: seen.append(sorted(sd)))
+    sd = copy.deepcopy(opt.state_dict())
+    assert seen == [["automagic", "param_groups", "state"]]
+
+    def migrate(o, d):
+        d = dict(d)
+        d["state"] = {k: {("lr" if n == "old_lr" else n): v for n, v in st.items()}
+                      for k, st in d["state"].items()}
+        seen.append("pre")
+        return d
+    opt.register_load_state_dict_pre_hook(migrate)
+    opt.register_load_state_dict_post_hook(lambda o: seen.append("post"))
+    old = copy.deepcopy(sd)
+    for st in old["state"].values():
+        st["old_lr"] = st.pop("lr") * 2
+    opt.load_state_dict(old)
+    assert seen[-2:] == ["pre", "post"]
+    assert torch.equal(opt.state[m.weight]["lr"], sd["state"][0]["lr"] * 2)
