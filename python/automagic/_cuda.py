@@ -58,8 +58,16 @@ def _load():
         except OSError as e:
             _load_error = "loading %s failed: %s" % (path, e)
             return None
-        lib.am_version_string.restype = ctypes.c_char_p
-        found = lib.am_version_string().decode()
+        try:
+            lib.am_version_string.restype = ctypes.c_char_p
+            found = lib.am_version_string().decode()
+            for name in ("am_update_cuda", "am_cuda_workspace_bytes", "am_cuda_device_count"):
+                getattr(lib, name)
+        except AttributeError as e:
+            # another library (a bare AttributeError was raised, again at
+            # every call; found by a review, twenty-third session)
+            _load_error = "%s is not libautomagic_cuda (%s)" % (path, e)
+            return None
         if found != _lib.LIBRARY_VERSION:
             _load_error = ("%s is libautomagic_cuda %s; this front end needs %s (rebuild "
                            "with 'pip install .')" % (path, found, _lib.LIBRARY_VERSION))

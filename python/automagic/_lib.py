@@ -115,6 +115,11 @@ def _find_library():
 
 def _load():
     path, where = _find_library()
+    if os.sep in path and not os.path.exists(path):
+        # (dlopen's "No such file" sent the reader to look for a missing
+        # dependency: found by a review, twenty-third session)
+        raise ImportError("automagic: the C library %s (from %s) does not exist"
+                          % (path, where))
     try:
         lib = ctypes.CDLL(path)
     except OSError as e:

@@ -57,6 +57,25 @@ def test_missing_library_names_the_device():
     assert "MSG" in out and "cuda:1" in out and "/nonexistent/x.so" in out
 
 
+def test_another_library_is_refused_by_name():
+    # AUTOMAGIC_CUDA_LIBRARY naming another library raised a bare
+    # AttributeError (undefined symbol), again at every call
+    other = os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so")
+    if not os.path.exists(other):
+        pytest.skip("no %s to point AUTOMAGIC_CUDA_LIBRARY at" % other)
+    code = ("import os, types, torch; os.environ['AUTOMAGIC_CUDA_LIBRARY'] = %r\n"
+            "from automagic import _cuda\n"
+            "p = types.SimpleNamespace(device=torch.device('cuda:0'))\n"
+            "for _ in range(2):\n"
+            "    try:\n"
+            "        _cuda.update_param(None, p, {}, RuntimeError)\n"
+            "    except RuntimeError as e:\n"
+            "        print('MSG', e)\n" % other)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.count("MSG") == 2 and "is not libautomagic_cuda" in out, out
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 def test_without_a_device_the_update_fails_cleanly(monkeypatch):
     # The whole marshalling path of _cuda.update_param down to the C call, on
