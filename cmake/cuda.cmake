@@ -51,7 +51,8 @@ if(AM_CUDA)
   # The checkpoint code of the CPU objects needs cJSON and zlib.
   target_link_libraries(automagic_cuda PRIVATE PkgConfig::AM_CJSON ZLIB::ZLIB)
   if(AM_LIBM)
-    target_link_libraries(automagic_cuda PUBLIC ${AM_LIBM})
+    target_link_libraries(automagic_cuda PUBLIC $<BUILD_INTERFACE:${AM_LIBM}>
+                          $<INSTALL_INTERFACE:m>)
   endif()
   if(AM_HAVE_NODELETE)  # its pool as the CPU library's (CMakeLists.txt)
     target_link_options(automagic_cuda PRIVATE "-Wl,-z,nodelete")

@@ -14,6 +14,11 @@ for f in include/automagic.h lib/libautomagic.a lib/libautomagic.so \
          lib/pkgconfig/automagic.pc lib/cmake/automagic/automagicConfig.cmake; do
   [ -e "$tmp/prefix/$f" ] || { echo "install: missing $f"; exit 1; }
 done
+# The exported package names its dependencies, not this machine's paths (it
+# linked /usr/lib/x86_64-linux-gnu/libm.so, so the prefix could not move)
+if grep -n '"/[^"]*\.so' "$tmp"/prefix/lib/cmake/automagic/*.cmake; then
+  echo "install: the exported CMake package holds absolute library paths"; exit 1
+fi
 export PKG_CONFIG_PATH="$tmp/prefix/lib/pkgconfig"
 # shellcheck disable=SC2046
 cc "$root/examples/quickstart.c" $(pkg-config --cflags --libs automagic) \
