@@ -47,7 +47,7 @@ if(AM_CUDA)
     CUDA_RUNTIME_LIBRARY Static
     CUDA_VISIBILITY_PRESET hidden
     C_VISIBILITY_PRESET hidden
-    VERSION ${PROJECT_VERSION} SOVERSION ${PROJECT_VERSION_MAJOR})
+    VERSION ${PROJECT_VERSION} SOVERSION ${PROJECT_VERSION_MAJOR}.${PROJECT_VERSION_MINOR})
   # The checkpoint code of the CPU objects needs cJSON and zlib.
   target_link_libraries(automagic_cuda PRIVATE PkgConfig::AM_CJSON ZLIB::ZLIB)
   if(AM_LIBM)
