@@ -113,6 +113,7 @@ static void choose(void) {
     const char *dbg = getenv("AUTOMAGIC_DEBUG");
     const char *pmb = getenv("AUTOMAGIC_PAR_MIN_BYTES");
     const char *pf = getenv("AUTOMAGIC_PREFETCH");
+    const char *no512 = getenv("AUTOMAGIC_NO_AVX512"); /* (for the message below) */
     const char *why = "no optimised kernels for this CPU";
     pthread_once(&g_cpu_once, detect);
     if (pmb && pmb[0]) g_par_min_bytes = atof(pmb);
@@ -124,7 +125,11 @@ static void choose(void) {
         why = g_best != am_kernels_avx2_plain()
                   ? "CPU and OS support AVX2, FMA, F16C; AVX-512F/BW random numbers and "
                     "16-bit parameter apply"
-                  : g_has_avx512 ? "CPU and OS support AVX2, FMA, F16C; AVX-512F/BW not used"
+                  : g_has_avx512 ? (no512 && no512[0] == '1'
+                                        ? "CPU and OS support AVX2, FMA, F16C; AVX-512F/BW not "
+                                          "used (AUTOMAGIC_NO_AVX512=1)"
+                                        : "CPU and OS support AVX2, FMA, F16C; AVX-512F/BW not "
+                                          "used (library built without those kernels)")
                                  : "CPU and OS support AVX2, FMA, F16C";
     }
     atomic_store(&g_current, g_best);
