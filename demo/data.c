@@ -76,6 +76,14 @@ int dm_words_load(const char *path, dm_words *out, char *err, int errsz) {
             got = fread(buf + size, 1, bcap - 1 - (size_t)size, f);
             size += (long)got;
             if (got == 0) break;
+            if (size > DM_MAX_DATA_BYTES) {
+                snprintf(err, (size_t)errsz, "data file '%s' is larger than %ld MiB: a word "
+                         "list of that size is not what the demo trains on", path,
+                         DM_MAX_DATA_BYTES >> 20);
+                free(buf);
+                fclose(f);
+                return -1;
+            }
         }
         if (ferror(f)) {
             snprintf(err, (size_t)errsz, "cannot read data file '%s': %s", path,

@@ -15,6 +15,9 @@
 
 #define DM_VOCAB 27   /* '.', a..z */
 #define DM_MAX_WORD 64 /* longer lines are skipped */
+/* A word list larger than this is refused (Debian's wamerican is 1 MB):
+ * --data /dev/zero read until memory ran out. */
+#define DM_MAX_DATA_BYTES ((long)64 << 20)
 
 /* A list of words, each a NUL-terminated lowercase string. */
 typedef struct dm_words {
