@@ -253,7 +253,9 @@ class Runner:
         the reference)."""
         tls = getattr(getattr(self, "opt", None), "_tls", None)
         ws = getattr(tls, "ws", None) if tls is not None else None
-        return ws[1] if ws else 0
+        # ours_kernels' own am_update_batch buffers count too (they were left out)
+        extra = sum(t.numel() for t in getattr(self, "batch_ws", {}).values())
+        return (ws[1] if ws else 0) + extra
 
 
 _EVICT = None
