@@ -161,6 +161,17 @@ def refuse_capture(opt, error_cls) -> None:
                            "nonfinite='raise' reads each update's status on the host"))
 
 
+def _state_on(state, device) -> bool:
+    """Whether a parameter's state exists whole on device (its step an int64
+    tensor there): what an update inside a CUDA graph capture needs."""
+    if not state or "lr" not in state:
+        return False
+    step = state.get("step")
+    return (isinstance(step, torch.Tensor) and step.device == device
+            and step.dtype == torch.int64
+            and all(t.device == device for t in state.values() if isinstance(t, torch.Tensor)))
+
+
 def update_param(opt, p: torch.Tensor, group: dict, error_cls) -> None:
     """Queues the update of CUDA parameter p from p.grad; sets p.grad = None.
 
@@ -177,6 +188,20 @@ def update_param(opt, p: torch.Tensor, group: dict, error_cls) -> None:
     grad = p.grad
     opt._check(p, grad)
     scale = opt._lr_scale(group)
+    opt._hsig(group)  # the hyperparameters' types, as the CPU path checks them
+    with torch.cuda.device(p.device):
+        capturing = torch.cuda.is_current_stream_capturing()
+    if capturing:
+        # before anything is created or moved: in a capture, the state's
+        # fills and moves would only be recorded (never run, or run again
+        # at every replay), and an int tensor made from the host fails
+        # (found by a review, twenty-third session)
+        refuse_capture(opt, error_cls)
+        if not _state_on(opt.state.get(p), p.device):
+            raise error_cls(
+                "Automagic3: a CUDA graph cannot capture the first update of a parameter "
+                "(shape %s on %s), whose state is created or moved to the device then: "
+                "run one step eagerly before capturing" % (tuple(p.shape), p.device))
     state = opt.state[p]
     if len(state) == 0:
         state = opt._init_state(p, group)
@@ -192,9 +217,6 @@ def update_param(opt, p: torch.Tensor, group: dict, error_cls) -> None:
 
     with torch.cuda.device(p.device):
         stream = torch.cuda.current_stream(p.device)
-        capturing = torch.cuda.is_current_stream_capturing()
-        if capturing:
-            refuse_capture(opt, error_cls)
         # The kernels below read grad on `stream` (or, when it is not
         # contiguous, the copy below reads it there); p.grad is dropped at
         # the end, so its memory must not go back to the caching allocator

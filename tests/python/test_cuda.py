@@ -99,6 +99,44 @@ def test_without_a_device_the_update_fails_cleanly(monkeypatch):
     assert not opt.state[p]["polarity"].any()
 
 
+def _posing_as_cuda(monkeypatch, capturing):
+    """The CUDA glue on CPU tensors (as above), a capture or not."""
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda d=None: types.SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+
+
+def test_a_captured_first_update_is_refused_before_any_state(monkeypatch):
+    # in a CUDA graph capture the state's fills and moves were recorded (never
+    # run, or run again at every replay) before the capture was looked at
+    if _cuda._load() is None:
+        pytest.skip(_cuda.unavailable_reason())
+    _posing_as_cuda(monkeypatch, capturing=True)
+    p = torch.nn.Parameter(torch.randn(4, 6))
+    opt = automagic.Automagic3([p], fused=False)
+    p.grad = torch.randn(4, 6)
+    with pytest.raises(automagic.AutomagicError, match="first update of a parameter"):
+        _cuda.update_param(opt, p, opt.param_groups[0], automagic.AutomagicError)
+    assert not opt.state.get(p)
+
+
+def test_cuda_path_checks_hyperparameter_types(monkeypatch):
+    # a string weight decay reached the C call on the CUDA path (the CPU path
+    # refuses it by name)
+    if _cuda._load() is None:
+        pytest.skip(_cuda.unavailable_reason())
+    _posing_as_cuda(monkeypatch, capturing=False)
+    p = torch.nn.Parameter(torch.randn(4, 6))
+    opt = automagic.Automagic3([p], fused=False)
+    opt.param_groups[0]["weight_decay"] = "0.1"
+    p.grad = torch.randn(4, 6)
+    with pytest.raises(automagic.AutomagicError, match="weight_decay must be a number"):
+        _cuda.update_param(opt, p, opt.param_groups[0], automagic.AutomagicError)
+    assert not opt.state.get(p)
+
+
 # -------------------------------------------------------------- GPU needed
 def _grads(shapes, steps, seed):
     g = torch.Generator().manual_seed(seed)
