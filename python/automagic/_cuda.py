@@ -112,9 +112,12 @@ class _Buffers:
 
 def _buffers(opt, device, stream, nbytes):
     # Keyed by stream: updates queued on different streams may run at once,
-    # so they must not share a workspace.
+    # so they must not share a workspace; and by host thread: two threads
+    # queueing on one stream at once (ctypes lets go of the GIL during the
+    # call) would interleave their launches on one workspace (found by a
+    # review, twenty-third session).
     table = opt.__dict__.setdefault("_am_cuda_buffers", {})
-    key = (device.index, stream.cuda_stream)
+    key = (device.index, stream.cuda_stream, threading.get_ident())
     buf = table.get(key)
     if buf is None:
         buf = table[key] = _Buffers(device)

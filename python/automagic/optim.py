@@ -1397,7 +1397,9 @@ class Automagic3(torch.optim.Optimizer):
     def _summary(lrs: List[torch.Tensor]) -> Optional[dict]:
         if not lrs:
             return None
-        v = torch.cat([t.reshape(-1) for t in lrs])
+        # on the CPU: a group may mix devices (torch.cat of cuda:0 and CPU
+        # lrs raised; found by a review, twenty-third session)
+        v = torch.cat([t.reshape(-1).to("cpu") for t in lrs])
         if v.numel() == 0:
             return None
         return dict(min=float(v.min()), median=float(v.median()), max=float(v.max()),
