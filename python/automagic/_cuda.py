@@ -182,8 +182,8 @@ def update_param(opt, p: torch.Tensor, group: dict, error_cls) -> None:
     update was applied is known on the device only: lr_schedule="scale" is
     undone on the device, skips are counted there, and nonfinite="raise"
     synchronises to read the status (the only case that does)."""
-    from .optim import (NonFiniteGradientError, _DTYPES, _scaled_hparams, _shape,
-                        _state_struct, _unscaled_lrs)
+    from .optim import (NonFiniteGradientError, _DTYPES, _scale_lrs, _scaled_hparams,
+                        _shape, _state_struct, _unscaled_lrs)
 
     lib = _load()
     if lib is None:
@@ -247,6 +247,8 @@ def update_param(opt, p: torch.Tensor, group: dict, error_cls) -> None:
         hp, lr_before = _scaled_hparams(group, state, scale)
         key = _lib.RngKey(opt.seed, opt._index_of(p) & 0xFFFFFFFF)
         _lib.clear_message()
+        if lr_before is not None:
+            _scale_lrs(state, scale)
         status = lib.am_update_cuda(ctypes.byref(pt), ctypes.byref(gt), ctypes.byref(st),
                                     step.data_ptr(), ctypes.byref(hp), key,
                                     buf.ws.data_ptr(), buf.ws.numel(),

@@ -207,17 +207,25 @@ def _scaled_hparams(group: dict, state: dict, scale: float):
 
     clamp(s*lr*e, s*min, s*max) == s*clamp(lr*e, min, max): the clamp keeps
     bounding the tuned rate and the schedule scales what is applied. The
-    stored lr is multiplied by scale here; the caller divides it back after
-    the update, or restores lr_before if the update failed."""
+    stored lr is not changed here: the caller records lr_before where its
+    rollback finds it, then calls _scale_lrs, and divides the lrs back after
+    the update or restores lr_before if the update failed. (Scaled here, an
+    interrupt before the caller had recorded lr_before left the lrs scaled,
+    and a retry scaled them again; found by a review, twenty-third
+    session.)"""
     hp = _hparams(group)
     lr_before = None
     if scale not in (0.0, 1.0):
         hp.min_lr *= scale
         hp.max_lr *= scale
         lr_before = state["lr"].clone()
-        # in float64: scale may be below float32's normal range (max_lr > 1)
-        state["lr"].copy_(state["lr"].double() * scale)
     return hp, lr_before
+
+
+def _scale_lrs(state: dict, scale: float) -> None:
+    """The stored lrs times scale (see _scaled_hparams), in float64: scale
+    may be below float32's normal range (max_lr > 1)."""
+    state["lr"].copy_(state["lr"].double() * scale)
 
 
 # float32's smallest normal value: a rate times a schedule's factor below it
@@ -1049,10 +1057,11 @@ class Automagic3(torch.optim.Optimizer):
             gt.dtype = _DTYPES[grad.dtype]
             plan.st.step = int(state["step"])
             if scale == 1.0 or scale == 0.0:
-                hp, lr_before = plan.hp, None
+                calls.append((p, plan, target, grad, plan.hp, None, state, scale))
             else:
                 hp, lr_before = _scaled_hparams(group, state, scale)
-            calls.append((p, plan, target, grad, hp, lr_before, state, scale))
+                calls.append((p, plan, target, grad, hp, lr_before, state, scale))
+                _scale_lrs(state, scale)  # (recorded first: _prepare_calls' rollback)
 
     @staticmethod
     def _finish_ok(call) -> None:

@@ -223,3 +223,33 @@ def test_interrupt_during_load_state_dict_changes_nothing_or_all(monkeypatch):
     count["at"] = None
     opt.load_state_dict(sd_a)
     assert [opt.state[p]["step"] for p in ps] == [1] * len(ps)
+
+
+@pytest.mark.parametrize("batch", [True, False])
+def test_interrupt_right_after_the_lrs_are_scaled(monkeypatch, batch):
+    # lr_schedule="scale" multiplies the stored lrs before the C call: an
+    # interrupt right after that copy, before the call was recorded for the
+    # rollback, left them scaled, and the retry scaled them again
+    ps1, ps2 = _params(), _params()
+    kw = dict(fused=False, lr_schedule="scale")
+    o1, o2 = automagic.Automagic3(ps1, **kw), automagic.Automagic3(ps2, **kw)
+    o1.batch_updates = o2.batch_updates = batch
+    _step(o1, ps1, 1)
+    _step(o2, ps2, 1)
+    target = o1.state[ps1[1]]["lr"]  # the second parameter's: the first is prepared
+    real_copy = torch.Tensor.copy_
+    armed = {"on": True}
+
+    def copy_(self, src, *a, **k):
+        out = real_copy(self, src, *a, **k)
+        if armed["on"] and self is target:
+            armed["on"] = False
+            raise KeyboardInterrupt
+        return out
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    with pytest.raises(KeyboardInterrupt):
+        _step(o1, ps1, 2, 5e-7)
+    monkeypatch.undo()
+    o1.step()  # the retry (the gradients are still there)
+    _step(o2, ps2, 2, 5e-7)
+    _same_state(o1, ps1, o2, ps2)
