@@ -451,8 +451,10 @@ class Automagic3(torch.optim.Optimizer):
         self._steps = BackwardSteps(_weak_on_close(self))
         self._micro = 0                # backward passes done in this window
         # fused mode: whether every step() so far came at a window's end
-        # (None: no step() yet; see step())
+        # (None: not known yet; see step()), and the backward passes since
+        # the last step()
         self._aligned_steps = None
+        self._passes = 0
         self._updated = set()          # indices updated in this window
         # indices whose hook fired in this window (None: not known, after a
         # state_dict was loaded or the optimizer unpickled mid-window)
@@ -764,6 +766,7 @@ class Automagic3(torch.optim.Optimizer):
             self._count_micro_step()
 
     def _count_micro_step(self) -> None:
+        self._passes += 1
         self._micro += 1
         if self._micro < self.accumulation_steps:
             return
@@ -1253,14 +1256,22 @@ class Automagic3(torch.optim.Optimizer):
                 # accumulating.
                 if not self._aligned_steps:
                     self._aligned_steps = False
+                    self._passes = 0
                     return loss
                 self._warn_once("partial", "step() after %d of the %d backward passes of an "
                                 "accumulation window: the window ends here, its gradients "
                                 "applied (a trainer's last window of an epoch; warned once)"
                                 % (self._micro, self.accumulation_steps))
                 self._close_window(flush=True)
-            elif self._aligned_steps is None:
+            elif self._aligned_steps is None and self._passes == self.accumulation_steps:
+                # the evidence: a whole window between this step() and the
+                # last, which came at a window's end too (a step() with no
+                # backward pass before it, as torch.distributed.checkpoint's
+                # initialisation makes, or one after a load, is none; taken
+                # as such, each later step() ended its window: found by a
+                # review, twenty-third session)
                 self._aligned_steps = True
+            self._passes = 0
         # Per group: its parameters with a gradient (in fused mode those
         # without a hook). Everything is checked before anything is updated,
         # so that a bad gradient or hyperparameter leaves every parameter as
@@ -1536,7 +1547,7 @@ class Automagic3(torch.optim.Optimizer):
         old_groups = [dict(g) for g in self.param_groups]
         old_state = dict(self.state)
         old_book = (self.nonfinite_skips, self._skipped, self._micro, self._deferred,
-                    self._updated, self._window_fired)
+                    self._updated, self._window_fired, self._aligned_steps, self._passes)
         with self._steps.lock:
             self._steps.close()
             try:
@@ -1552,6 +1563,7 @@ class Automagic3(torch.optim.Optimizer):
                 self._deferred = deferred
                 self._updated = set()
                 self._window_fired = set() if self._micro == 0 else None
+                self._aligned_steps, self._passes = None, 0  # (a new run's steps)
             except BaseException:
                 for g, og in zip(self.param_groups, old_groups):
                     g.clear()
@@ -1559,7 +1571,8 @@ class Automagic3(torch.optim.Optimizer):
                 self.state.clear()
                 self.state.update(old_state)
                 (self.nonfinite_skips, self._skipped, self._micro, self._deferred,
-                 self._updated, self._window_fired) = old_book
+                 self._updated, self._window_fired, self._aligned_steps,
+                 self._passes) = old_book
                 raise
 
     # ---------------------------------------------- pickle and deepcopy

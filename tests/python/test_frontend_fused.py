@@ -808,3 +808,36 @@ def test_zero_grad_mid_window_starts_a_new_window():
     assert m.weight not in opt.state or opt.state[m.weight].get("step", 0) == 0
     m(xs[4]).square().mean().backward()
     assert opt.state[m.weight]["step"] == 1 and m.weight.grad is None
+
+
+@pytest.mark.parametrize("before", ["step", "initialise", "resume"])
+def test_step_after_every_backward_keeps_accumulating_after(before):
+    # a step() with no backward pass before it (a step() + zero_grad() before
+    # training, torch.distributed.checkpoint's initialisation) or a load
+    # mid-window was taken as "every step() comes at a window's end": from
+    # then on each step() ended its window, every pass an update
+    torch.manual_seed(0)
+    m = torch.nn.Linear(6, 3)
+    opt = automagic.Automagic3(m.parameters(), accumulation_steps=2)
+    xs = [torch.randn(4, 6) for _ in range(9)]
+    if before == "step":
+        opt.step()
+        opt.zero_grad()
+    elif before == "initialise":
+        sd_mod = pytest.importorskip("torch.distributed.checkpoint.state_dict")
+        if not hasattr(sd_mod, "_init_optim_state"):
+            pytest.skip("no torch.distributed.checkpoint.state_dict._init_optim_state")
+        sd_mod._init_optim_state(opt)
+    else:
+        for x in xs[:3]:  # 3 passes: one update, the window half full
+            m(x).square().mean().backward()
+        sd = copy.deepcopy(opt.state_dict())
+        assert sd["automagic"]["micro_step"] == 1
+        opt.load_state_dict(sd)
+        xs = xs[3:]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for x in xs[:4]:
+            m(x).square().mean().backward()
+            opt.step()
+    assert opt.state[m.weight]["step"] == (3 if before == "resume" else 2)
