@@ -202,6 +202,25 @@ def prepare_load(state_dict, groups, hparam_keys, polarity_bytes_of, restore_lr=
                 raise CheckpointError("Automagic3: group %d's saved lr %r (restored: a "
                                       "schedule's) must be a finite number >= 0"
                                       % (len(new_groups), lr))
+            ratio = 1.0
+            if "initial_lr" not in sg:
+                # restored as the schedule's factor of the start lr: the
+                # start lr is the constructor's (it wins), and the saved lr
+                # put into a group with another start lr changed that factor
+                # (found by a review, twenty-third session)
+                sb, nb = sg.get("base_lr"), g.get("base_lr")
+                if (is_real_number(sb) and is_real_number(nb) and sb > 0
+                        and math.isfinite(sb) and nb != sb):
+                    ratio = float(nb) / float(sb)
+            if isinstance(lr, torch.Tensor):
+                # a copy, as torch.optim's load makes: the saved dict's tensor
+                # was shared with the group (a schedule's in-place change of
+                # one changed the other)
+                lr = lr.detach().clone()
+                if ratio != 1.0:
+                    lr.mul_(ratio)
+            elif ratio != 1.0:
+                lr = float(lr) * ratio
             ng["lr"] = lr
         new_groups.append(ng)
     return new_state, new_groups

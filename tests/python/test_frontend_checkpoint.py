@@ -4,6 +4,7 @@ import contextlib
 import copy
 import importlib.util
 import io
+import math
 import os
 import pickle
 
@@ -383,3 +384,24 @@ def test_torch_state_dict_hooks_run():
     opt.load_state_dict(old)
     assert seen[-2:] == ["pre", "post"]
     assert torch.equal(opt.state[m.weight]["lr"], sd["state"][0]["lr"] * 2)
+
+
+def test_scale_schedule_load_keeps_the_factor_and_copies_a_tensor_lr():
+    # a saved lr put into a group with another start lr (the constructor's
+    # wins) changed the schedule's factor: every update applied at half size,
+    # silently; and a saved tensor lr was shared with the group
+    m = torch.nn.Linear(5, 3)
+    a = automagic.Automagic3(m.parameters(), lr=1e-4, lr_schedule="scale", fused=False)
+    a.param_groups[0]["lr"] = 0.5e-4  # a decay to half
+    sd = a.state_dict()
+    b = automagic.Automagic3(m.parameters(), lr=2e-4, lr_schedule="scale", fused=False)
+    b.load_state_dict(copy.deepcopy(sd))
+    g = b.param_groups[0]
+    assert math.isclose(g["lr"] / g["base_lr"], 0.5)
+    t = automagic.Automagic3(m.parameters(), lr=torch.tensor(1e-4), lr_schedule="scale",
+                             fused=False)
+    u = automagic.Automagic3(m.parameters(), lr=torch.tensor(1e-4), lr_schedule="scale",
+                             fused=False)
+    u.load_state_dict(t.state_dict())
+    u.param_groups[0]["lr"].fill_(3e-5)
+    assert float(t.param_groups[0]["lr"]) == float(torch.tensor(1e-4))
