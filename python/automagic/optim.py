@@ -275,6 +275,13 @@ def _group_key(group: dict):
     return vals if all(type(v) is float or type(v) is int for v in vals) else None
 
 
+def _add_automagic_entry(opt, sd: dict) -> None:
+    """A state_dict post hook, registered first: the front end's own entry
+    (a module function, so that the optimizer's hook dict holds no
+    reference to it)."""
+    sd["automagic"] = opt._automagic_entry()
+
+
 def _weak_on_close(opt):
     """opt._on_step_closed through a weak reference: a bound method kept by
     opt's BackwardSteps made a cycle, so a dropped optimizer lived (and its
@@ -407,6 +414,7 @@ class Automagic3(torch.optim.Optimizer):
                         weight_decay=weight_decay)
         try:
             super().__init__(params, defaults)
+            self.register_state_dict_post_hook(_add_automagic_entry, prepend=True)
         except BaseException:
             # torch adds the groups one at a time, each registering its
             # hooks: a group refused after others leaves no hook behind
@@ -1463,23 +1471,21 @@ class Automagic3(torch.optim.Optimizer):
 
     # ----------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
-        # torch's state_dict post hooks run after the "automagic" entry is
-        # added (they ran before it: a hook could neither see nor change it)
-        hooks = self._optimizer_state_dict_post_hooks
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        try:
-            sd = super().state_dict()
-        finally:
-            self._optimizer_state_dict_post_hooks = hooks
-        sd["automagic"] = dict(format=_STATE_DICT_FORMAT, seed=self.seed,
-                               nonfinite_skips=self.nonfinite_skips,
-                               skipped_by_param=dict(self._skipped), micro_step=self._micro,
-                               deferred=sorted(self._deferred))
-        for hook in list(hooks.values()):
-            result = hook(self, sd)
-            if result is not None:
-                sd = result
+        # The "automagic" entry is added by a state_dict post hook registered
+        # first (_add_automagic_entry), so that the user's post hooks see it
+        # (they ran before it was added: found by a review, twenty-third
+        # session; a first fix swapped the hook dict out during the call,
+        # and two threads' calls at once lost the hooks for good).
+        sd = super().state_dict()
+        if isinstance(sd, dict) and "automagic" not in sd:
+            _add_automagic_entry(self, sd)  # (the hook removed by hand)
         return sd
+
+    def _automagic_entry(self) -> dict:
+        return dict(format=_STATE_DICT_FORMAT, seed=self.seed,
+                    nonfinite_skips=self.nonfinite_skips,
+                    skipped_by_param=dict(self._skipped), micro_step=self._micro,
+                    deferred=sorted(self._deferred))
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads our state_dict or one saved by the reference class.
@@ -1593,6 +1599,7 @@ class Automagic3(torch.optim.Optimizer):
         d.setdefault("batch_updates", True)  # pickled before these were kept
         d["_fused_batch_bytes"] = d.pop("fused_batch_bytes", 4 << 20)
         super().__setstate__(d)
+        self.register_state_dict_post_hook(_add_automagic_entry, prepend=True)
         self._init_runtime()
         self._micro, self._deferred = extra["micro"], extra["deferred"]
         self._warned, self._skipped = extra["warned"], extra["skipped"]

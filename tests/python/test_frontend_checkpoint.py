@@ -405,3 +405,23 @@ def test_scale_schedule_load_keeps_the_factor_and_copies_a_tensor_lr():
     u.load_state_dict(t.state_dict())
     u.param_groups[0]["lr"].fill_(3e-5)
     assert float(t.param_groups[0]["lr"]) == float(torch.tensor(1e-4))
+
+
+def test_state_dict_hooks_survive_two_threads_at_once():
+    # a first fix swapped the hook dict out during state_dict(): two threads'
+    # calls at once lost the post hooks for good
+    import threading
+    import time
+    m = torch.nn.Linear(5, 3)
+    opt = automagic.Automagic3(m.parameters(), fused=False)
+    ran = []
+    opt.register_state_dict_pre_hook(lambda o: time.sleep(0.2))
+    opt.register_state_dict_post_hook(lambda o, sd: ran.append("automagic" in sd))
+    ts = [threading.Thread(target=opt.state_dict) for _ in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert ran == [True, True]
+    opt.state_dict()
+    assert ran == [True, True, True]
