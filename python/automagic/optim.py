@@ -412,6 +412,9 @@ class Automagic3(torch.optim.Optimizer):
         defaults = dict(lr=lr, min_lr=min_lr, max_lr=max_lr, lr_bump_rate=lr_bump_rate,
                         beta2=beta2, eps=eps, clip_threshold=clip_threshold,
                         weight_decay=weight_decay)
+        for k, v in defaults.items():  # (numpy scalars as floats: see add_param_group)
+            if type(v) not in (int, float) and is_real_number(v):
+                defaults[k] = float(v)
         try:
             super().__init__(params, defaults)
             self.register_state_dict_post_hook(_add_automagic_entry, prepend=True)
@@ -521,6 +524,12 @@ class Automagic3(torch.optim.Optimizer):
             params = [params[i] for i in keep]
             tensors = [tensors[i] for i in keep]
         param_group["params"] = params
+        # numpy scalars and other numbers.Real as plain floats: kept as they
+        # were, a state_dict did not load under torch.load(weights_only=True)
+        for name in _lib.HPARAM_NAMES:
+            v = param_group.get(name)
+            if type(v) not in (int, float) and is_real_number(v):
+                param_group[name] = float(v)
         probe = dict(param_group)
         for k, v in self.defaults.items():
             probe.setdefault(k, v)

@@ -494,6 +494,13 @@ def test_numpy_and_fraction_hyperparameters_are_numbers():
     ref = [p.detach().clone().requires_grad_() for p in ps]
     opt = automagic.Automagic3(ps, lr=np.float32(1e-4), weight_decay=np.float32(0.01),
                                beta2=fractions.Fraction(999, 1000), fused=False)
+    # stored as floats: the state_dict loads under weights_only=True (a
+    # group value a script sets later stays what it sets, as in torch.optim)
+    import io
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    torch.load(buf, weights_only=True)
     twin = automagic.Automagic3(ref, lr=float(np.float32(1e-4)),
                                 weight_decay=float(np.float32(0.01)), beta2=0.999, fused=False)
     for o, qs in ((opt, ps), (twin, ref)):
