@@ -67,14 +67,15 @@ def _state_sizes(t: torch.Tensor) -> _lib.StateSizes:
     return sizes
 
 
-def _check_plan_inputs(p: torch.Tensor, state: dict) -> None:
+def _check_plan_inputs(p: torch.Tensor, state: dict, same_device: bool = True) -> None:
     """Raises AutomagicError unless the C library may write p's memory and
     its state tensors as p's update: the state tensors' shapes are the C
     update's sizes for p's shape, their dtypes those the C state holds, and
     p has no element that aliases another. Runs whenever the C view of a
     parameter is (re)built: p.data replaced by a tensor of another shape, or
     a state tensor replaced, gave the library buffers smaller than it
-    writes (heap corruption)."""
+    writes (heap corruption). same_device=False: state tensors may be on
+    another device (a CUDA parameter's, moved at its update)."""
     _refuse_subclass(p, "Automagic3: a parameter of shape %s" % (tuple(p.shape),),
                      AutomagicError)
     if _has_internal_overlap(p):
@@ -87,7 +88,7 @@ def _check_plan_inputs(p: torch.Tensor, state: dict) -> None:
         t = state.get(key)
         want = torch.uint8 if key == "polarity" else torch.float32
         if (not isinstance(t, torch.Tensor) or t.dtype != want or tuple(t.shape) != shape
-                or t.device != p.device or not t.is_contiguous()):
+                or (same_device and t.device != p.device) or not t.is_contiguous()):
             got = ("a %s tensor of shape %s on %s%s" % (
                 t.dtype, tuple(t.shape), t.device, "" if t.is_contiguous() else
                 " (not contiguous)") if isinstance(t, torch.Tensor) else repr(type(t).__name__))
@@ -1017,6 +1018,9 @@ class Automagic3(torch.optim.Optimizer):
         if not state:
             self._start_lr(group)  # (the state is created whole at the update)
             return
+        if p.is_cuda:  # (its state may still be on the CPU: moved at its update)
+            _check_plan_inputs(p, state, same_device=False)
+            return
         index = self._param_index.get(p)
         plan = self._plans.get(index) if index is not None else None
         if plan is None or plan.sig != _plan_signature(p, state, self.seed):
@@ -1329,8 +1333,10 @@ class Automagic3(torch.optim.Optimizer):
             # session). One batch call prepares every view before it runs.
             for group, ps in todo:
                 for p in ps:
-                    if not p.is_cuda:
-                        self._precheck_plan(p, group)
+                    # CUDA parameters too (they were refused only at their
+                    # update, after earlier ones had been updated; found by
+                    # a review, twenty-third session)
+                    self._precheck_plan(p, group)
         if swapped:
             self._warn_once("swapped", "a parameter's tensor was swapped (torch.utils."
                             "swap_tensors: model.to()/half() under torch.__future__."
