@@ -76,29 +76,6 @@ def test_another_library_is_refused_by_name():
     assert out.count("MSG") == 2 and "is not libautomagic_cuda" in out, out
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
-def test_without_a_device_the_update_fails_cleanly(monkeypatch):
-    # The whole marshalling path of _cuda.update_param down to the C call, on
-    # CPU tensors posing as CUDA ones: the first kernel launch fails (no
-    # device), the error quotes CUDA and nothing is modified.
-    if _cuda._load() is None:
-        pytest.skip(_cuda.unavailable_reason())
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream",
-                        lambda d=None: types.SimpleNamespace(cuda_stream=0))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
-    p = torch.nn.Parameter(torch.randn(4, 6))
-    opt = automagic.Automagic3([p], fused=False)
-    before = p.detach().clone()
-    p.grad = torch.randn(4, 6)
-    with pytest.raises(automagic.AutomagicError, match=r"CUDA update .* failed: .*CUDA error"):
-        _cuda.update_param(opt, p, opt.param_groups[0], automagic.AutomagicError)
-    assert torch.equal(p.detach(), before)
-    assert int(opt.state[p]["step"]) == 0
-    assert not opt.state[p]["polarity"].any()
-
-
 def _posing_as_cuda(monkeypatch, capturing):
     """The CUDA glue on CPU tensors (as above), a capture or not."""
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
@@ -108,15 +85,36 @@ def _posing_as_cuda(monkeypatch, capturing):
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
 
 
-def test_a_captured_first_update_is_refused_before_any_state(monkeypatch):
-    # in a CUDA graph capture the state's fills and moves were recorded (never
-    # run, or run again at every replay) before the capture was looked at
+def _posed_param(monkeypatch, capturing=False):
+    """(p, opt): a (4, 6) CPU parameter with a gradient, posing as a CUDA one
+    (_posing_as_cuda), in a step-mode optimizer; skips without the library."""
     if _cuda._load() is None:
         pytest.skip(_cuda.unavailable_reason())
-    _posing_as_cuda(monkeypatch, capturing=True)
+    _posing_as_cuda(monkeypatch, capturing)
     p = torch.nn.Parameter(torch.randn(4, 6))
     opt = automagic.Automagic3([p], fused=False)
     p.grad = torch.randn(4, 6)
+    return p, opt
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_without_a_device_the_update_fails_cleanly(monkeypatch):
+    # The whole marshalling path of _cuda.update_param down to the C call, on
+    # CPU tensors posing as CUDA ones: the first kernel launch fails (no
+    # device), the error quotes CUDA and nothing is modified.
+    p, opt = _posed_param(monkeypatch)
+    before = p.detach().clone()
+    with pytest.raises(automagic.AutomagicError, match=r"CUDA update .* failed: .*CUDA error"):
+        _cuda.update_param(opt, p, opt.param_groups[0], automagic.AutomagicError)
+    assert torch.equal(p.detach(), before)
+    assert int(opt.state[p]["step"]) == 0
+    assert not opt.state[p]["polarity"].any()
+
+
+def test_a_captured_first_update_is_refused_before_any_state(monkeypatch):
+    # in a CUDA graph capture the state's fills and moves were recorded (never
+    # run, or run again at every replay) before the capture was looked at
+    p, opt = _posed_param(monkeypatch, capturing=True)
     with pytest.raises(automagic.AutomagicError, match="first update of a parameter"):
         _cuda.update_param(opt, p, opt.param_groups[0], automagic.AutomagicError)
     assert not opt.state.get(p)
@@ -125,13 +123,8 @@ def test_a_captured_first_update_is_refused_before_any_state(monkeypatch):
 def test_cuda_path_checks_hyperparameter_types(monkeypatch):
     # a string weight decay reached the C call on the CUDA path (the CPU path
     # refuses it by name)
-    if _cuda._load() is None:
-        pytest.skip(_cuda.unavailable_reason())
-    _posing_as_cuda(monkeypatch, capturing=False)
-    p = torch.nn.Parameter(torch.randn(4, 6))
-    opt = automagic.Automagic3([p], fused=False)
+    p, opt = _posed_param(monkeypatch)
     opt.param_groups[0]["weight_decay"] = "0.1"
-    p.grad = torch.randn(4, 6)
     with pytest.raises(automagic.AutomagicError, match="weight_decay must be a number"):
         _cuda.update_param(opt, p, opt.param_groups[0], automagic.AutomagicError)
     assert not opt.state.get(p)

@@ -39,6 +39,21 @@ class _Interrupt:
         return status
 
 
+def _interrupt_after_copy_into(monkeypatch, target):
+    """Raises KeyboardInterrupt right after the first copy_ into target
+    (where Python raises a signal that arrived during that copy)."""
+    real_copy = torch.Tensor.copy_
+    armed = {"on": True}
+
+    def copy_(self, src, *a, **k):
+        out = real_copy(self, src, *a, **k)
+        if armed["on"] and self is target:
+            armed["on"] = False
+            raise KeyboardInterrupt
+        return out
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+
+
 def _same_state(o1, ps1, o2, ps2):
     for p1, p2 in zip(ps1, ps2):
         assert torch.equal(p1, p2)
@@ -114,16 +129,7 @@ def test_interrupt_inside_the_finish_completes_it(monkeypatch, where):
             return out
         monkeypatch.setattr(optim, "_unscaled_lrs", boom)
     else:
-        real_copy = torch.Tensor.copy_
-        state = {"armed": True}
-
-        def copy_once(self, src, *a, **k):
-            out = real_copy(self, src, *a, **k)
-            if state["armed"] and self is ps1[0]:
-                state["armed"] = False
-                raise KeyboardInterrupt
-            return out
-        monkeypatch.setattr(torch.Tensor, "copy_", copy_once)
+        _interrupt_after_copy_into(monkeypatch, ps1[0])
     with pytest.raises(KeyboardInterrupt):
         _step(o1, ps1, 2, 5e-7)
     monkeypatch.undo()
@@ -236,17 +242,8 @@ def test_interrupt_right_after_the_lrs_are_scaled(monkeypatch, batch):
     o1.batch_updates = o2.batch_updates = batch
     _step(o1, ps1, 1)
     _step(o2, ps2, 1)
-    target = o1.state[ps1[1]]["lr"]  # the second parameter's: the first is prepared
-    real_copy = torch.Tensor.copy_
-    armed = {"on": True}
-
-    def copy_(self, src, *a, **k):
-        out = real_copy(self, src, *a, **k)
-        if armed["on"] and self is target:
-            armed["on"] = False
-            raise KeyboardInterrupt
-        return out
-    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    # the second parameter's lrs: the first one's call is prepared by then
+    _interrupt_after_copy_into(monkeypatch, o1.state[ps1[1]]["lr"])
     with pytest.raises(KeyboardInterrupt):
         _step(o1, ps1, 2, 5e-7)
     monkeypatch.undo()
