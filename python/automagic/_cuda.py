@@ -247,26 +247,36 @@ def update_param(opt, p: torch.Tensor, group: dict, error_cls) -> None:
         hp, lr_before = _scaled_hparams(group, state, scale)
         key = _lib.RngKey(opt.seed, opt._index_of(p) & 0xFFFFFFFF)
         _lib.clear_message()
-        if lr_before is not None:
-            _scale_lrs(state, scale)
-        status = lib.am_update_cuda(ctypes.byref(pt), ctypes.byref(gt), ctypes.byref(st),
-                                    step.data_ptr(), ctypes.byref(hp), key,
-                                    buf.ws.data_ptr(), buf.ws.numel(),
-                                    stream.cuda_stream, buf.report.data_ptr())
-        if status < 0:
+        try:
+            if lr_before is not None:
+                _scale_lrs(state, scale)
+            status = lib.am_update_cuda(ctypes.byref(pt), ctypes.byref(gt), ctypes.byref(st),
+                                        step.data_ptr(), ctypes.byref(hp), key,
+                                        buf.ws.data_ptr(), buf.ws.numel(),
+                                        stream.cuda_stream, buf.report.data_ptr())
+            if status < 0:
+                raise error_cls("Automagic3: CUDA update of a parameter of shape %s on %s "
+                                "failed: %s" % (tuple(p.shape), p.device,
+                                                _lib.last_message()
+                                                or lib.am_status_string(status).decode()))
+            dev_status = buf.report[:4].view(torch.int32)[0]
+            if lr_before is not None:
+                # As the CPU (_unscaled_lrs: Python-scalar arithmetic, no
+                # copy from the host and no wait for the GPU), only where
+                # applied.
+                state["lr"].copy_(torch.where(dev_status == 0,
+                                              _unscaled_lrs(state["lr"], lr_before, scale),
+                                              lr_before))
+                lr_before = None
+        except BaseException:
+            # a failed call, or an interrupt before the lrs were divided
+            # back: never left scaled (after an interrupt that came once the
+            # kernels were queued, the update applies with this step's lr
+            # and the stored lrs are those before it: one bump lost; found
+            # by a review, by reading: no GPU here)
             if lr_before is not None:
                 state["lr"].copy_(lr_before)
-            raise error_cls("Automagic3: CUDA update of a parameter of shape %s on %s "
-                            "failed: %s" % (tuple(p.shape), p.device,
-                                            _lib.last_message()
-                                            or lib.am_status_string(status).decode()))
-        dev_status = buf.report[:4].view(torch.int32)[0]
-        if lr_before is not None:
-            # As the CPU (_unscaled_lrs: Python-scalar arithmetic, no copy
-            # from the host and no wait for the GPU), only where applied.
-            state["lr"].copy_(torch.where(dev_status == 0,
-                                          _unscaled_lrs(state["lr"], lr_before, scale),
-                                          lr_before))
+            raise
         if opt.nonfinite == "raise":
             code = int(dev_status.item())  # synchronises: raise mode only
             if code != _lib.OK:

@@ -978,12 +978,14 @@ class Automagic3(torch.optim.Optimizer):
         and hsig _hsig(group). step() calls it directly for each parameter
         after checking them all (the fixed cost per parameter is most of a
         small tensor's update)."""
-        call = self._prepare_calls([(p, group, scale, hsig)])[0]
-        s0 = call[1].st.step  # (the state's step, set by _prepare_calls)
+        calls = []
         try:
-            self._apply_call(call)
+            # (prepared inside: an interrupt as _prepare_calls returns left
+            # scaled lrs out of _settle's reach; found by a review)
+            self._prepare_calls([(p, group, scale, hsig)], calls)
+            self._apply_call(calls[0])
         except BaseException:
-            self._settle([call], [s0])
+            self._settle(calls)
             raise
 
     def _apply_call(self, call) -> None:
@@ -1026,16 +1028,16 @@ class Automagic3(torch.optim.Optimizer):
         if plan is None or plan.sig != _plan_signature(p, state, self.seed):
             _check_plan_inputs(p, state)
 
-    def _prepare_calls(self, jobs) -> list:
+    def _prepare_calls(self, jobs, calls: list) -> list:
         """The C views of the updates of jobs [(p, group, scale, hsig)],
-        pointed at their data: a call (p, plan, target, grad, hp, lr_before,
-        state, scale) each; grad and target must stay alive until the update
-        has run. A parameter's _Plan is rebuilt whenever anything it holds may
+        pointed at their data, appended to calls (and returned): a call (p,
+        plan, target, grad, hp, lr_before, state, scale, the state's step
+        before the update) each; grad and target must stay alive until the
+        update has run. A parameter's _Plan is rebuilt whenever anything it holds may
         have changed (p.data replaced, state tensors replaced or moved, the
         seed), its hyperparameters when the group's values (hsig) changed.
         One loop with its names local, no call per parameter: this runs for
         every parameter at every step (2.4 -> 1.6 us a parameter)."""
-        calls = []
         try:
             self._prepare_into(jobs, calls)
         except BaseException:
@@ -1079,20 +1081,20 @@ class Automagic3(torch.optim.Optimizer):
             gt = plan.gt
             gt.data = grad.data_ptr()
             gt.dtype = _DTYPES[grad.dtype]
-            plan.st.step = int(state["step"])
+            s0 = plan.st.step = int(state["step"])
             if scale == 1.0 or scale == 0.0:
-                calls.append((p, plan, target, grad, plan.hp, None, state, scale))
+                calls.append((p, plan, target, grad, plan.hp, None, state, scale, s0))
             else:
                 hp, lr_before = _scaled_hparams(group, state, scale)
-                calls.append((p, plan, target, grad, hp, lr_before, state, scale))
-                _scale_lrs(state, scale)  # (recorded first: _prepare_calls' rollback)
+                calls.append((p, plan, target, grad, hp, lr_before, state, scale, s0))
+                _scale_lrs(state, scale)  # (recorded first: the rollbacks find it)
 
     @staticmethod
     def _finish_ok(call) -> None:
         """After the update of a call of _prepare_calls succeeded: the lrs
         back to their unscaled values, the step, the parameter from its copy;
         the caller bumps p's autograd version and drops p.grad."""
-        p, plan, target, _, _, lr_before, state, scale = call
+        p, plan, target, _, _, lr_before, state, scale, _ = call
         # In this order, so that an interrupt anywhere leaves either the
         # step unrecorded and the stored lrs scaled (_settle then does all
         # of it again: the parameter's copy is copied again, the same
@@ -1107,7 +1109,7 @@ class Automagic3(torch.optim.Optimizer):
 
     def _finish_call(self, call, status: int) -> None:
         """After the update of a call of _prepare_calls returned status."""
-        p, plan, _, _, _, lr_before, state, _ = call
+        p, plan, _, _, _, lr_before, state, _, _ = call
         rep = plan.rep
         if status == _lib.OK:
             self._finish_ok(call)
@@ -1156,17 +1158,18 @@ class Automagic3(torch.optim.Optimizer):
         (step() and each of fused mode's batches of a step have their own),
         while the same plans and hyperparameters come in the same order
         (rebuilding them cost about 2 us per parameter)."""
-        calls = self._prepare_calls(jobs)
-        steps = [c[1].st.step for c in calls]  # (the states' steps, set by _prepare_calls)
+        calls = []
         try:
+            self._prepare_calls(jobs, calls)
             self._run_batch(jobs, calls, cache_key)
         except BaseException:
-            self._settle(calls, steps)
+            self._settle(calls)
             raise
 
-    def _settle(self, calls, recorded) -> None:
-        """After an exception escaped an update of calls (of _prepare_calls)
-        whose states recorded steps `recorded` before it: KeyboardInterrupt
+    def _settle(self, calls) -> None:
+        """After an exception escaped the preparation or the update of calls
+        (of _prepare_calls, each with the step its state recorded before it
+        as its last item): KeyboardInterrupt
         (raised when the C call returns, before the finish), MemoryError, or
         an error the finish raised on purpose. C advances a plan's step
         exactly when it applied the update: such an update not yet recorded
@@ -1177,8 +1180,8 @@ class Automagic3(torch.optim.Optimizer):
         the parameter updated, its step not advanced and its gradient kept,
         and a retry applied the gradient again with the same noise."""
         applied = []
-        for call, s0 in zip(calls, recorded):
-            p, plan, _, _, _, lr_before, state, _ = call
+        for call in calls:
+            p, plan, _, _, _, lr_before, state, _, s0 = call
             if plan.st.step == s0 + 1:  # applied (by this call or a retry of it)
                 if int(state["step"]) == s0:
                     self._finish_ok(call)  # (its step recorded last: see there)

@@ -250,3 +250,27 @@ def test_interrupt_right_after_the_lrs_are_scaled(monkeypatch, batch):
     o1.step()  # the retry (the gradients are still there)
     _step(o2, ps2, 2, 5e-7)
     _same_state(o1, ps1, o2, ps2)
+
+
+@pytest.mark.parametrize("batch", [True, False])
+def test_interrupt_as_the_preparation_returns(monkeypatch, batch):
+    # the preparation scales the stored lrs: an interrupt as it returned,
+    # before the update's try, left them scaled (a retry scaled them again)
+    ps1, ps2 = _params(), _params()
+    kw = dict(fused=False, lr_schedule="scale")
+    o1, o2 = automagic.Automagic3(ps1, **kw), automagic.Automagic3(ps2, **kw)
+    o1.batch_updates = o2.batch_updates = batch
+    _step(o1, ps1, 1)
+    _step(o2, ps2, 1)
+    real = automagic.Automagic3._prepare_calls
+
+    def prepare_then_interrupt(self, *args):
+        real(self, *args)
+        raise KeyboardInterrupt  # (as it returns)
+    monkeypatch.setattr(automagic.Automagic3, "_prepare_calls", prepare_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        _step(o1, ps1, 2, 5e-7)
+    monkeypatch.undo()
+    o1.step()
+    _step(o2, ps2, 2, 5e-7)
+    _same_state(o1, ps1, o2, ps2)
