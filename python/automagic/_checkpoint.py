@@ -191,7 +191,8 @@ def prepare_load(state_dict, groups, hparam_keys, polarity_bytes_of, restore_lr=
         ng = dict(g)
         for k, v in sg.items():
             if k != "params" and k not in hparam_keys and k != "lr":
-                ng[k] = v
+                # (a tensor copied, as torch.optim's load copies the groups)
+                ng[k] = v.detach().clone() if isinstance(v, torch.Tensor) else v
         if "initial_lr" in sg or (restore_lr and "lr" in sg):
             # a scheduler's lr, restored: a number >= 0 (a NaN or negative one
             # was restored and made every later update of a new row fail)

@@ -1495,7 +1495,8 @@ class Automagic3(torch.optim.Optimizer):
         # session; a first fix swapped the hook dict out during the call,
         # and two threads' calls at once lost the hooks for good).
         sd = super().state_dict()
-        if isinstance(sd, dict) and "automagic" not in sd:
+        if (isinstance(sd, dict) and "automagic" not in sd and _add_automagic_entry
+                not in self._optimizer_state_dict_post_hooks.values()):
             _add_automagic_entry(self, sd)  # (the hook removed by hand)
         return sd
 
@@ -1503,7 +1504,7 @@ class Automagic3(torch.optim.Optimizer):
         return dict(format=_STATE_DICT_FORMAT, seed=self.seed,
                     nonfinite_skips=self.nonfinite_skips,
                     skipped_by_param=dict(self._skipped), micro_step=self._micro,
-                    deferred=sorted(self._deferred))
+                    deferred=sorted(self._deferred), aligned_steps=self._aligned_steps)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads our state_dict or one saved by the reference class.
@@ -1546,6 +1547,15 @@ class Automagic3(torch.optim.Optimizer):
             skipped = {int(k): int(v) for k, v in extra.get("skipped_by_param", {}).items()}
             micro = int(extra.get("micro_step", 0))
             deferred = set(int(i) for i in extra.get("deferred", ()))
+            # whether the saved run's step() calls came at window ends (a
+            # resumed trainer's first step() may close a shorter window; the
+            # live value stays when the dict does not say: found by a review)
+            aligned = extra.get("aligned_steps")
+            if aligned is None:
+                aligned = self._aligned_steps
+            elif not isinstance(aligned, bool):
+                raise TypeError("aligned_steps must be true, false or null, got %r"
+                                % (aligned,))
         except (TypeError, ValueError, AttributeError) as e:
             raise CheckpointError("Automagic3: the state_dict's 'automagic' entry holds an "
                                   "invalid value (%s)" % e) from None
@@ -1587,7 +1597,10 @@ class Automagic3(torch.optim.Optimizer):
                 self._deferred = deferred
                 self._updated = set()
                 self._window_fired = set() if self._micro == 0 else None
-                self._aligned_steps, self._passes = None, 0  # (a new run's steps)
+                # (the passes since the last step() are not known: counted
+                # from here, so that a later step() is evidence only after a
+                # whole window between two step() calls of this run)
+                self._aligned_steps, self._passes = aligned, 0
             except BaseException:
                 for g, og in zip(self.param_groups, old_groups):
                     g.clear()
@@ -1610,10 +1623,12 @@ class Automagic3(torch.optim.Optimizer):
                     lr_schedule=self.lr_schedule, nonfinite_skips=self.nonfinite_skips,
                     batch_updates=self.batch_updates, fused_batch_bytes=self.fused_batch_bytes,
                     micro=self._micro, deferred=set(self._deferred),
-                    warned=set(self._warned), skipped=dict(self._skipped))
+                    warned=set(self._warned), skipped=dict(self._skipped),
+                    aligned=self._aligned_steps)
 
     def __setstate__(self, d: dict) -> None:
         extra = {k: d.pop(k) for k in ("micro", "deferred", "warned", "skipped")}
+        aligned = d.pop("aligned", None)  # (pickled before it was kept: not known)
         d.setdefault("batch_updates", True)  # pickled before these were kept
         d["_fused_batch_bytes"] = d.pop("fused_batch_bytes", 4 << 20)
         super().__setstate__(d)
@@ -1622,5 +1637,6 @@ class Automagic3(torch.optim.Optimizer):
         self._micro, self._deferred = extra["micro"], extra["deferred"]
         self._warned, self._skipped = extra["warned"], extra["skipped"]
         self._window_fired = set() if self._micro == 0 else None
+        self._aligned_steps, self._passes = aligned, 0  # (as load_state_dict)
         for group in self.param_groups:
             self._register_params(group)

@@ -425,3 +425,13 @@ def test_state_dict_hooks_survive_two_threads_at_once():
     assert ran == [True, True]
     opt.state_dict()
     assert ran == [True, True, True]
+
+
+def test_a_post_hook_may_drop_the_automagic_entry():
+    # (a hook handing the dict to the reference class): the entry was added
+    # again after the user's hooks
+    m = torch.nn.Linear(5, 3)
+    opt = automagic.Automagic3(m.parameters(), fused=False)
+    opt.register_state_dict_post_hook(
+        lambda o, sd: {k: v for k, v in sd.items() if k != "automagic"})
+    assert "automagic" not in opt.state_dict()
