@@ -160,7 +160,7 @@ class _Plan:
 
     __slots__ = ("sig", "pt", "gt", "st", "rep", "pt_ref", "gt_ref", "st_ref", "rep_ref",
                  "key", "workspace_bytes", "hp", "hsig", "item", "item_hp", "item_ws",
-                 "held")
+                 "held", "final_lrs")
 
     def __init__(self, p: torch.Tensor, state: dict, sig: tuple, key) -> None:
         self.sig = sig
@@ -184,6 +184,9 @@ class _Plan:
         self.item = (_lib.BatchItem * 1)()
         self.item_hp = None
         self.item_ws = None
+        # the unscaled lrs a finish under lr_schedule="scale" is storing
+        # (_finish_ok), for _settle to store again
+        self.final_lrs = None
 
 
 # am_batch_item.status as an int32 word of the item (_apply_batch reads all
@@ -1098,14 +1101,16 @@ class Automagic3(torch.optim.Optimizer):
         # In this order, so that an interrupt anywhere leaves either the
         # step unrecorded and the stored lrs scaled (_settle then does all
         # of it again: the parameter's copy is copied again, the same
-        # values) or everything done: Python checks for signals when a call
-        # returns, never between the step's store and the lrs' copy_.
+        # values), or the step recorded with the unscaled lrs kept in
+        # plan.final_lrs until they are stored (_settle stores them again).
         lrs = _unscaled_lrs(state["lr"], lr_before, scale) if lr_before is not None else None
         if target is not p and scale != 0.0:
             p.copy_(target)
+        plan.final_lrs = lrs
         state["step"] = plan.st.step
         if lrs is not None:
             state["lr"].copy_(lrs)
+        plan.final_lrs = None
 
     def _finish_call(self, call, status: int) -> None:
         """After the update of a call of _prepare_calls returned status."""
@@ -1185,6 +1190,9 @@ class Automagic3(torch.optim.Optimizer):
             if plan.st.step == s0 + 1:  # applied (by this call or a retry of it)
                 if int(state["step"]) == s0:
                     self._finish_ok(call)  # (its step recorded last: see there)
+                elif plan.final_lrs is not None:  # recorded, its lrs maybe not
+                    state["lr"].copy_(plan.final_lrs)
+                    plan.final_lrs = None
                 p.grad = None
                 applied.append(p)
             elif lr_before is not None and int(state["step"]) == s0:

@@ -274,3 +274,67 @@ def test_interrupt_as_the_preparation_returns(monkeypatch, batch):
     o1.step()
     _step(o2, ps2, 2, 5e-7)
     _same_state(o1, ps1, o2, ps2)
+
+
+@pytest.mark.parametrize("schedule", ["scale", "ignore"])
+@pytest.mark.parametrize("batch", [True, False])
+def test_an_interrupt_at_any_line_of_a_step(schedule, batch):
+    # A line tracer raises KeyboardInterrupt at the k-th line the package
+    # runs during a step, for every k; step() is then called again with the
+    # gradients still there. The result must be one clean step's, bit for
+    # bit. (The tracer raises where Python itself would not check for
+    # signals, between two stores say: a stricter test than Ctrl-C.)
+    import os
+    import sys
+    pkg = os.path.dirname(automagic.__file__)
+
+    def run(k):
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(5, 7)), torch.nn.Parameter(torch.randn(6)),
+              torch.nn.Parameter(torch.randn(3, 4, dtype=torch.bfloat16)),
+              torch.nn.Parameter(torch.randn(7, 4).t())]  # (updated in a copy)
+        opt = automagic.Automagic3(ps, fused=False, lr_schedule=schedule)
+        opt.batch_updates = batch
+        g = torch.Generator().manual_seed(1)
+        for step in range(2):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+            if step == 0:
+                opt.step()  # (states made; the step under test comes next)
+        opt.param_groups[0]["lr"] = 5e-7  # (a schedule's factor under "scale")
+        count = {"n": 0, "fired": False}
+
+        def line(frame, event, arg):
+            if event == "line" and not count["fired"]:
+                count["n"] += 1
+                if count["n"] == k:
+                    count["fired"] = True
+                    raise KeyboardInterrupt
+            return line
+
+        def call(frame, event, arg):
+            return line if frame.f_code.co_filename.startswith(pkg) else None
+        if k:
+            sys.settrace(call)
+            try:
+                opt.step()
+            except KeyboardInterrupt:
+                pass
+            finally:
+                sys.settrace(None)
+        opt.step()  # (the retry; the whole step when k == 0)
+        out = [p.detach().clone() for p in ps]
+        for p in ps:
+            out += [v if isinstance(v, torch.Tensor) else torch.tensor(v)
+                    for _, v in sorted(opt.state[p].items())]
+        return out, count["fired"]
+    ref, _ = run(0)
+    k, bad = 1, []
+    while True:
+        got, fired = run(k)
+        if not fired:
+            break
+        if not all(torch.equal(a, b) for a, b in zip(ref, got)):
+            bad.append(k)
+        k += 1
+    assert k > 100 and not bad, (k, bad)
