@@ -1401,7 +1401,8 @@ class Automagic3(torch.optim.Optimizer):
                     or (is_real_number(lr) and lr == 0)):
                 return False
         ps = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if (not ps or any(self.state.get(p) for p, _ in ps)
+        # (no parameter with state at all: torch's own test before it steps)
+        if (not ps or any(st for st in self.state.values())
                 or any(p.grad.layout != torch.strided or bool(p.grad.any()) for p, _ in ps)):
             return False
         with self._steps.lock:

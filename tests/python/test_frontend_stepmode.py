@@ -219,3 +219,15 @@ def test_distributed_checkpoint_initialisation_updates_nothing(fused):
         assert torch.equal(a, b)
         assert o1.state[a]["step"] == o2.state[b]["step"] == 5
         assert torch.equal(o1.state[a]["lr"], o2.state[b]["lr"])
+    # only an optimizer with no state at all (torch's own test): a new
+    # parameter's zero-gradient step beside one with state is an update
+    new = torch.nn.Parameter(torch.randn(3, 4))
+    o2.add_param_group({"params": [new]})
+    for g in o2.param_groups:
+        g["lr"] = 0.0
+    new.grad = torch.zeros_like(new)
+    o2.step()
+    if fused:  # (a hooked parameter's hand-set gradient is left alone)
+        assert not o2.state.get(new)
+    else:
+        assert o2.state[new]["step"] == 1
