@@ -231,17 +231,24 @@ def test_interrupt_during_load_state_dict_changes_nothing_or_all(monkeypatch):
     assert [opt.state[p]["step"] for p in ps] == [1] * len(ps)
 
 
-@pytest.mark.parametrize("batch", [True, False])
-def test_interrupt_right_after_the_lrs_are_scaled(monkeypatch, batch):
-    # lr_schedule="scale" multiplies the stored lrs before the C call: an
-    # interrupt right after that copy, before the call was recorded for the
-    # rollback, left them scaled, and the retry scaled them again
+def _scaled_twins(batch):
+    """Two identical step-mode optimizers under lr_schedule="scale", one
+    step taken by each: (ps1, o1, ps2, o2)."""
     ps1, ps2 = _params(), _params()
     kw = dict(fused=False, lr_schedule="scale")
     o1, o2 = automagic.Automagic3(ps1, **kw), automagic.Automagic3(ps2, **kw)
     o1.batch_updates = o2.batch_updates = batch
     _step(o1, ps1, 1)
     _step(o2, ps2, 1)
+    return ps1, o1, ps2, o2
+
+
+@pytest.mark.parametrize("batch", [True, False])
+def test_interrupt_right_after_the_lrs_are_scaled(monkeypatch, batch):
+    # lr_schedule="scale" multiplies the stored lrs before the C call: an
+    # interrupt right after that copy, before the call was recorded for the
+    # rollback, left them scaled, and the retry scaled them again
+    ps1, o1, ps2, o2 = _scaled_twins(batch)
     # the second parameter's lrs: the first one's call is prepared by then
     _interrupt_after_copy_into(monkeypatch, o1.state[ps1[1]]["lr"])
     with pytest.raises(KeyboardInterrupt):
@@ -256,12 +263,7 @@ def test_interrupt_right_after_the_lrs_are_scaled(monkeypatch, batch):
 def test_interrupt_as_the_preparation_returns(monkeypatch, batch):
     # the preparation scales the stored lrs: an interrupt as it returned,
     # before the update's try, left them scaled (a retry scaled them again)
-    ps1, ps2 = _params(), _params()
-    kw = dict(fused=False, lr_schedule="scale")
-    o1, o2 = automagic.Automagic3(ps1, **kw), automagic.Automagic3(ps2, **kw)
-    o1.batch_updates = o2.batch_updates = batch
-    _step(o1, ps1, 1)
-    _step(o2, ps2, 1)
+    ps1, o1, ps2, o2 = _scaled_twins(batch)
     real = automagic.Automagic3._prepare_calls
 
     def prepare_then_interrupt(self, *args):
