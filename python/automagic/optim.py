@@ -1031,31 +1031,20 @@ class Automagic3(torch.optim.Optimizer):
         if plan is None or plan.sig != _plan_signature(p, state, self.seed):
             _check_plan_inputs(p, state)
 
-    def _prepare_calls(self, jobs, calls: list) -> list:
+    def _prepare_calls(self, jobs, calls: list) -> None:
         """The C views of the updates of jobs [(p, group, scale, hsig)],
-        pointed at their data, appended to calls (and returned): a call (p,
+        pointed at their data, appended to calls: a call (p,
         plan, target, grad, hp, lr_before, state, scale, the state's step
         before the update) each; grad and target must stay alive until the
         update has run. A parameter's _Plan is rebuilt whenever anything it holds may
         have changed (p.data replaced, state tensors replaced or moved, the
         seed), its hyperparameters when the group's values (hsig) changed.
         One loop with its names local, no call per parameter: this runs for
-        every parameter at every step (2.4 -> 1.6 us a parameter)."""
-        try:
-            self._prepare_into(jobs, calls)
-        except BaseException:
-            # a later job refused (its state or p.data changed): the lrs of
-            # the earlier ones back from their schedule's scaling (they were
-            # left scaled, once more at every retry; found by a review,
-            # twenty-second session)
-            for call in calls:
-                if call[5] is not None:
-                    call[6]["lr"].copy_(call[5])
-            raise
-        return calls
-
-    def _prepare_into(self, jobs, calls) -> None:
-        """_prepare_calls' loop, appending to calls as it goes."""
+        every parameter at every step (2.4 -> 1.6 us a parameter). A job
+        refused midway (its state or p.data changed) raises; the callers'
+        _settle puts the lrs of the calls already prepared back from their
+        schedule's scaling (they were left scaled, once more at every retry;
+        found by a review, twenty-second session)."""
         state_of, plans, index_of, seed = self.state, self._plans, self._param_index, self.seed
         for p, group, scale, hsig in jobs:
             grad = p.grad
