@@ -314,7 +314,14 @@ int main(int argc, char **argv) {
     int r, rc = parse_args(argc, argv, &a);
     FILE *f;
 
-    if (rc != 0) return rc > 0 ? 0 : 2;
+    if (rc > 0) { /* --help: its text written, or exit code 1 as for any failed output */
+        if (fflush(stdout) != 0 || ferror(stdout)) {
+            fprintf(stderr, "amdemo: writing the standard output failed\n");
+            return 1;
+        }
+        return 0;
+    }
+    if (rc < 0) return 2;
     if (select_runs(a.runs, specs, NRUNS, sel) < 0) return 2;
     for (r = 0; r < NRUNS; r++)
         if (sel[r]) chosen[nrun++] = specs[r];
