@@ -378,9 +378,13 @@ class Automagic3(torch.optim.Optimizer):
         if not (is_real_number(lr) or (
                 isinstance(lr, torch.Tensor) and lr.numel() == 1 and lr.is_floating_point())):
             raise TypeError("Automagic3: lr must be a number, got %r" % (lr,))
-        if float(lr) > 1e-3:
-            warnings.warn("Automagic3: start lr %g is very high; forcing to 1e-6 "
-                          "(as the reference does)" % lr, stacklevel=2)
+        # compared as the reference compares it, in lr's own type: a float32
+        # tensor or numpy float32 of 1e-3 is not above 1e-3 there (as a
+        # Python float it is 1.0000000475e-3, and was forced; found by a
+        # review, twenty-fourth session)
+        if bool(lr > 1e-3):
+            warnings.warn("Automagic3: start lr %.9g is very high; forcing to 1e-6 "
+                          "(as the reference does)" % float(lr), stacklevel=2)
             lr = 1e-6
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64:
             raise ValueError("Automagic3: seed must be an int in [0, 2**64), got %r" % (seed,))

@@ -356,6 +356,22 @@ def test_lr_at_the_threshold_is_kept(make_reference, recwarn):
     assert not [w for w in recwarn if "forcing" in str(w.message)]
 
 
+def test_float32_lr_at_the_threshold_is_kept_as_the_reference_keeps_it(make_reference,
+                                                                        recwarn):
+    """The reference compares lr > 1e-3 in lr's own type: a float32 tensor
+    of 1e-3 (1.0000000475e-3 as a Python float) is not above it there."""
+    for lr in (torch.tensor(1e-3), torch.tensor([1e-3])):
+        ours = automagic.Automagic3([torch.zeros(2, requires_grad=True)], lr=lr)
+        ref = make_reference([torch.zeros(2, requires_grad=True)], lr=lr)
+        assert float(ours.param_groups[0]["lr"]) == float(ref.param_groups[0]["lr"]) \
+            == float(torch.tensor(1e-3))
+    assert not [w for w in recwarn if "forcing" in str(w.message)]
+    lr = torch.tensor(1.001e-3)
+    with pytest.warns(UserWarning, match=r"start lr 0\.00100100\d* is very high"):
+        ours = automagic.Automagic3([torch.zeros(2, requires_grad=True)], lr=lr)
+    assert ours.param_groups[0]["lr"] == 1e-6
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_named_parameters_duplicates_and_group_lr_as_the_reference(make_reference, fused):
     """Three things a script written for the reference does: pass
