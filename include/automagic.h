@@ -585,7 +585,9 @@ AM_API am_status am_optimizer_save_memory(const am_optimizer *opt, void *buf,
  * AM_ERR_NULL_POINTER, AM_ERR_IO (cannot open or read, not a regular file:
  * a FIFO or device is refused without waiting on it),
  * AM_ERR_OUT_OF_MEMORY, AM_ERR_FORMAT (not a valid checkpoint: corrupt,
- * truncated, wrong version, invalid values), AM_ERR_MISMATCH (valid, but its
+ * truncated, wrong version, invalid values; the checksum is checked before
+ * the file is compared with opt, so a damaged file is never called a
+ * mismatch), AM_ERR_MISMATCH (intact and valid, but its
  * parameter count, dtypes or shapes differ from opt's; or the file is larger
  * than any checkpoint of opt's parameters can be, refused before it is read:
  * their tensors' bytes plus 8 plus the 100 MiB header limit). The log
