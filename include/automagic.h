@@ -104,7 +104,9 @@ typedef enum am_status {
     AM_ERR_FORMAT = -10,         /* a file is not a valid checkpoint */
     AM_ERR_MISMATCH = -11,       /* a checkpoint does not match the
                                     registered parameters */
-    AM_ERR_UNSUPPORTED = -12,    /* not available in this build */
+    AM_ERR_UNSUPPORTED = -12,    /* not available in this build, or beyond
+                                    a documented limit (a checkpoint's
+                                    100 MiB header) */
     AM_ERR_DEVICE = -13          /* the GPU runtime reported an error */
 } am_status;
 

@@ -53,10 +53,9 @@ static int slot_count(int64_t n, int nthreads) {
 
 /* Checks item i as am_update would (no workspace); its am_update
  * workspace size in *ws. */
-static am_status check_item(const am_batch_item *it, int64_t i, int64_t *ws) {
-    AM_RETURN_IF(!it->param, AM_ERR_NULL_POINTER, "am_update_batch: item %lld: param is NULL",
-                 (long long)i);
-    /* on an error, am_update's message (the item's status says which) */
+static am_status check_item(const am_batch_item *it, int64_t *ws) {
+    AM_RETURN_IF(!it->param, AM_ERR_NULL_POINTER, "param is NULL");
+    /* on an error, am_update's message */
     return am_update_check(it->param, it->grad, it->state, it->hp, ws);
 }
 
@@ -165,13 +164,16 @@ static am_status check_overlap(const am_batch_item *items, int64_t n) {
 }
 
 /* Checks every item; the largest workspace of one update in *max_ws. */
-static am_status check_all(const am_batch_item *items, int64_t n, int64_t *max_ws,
-                           int64_t *err_item) {
+static am_status check_all(const char *fn, const am_batch_item *items, int64_t n,
+                           int64_t *max_ws, int64_t *err_item) {
     int64_t i;
     *max_ws = 0;
     for (i = 0; i < n; i++) {
         int64_t ws = 0;
-        const am_status s = check_item(&items[i], i, &ws);
+        am_status s;
+        am_log_item(fn, i); /* its messages say "<fn>: item i: " */
+        s = check_item(&items[i], &ws);
+        am_log_item(NULL, -1);
         if (s != AM_OK) {
             *err_item = i;
             return s;
@@ -208,7 +210,7 @@ am_status am_update_batch_workspace(const am_batch_item *items, int64_t n, int n
                  "am_update_batch_workspace: nthreads = %d < 1", nthreads);
     AM_RETURN_IF(n > 0 && !items, AM_ERR_NULL_POINTER,
                  "am_update_batch_workspace: items is NULL");
-    AM_CHECK(check_all(items, n, &max_ws, &err));
+    AM_CHECK(check_all("am_update_batch_workspace", items, n, &max_ws, &err));
     return batch_bytes(n, nthreads, max_ws, bytes);
 }
 
@@ -252,7 +254,7 @@ static am_status update_batch_impl(am_batch_item *items, int64_t n, void *worksp
     if (n == 0) return AM_OK;
     AM_RETURN_IF(!items, AM_ERR_NULL_POINTER, "am_update_batch: items is NULL");
     for (i = 0; i < n; i++) items[i].status = AM_ERR_INVALID_ARGUMENT; /* not run */
-    s = check_all(items, n, &max_ws, &err);
+    s = check_all("am_update_batch", items, n, &max_ws, &err);
     if (s == AM_OK) s = check_overlap(items, n);
     if (s != AM_OK) {
         if (err >= 0) items[err].status = s;

@@ -94,6 +94,12 @@ am_status am_optimizer_save(const am_optimizer *o, const char *path) {
     AM_RETURN_IF(!o, AM_ERR_NULL_POINTER, "am_optimizer_save: opt is NULL");
     AM_RETURN_IF(!path, AM_ERR_NULL_POINTER, "am_optimizer_save: path is NULL");
     AM_RETURN_IF(!*path, AM_ERR_INVALID_ARGUMENT, "am_optimizer_save: path is empty");
+    {   /* named as such: "dir/" was "writing dir/ failed: Not a directory"
+         * (the rename's error; found by a review, twenty-fourth session) */
+        struct stat sb;
+        AM_RETURN_IF(stat(path, &sb) == 0 && S_ISDIR(sb.st_mode), AM_ERR_IO,
+                     "am_optimizer_save: %s is a directory", path);
+    }
     plen = strlen(path);
     tmp = (char *)malloc(plen + 48);
     AM_RETURN_IF(!tmp, AM_ERR_OUT_OF_MEMORY, "am_optimizer_save: out of memory");

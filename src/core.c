@@ -6,6 +6,8 @@
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 int am_version_number(void) { return AM_VERSION_NUMBER; }
 
@@ -34,7 +36,7 @@ const char *am_status_string(am_status s) {
     case AM_ERR_IO: return "input/output error";
     case AM_ERR_FORMAT: return "invalid checkpoint format";
     case AM_ERR_MISMATCH: return "checkpoint does not match the parameters";
-    case AM_ERR_UNSUPPORTED: return "not supported by this build";
+    case AM_ERR_UNSUPPORTED: return "not supported (by this build, or beyond a documented limit)";
     case AM_ERR_DEVICE: return "device error";
     }
     return "unknown status";
@@ -68,6 +70,13 @@ am_status am_set_log_callback(am_log_fn fn, void *user) {
 }
 
 static _Thread_local int g_log_muted;
+static _Thread_local const char *g_log_fn_name;
+static _Thread_local int64_t g_log_index = -1;
+
+void am_log_item(const char *fn, int64_t index) {
+    g_log_fn_name = fn;
+    g_log_index = index;
+}
 
 int am_log_mute(int on) {
     const int was = g_log_muted;
@@ -75,15 +84,34 @@ int am_log_mute(int on) {
     return was;
 }
 
+/* A message longer than the stack buffer (a long path: the reason after it
+ * was cut off at 511 bytes; found by a review, twenty-fourth session) is
+ * formatted again into the heap; if that fails, the cut one ends in "...". */
 void am_log(am_log_level level, const char *fmt, ...) {
-    char buf[512];
+    char buf[512], *big = NULL;
     va_list ap;
+    int n;
     am_log_fn fn = g_log_fn;
+    int pre = 0;
     if (!fn || g_log_muted) return;
+    if (g_log_index >= 0)
+        pre = snprintf(buf, sizeof buf, "%s: item %lld: ", g_log_fn_name, (long long)g_log_index);
     va_start(ap, fmt);
-    vsnprintf(buf, sizeof buf, fmt, ap);
+    n = pre + vsnprintf(buf + pre, sizeof buf - (size_t)pre, fmt, ap);
     va_end(ap);
-    fn(level, buf, g_log_user);
+    if (n >= (int)sizeof buf) {
+        big = (char *)malloc((size_t)n + 1);
+        if (big) {
+            memcpy(big, buf, (size_t)pre);
+            va_start(ap, fmt);
+            vsnprintf(big + pre, (size_t)(n - pre) + 1, fmt, ap);
+            va_end(ap);
+        } else {
+            memcpy(buf + sizeof buf - 4, "...", 4);
+        }
+    }
+    fn(level, big ? big : buf, g_log_user);
+    free(big);
 }
 
 am_hparams am_hparams_default(void) {

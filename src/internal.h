@@ -28,6 +28,12 @@ void am_log(am_log_level level, const char *fmt, ...)
  * to one update at a time). */
 int am_log_mute(int on);
 
+/* Names the item (index >= 0; -1: none) that the calling thread's next
+ * messages are about: am_log prefixes them "<fn>: item <index>: " (fn a
+ * string literal). The batch's checks run am_update's, whose messages did
+ * not say which item they meant. */
+void am_log_item(const char *fn, int64_t index);
+
 /* Returns status err with a message naming the problem when cond holds. */
 #define AM_RETURN_IF(cond, err, ...)                                          \
     do {                                                                      \

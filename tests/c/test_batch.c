@@ -243,7 +243,13 @@ static void test_errors(void **unused) {
     /* item 6: gradient of another shape */
     wrong = s->gt[5];
     it[6].grad = &wrong;
-    expect_rejected(s, it, ws, bytes, AM_ERR_INVALID_SHAPE, 6, "dims");
+    expect_rejected(s, it, ws, bytes, AM_ERR_INVALID_SHAPE, 6, "am_update_batch: item 6: ");
+    /* the workspace query names the item too (it had am_update's message
+     * alone: which of the items was meant was not said) */
+    g_log.count = 0;
+    assert_int_equal(am_update_batch_workspace(it, s->n, 2, &small), AM_ERR_INVALID_SHAPE);
+    assert_non_null(strstr(g_log.msg, "am_update_batch_workspace: item 6: "));
+    assert_non_null(strstr(g_log.msg, "dims"));
     items_of(s, it);
     /* items 2 and 9 share a state buffer */
     shared = s->fix[9].st;

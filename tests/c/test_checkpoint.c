@@ -21,6 +21,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 #include <dirent.h>
+#include <errno.h>
 
 /* A model of awkward shapes: 0-D, odd 1-D, 2-D, 3-D with a polarity row of
  * 15 bits (padding), an empty one, in all three dtypes. */
@@ -104,10 +105,16 @@ static char g_dir[64];
 static char g_last_log[600];
 
 static char g_last_warning[600];
+static char g_log_tail[100]; /* the end of the last error message, however long */
 
 static void log_cb(am_log_level lvl, const char *msg, void *u) {
     (void)u;
-    if (lvl == AM_LOG_ERROR) snprintf(g_last_log, sizeof g_last_log, "%s", msg);
+    if (lvl == AM_LOG_ERROR) {
+        const size_t n = strlen(msg);
+        snprintf(g_last_log, sizeof g_last_log, "%s", msg);
+        snprintf(g_log_tail, sizeof g_log_tail, "%s",
+                 msg + (n >= sizeof g_log_tail ? n - (sizeof g_log_tail - 1) : 0));
+    }
     if (lvl == AM_LOG_WARNING) snprintf(g_last_warning, sizeof g_last_warning, "%s", msg);
 }
 
@@ -498,11 +505,34 @@ static void test_file_errors(void **unused) {
     snprintf(path, sizeof path, "%s/no/such/dir/x.safetensors", g_dir);
     assert_int_equal(am_optimizer_save(a.opt, path), AM_ERR_IO);
     assert_int_equal(am_optimizer_load(a.opt, path), AM_ERR_IO);
+    { /* a path longer than am_log's stack buffer: the reason after it is
+       * still said (messages were cut at 511 bytes, mid-path) */
+        char *lp = (char *)malloc(3000);
+        int k, m;
+        assert_non_null(lp);
+        m = snprintf(lp, 3000, "%s/no", g_dir);
+        for (k = 0; k < 40; k++) m += snprintf(lp + m, (size_t)(3000 - m), "/%060d", k);
+        snprintf(lp + m, (size_t)(3000 - m), "/x.safetensors");
+        g_log_tail[0] = '\0';
+        assert_int_equal(am_optimizer_save(a.opt, lp), AM_ERR_IO);
+        if (!strstr(g_log_tail, strerror(ENOENT)))
+            fail_msg("save's message ends \"%s\", not naming the reason", g_log_tail);
+        g_log_tail[0] = '\0';
+        assert_int_equal(am_optimizer_load(a.opt, lp), AM_ERR_IO);
+        if (!strstr(g_log_tail, strerror(ENOENT)))
+            fail_msg("load's message ends \"%s\", not naming the reason", g_log_tail);
+        free(lp);
+    }
     /* a directory under the final name: rename fails, temp file removed */
     snprintf(path, sizeof path, "%s/adir", g_dir);
     assert_int_equal(mkdir(path, 0700), 0);
     assert_int_equal(am_optimizer_save(a.opt, path), AM_ERR_IO);
+    assert_non_null(strstr(g_last_log, "is a directory"));
     assert_int_equal(am_optimizer_load(a.opt, path), AM_ERR_IO);
+    strcat(path, "/"); /* "adir/": named a directory too (was "Not a directory") */
+    g_last_log[0] = '\0';
+    assert_int_equal(am_optimizer_save(a.opt, path), AM_ERR_IO);
+    assert_non_null(strstr(g_last_log, "adir/ is a directory"));
     assert_int_equal(count_tmp_files(), 0);
     rmdir(path);
     /* a FIFO: refused at once (opening it for reading had waited for a
