@@ -69,6 +69,10 @@ static int header_matches(const upd *u, int64_t stage) {
 
 static am_status check_state(const am_geom *g, const am_state *s) {
     AM_RETURN_IF(!s, AM_ERR_NULL_POINTER, "state is NULL");
+    /* (before the no-op's return: the header refuses step < 0 for every
+     * parameter; found by a review, twenty-fourth session) */
+    AM_RETURN_IF(s->step < 0, AM_ERR_INVALID_ARGUMENT,
+                 "state.step = %lld is negative", (long long)s->step);
     if (g->numel == 0) return AM_OK;
     AM_RETURN_IF(!s->lr, AM_ERR_NULL_POINTER, "state.lr is NULL");
     AM_RETURN_IF(!s->polarity, AM_ERR_NULL_POINTER, "state.polarity is NULL");
@@ -78,8 +82,6 @@ static am_status check_state(const am_geom *g, const am_state *s) {
     } else {
         AM_RETURN_IF(!s->sq, AM_ERR_NULL_POINTER, "state.sq is NULL");
     }
-    AM_RETURN_IF(s->step < 0, AM_ERR_INVALID_ARGUMENT,
-                 "state.step = %lld is negative", (long long)s->step);
     /* step is incremented: INT64_MAX would overflow (undefined behaviour). */
     AM_RETURN_IF(s->step == INT64_MAX, AM_ERR_INVALID_ARGUMENT,
                  "state.step = %lld cannot be incremented", (long long)s->step);

@@ -398,6 +398,12 @@ static void test_numel_zero(void **unused) {
         assert_int_equal(am_update(&pt, &gt, &f.st, &hp, key, f.ws, f.ws_bytes, &rep), AM_OK);
         assert_true(dummy == 1.5f);
         t_snap_check(&snap, &f, NULL, NULL);
+        /* a no-op, but a negative step is still refused, as the header says
+         * (it was accepted for zero elements) */
+        f.st.step = -7;
+        assert_int_equal(am_update(&pt, &gt, &f.st, &hp, key, f.ws, f.ws_bytes, &rep),
+                         AM_ERR_INVALID_ARGUMENT);
+        f.st.step = 4;
         t_snap_free(&snap);
         t_fix_free(&f);
 
