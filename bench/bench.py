@@ -190,7 +190,7 @@ class Runner:
                                ws, ws_bytes, pl.rep_ref))
         # on several threads the front end's step() makes one am_update_batch
         # call (whole tensors on separate threads): the same call here
-        from automagic.optim import _fill_batch_item
+        from automagic._views import _fill_batch_item
         self.items = (_lib.BatchItem * len(plans))()
         for it, pl in zip(self.items, plans):
             _fill_batch_item(it, pl, pl.hp)

@@ -182,8 +182,10 @@ def update_param(opt, p: torch.Tensor, group: dict, error_cls) -> None:
     update was applied is known on the device only: lr_schedule="scale" is
     undone on the device, skips are counted there, and nonfinite="raise"
     synchronises to read the status (the only case that does)."""
-    from .optim import (NonFiniteGradientError, _DTYPES, _scale_lrs, _scaled_hparams,
-                        _shape, _state_struct, _unscaled_lrs)
+    # (here: _views imports this module)
+    from ._errors import NonFiniteGradientError
+    from ._views import (_DTYPES, _scale_lrs, _scaled_hparams, _shape, _state_struct,
+                         _unscaled_lrs)
 
     lib = _load()
     if lib is None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import automagic
-from automagic import _lib, optim
+from automagic import _lib, _update
 
 
 def _params(n=3, seed=0):
@@ -118,7 +118,7 @@ def test_interrupt_inside_the_finish_completes_it(monkeypatch, where):
     _step(o1, ps1, 1)
     _step(o2, ps2, 1)
     if where == "unscale":
-        real = optim._unscaled_lrs
+        real = _update._unscaled_lrs
         calls = []
 
         def boom(*a):
@@ -127,7 +127,7 @@ def test_interrupt_inside_the_finish_completes_it(monkeypatch, where):
             if len(calls) == 1:
                 raise KeyboardInterrupt
             return out
-        monkeypatch.setattr(optim, "_unscaled_lrs", boom)
+        monkeypatch.setattr(_update, "_unscaled_lrs", boom)
     else:
         _interrupt_after_copy_into(monkeypatch, ps1[0])
     with pytest.raises(KeyboardInterrupt):

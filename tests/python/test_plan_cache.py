@@ -1,4 +1,4 @@
-"""The front end caches the C views of each parameter (optim._Plan) between
+"""The front end caches the C views of each parameter (_views._Plan) between
 updates. These tests change what the cached views point at or were built
 from, between two steps, and check that the next update sees the change:
 each compares against a copy of the optimizer made after the change (deepcopy

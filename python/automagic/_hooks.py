@@ -1,0 +1,254 @@
+"""Fused mode: a post-accumulate-grad hook per parameter that updates it
+the moment its gradient is whole, small updates queued and run together,
+accumulation windows. A mixin of automagic.Automagic3."""
+import warnings
+import weakref
+from collections import OrderedDict
+
+import torch
+
+from . import _lib
+from ._errors import AutomagicError
+
+
+class _FusedMixin:
+    """Automagic3's fused-mode hooks and queue."""
+
+    def _register_params(self, group: dict) -> None:
+        for pos, p in enumerate(group["params"]):
+            index = len(self._param_index)
+            self._param_index[p] = index
+            if self.fused and p.requires_grad:
+                self._hooked.add(index)
+                handle = p.register_post_accumulate_grad_hook(self._make_hook(group, pos, index))
+                self._hook_handles.append(handle)
+                self._hook_ids[index] = handle.id
+                self._hook_cdata[index] = p._cdata
+
+    def _rehook_swapped(self, ps) -> set:
+        """Of ps (parameters with a gradient, fused mode), the ids of those
+        whose tensor was swapped since their hook was registered
+        (torch.utils.swap_tensors: model.to() or half() under
+        torch.__future__.set_swap_module_params_on_conversion(True),
+        load_state_dict(assign=True)). The swap keeps the Parameter object
+        and its dict of post-accumulate-grad hooks, but that dict is no
+        longer attached to the new tensor: no hook fires, so fused training
+        stopped silently (found by a review, twenty-second session). The
+        dict is attached again (torch attaches it when the attribute is
+        set), which revives the user's own hooks too; ours is registered
+        anew if it is not in it."""
+        out, index_of, hooked, cdata = set(), self._param_index, self._hooked, self._hook_cdata
+        for p in ps:
+            index = index_of.get(p)
+            if index is None or index not in hooked or cdata.get(index) == p._cdata:
+                continue
+            hooks = p._post_accumulate_grad_hooks
+            p._post_accumulate_grad_hooks = None
+            p._post_accumulate_grad_hooks = hooks if hooks is not None else OrderedDict()
+            if self._hook_ids.get(index) not in p._post_accumulate_grad_hooks:
+                group = next((g for g in self.param_groups
+                              if any(q is p for q in g["params"])), None)
+                if group is None:
+                    continue
+                pos = next(i for i, q in enumerate(group["params"]) if q is p)
+                handle = p.register_post_accumulate_grad_hook(self._make_hook(group, pos, index))
+                self._hook_handles.append(handle)
+                self._hook_ids[index] = handle.id
+            cdata[index] = p._cdata
+            out.add(id(p))
+        return out
+
+    def _make_hook(self, group, pos, index):
+        # Neither the optimizer nor the group (which lists p) held strongly:
+        # the garbage collector does not look into a tensor's hooks, so
+        # p -> hook -> optimizer -> p was a cycle never collected (the
+        # optimizer, its state and the model stayed alive after del, and an
+        # optimizer created again for the same model found the old one's
+        # hooks still updating it). The group is found by identity, and
+        # taken only if it still lists p at position pos (a load_state_dict
+        # refills the same dicts): a dict created after the group's was
+        # freed may have its id (CPython reuses addresses), and a parameter
+        # may have been moved to another group by hand.
+        ref, gid = weakref.ref(self), id(group)
+
+        def _hook(p: torch.Tensor) -> None:
+            nonlocal gid, pos
+            opt = ref()
+            if opt is None:
+                return
+            for g in opt.param_groups:
+                if id(g) == gid:
+                    ps = g["params"]
+                    if pos < len(ps) and ps[pos] is p:
+                        opt._on_grad_ready(p, g, index)
+                        return
+                    break
+            # the group dict was replaced (param_groups[i] = dict(...)) or
+            # its list changed: the one that lists p now
+            for g in opt.param_groups:
+                for i, q in enumerate(g["params"]):
+                    if q is p:
+                        gid, pos = id(g), i
+                        opt._on_grad_ready(p, g, index)
+                        return
+            opt._warn_once("nogroup", "a parameter of shape %s with a backward hook is in no "
+                           "parameter group: not updated" % (tuple(p.shape),))
+        return _hook
+
+    # ----------------------------------------------------------- fused
+    def _on_grad_ready(self, p: torch.Tensor, group: dict, index: int) -> None:
+        """A hook fired for parameter index: update now, queue a small CPU
+        parameter's update for the next batch, or leave p.grad to
+        accumulate."""
+        steps = self._steps
+        task = steps.enter()
+        batch = key = None
+        with steps.lock:
+            if index in steps.fired:
+                # Second hook in one step: a weight used on both sides of a
+                # reentrant checkpoint. From now on wait for the end of the
+                # backward pass to update it with the whole gradient.
+                self._deferred.add(index)
+                if any(q is p for q, _ in self._queue):
+                    return  # not updated yet: p.grad now holds both parts
+                if index in self._updated:
+                    p.grad = None
+                    self._warn_once(
+                        "twice", "the gradient of a parameter of shape %s arrived in "
+                        "two parts in one backward pass (a weight shared across a "
+                        "reentrant checkpoint?). It was updated once, with the first "
+                        "part; the second was dropped. From the next step on it is "
+                        "updated at the end of backward with its whole gradient "
+                        "(warned once)" % (tuple(p.shape),))
+                    return
+            steps.fired.add(index)
+            if self._window_fired is not None:
+                self._window_fired.add(index)
+            if (self._micro + 1 < self.accumulation_steps or index in self._deferred
+                    or index in self._updated):
+                return  # applied by _flush when the window closes
+            self._updated.add(index)
+            grad = p.grad
+            # Queued only where the end of backward is sure to run the
+            # queue (BackwardSteps.can_queue)
+            if (grad is not None and p.is_cpu and self.nonfinite != "raise"
+                    and steps.can_queue(task)):
+                nbytes = grad.nbytes
+                if 0 < nbytes <= self._fused_batch_bytes // 4:
+                    self._queue.append((p, group))
+                    self._queue_bytes += nbytes
+                    if self._queue_bytes < self._fused_batch_bytes:
+                        return
+                    batch, key = self._take_queue()
+        if batch is not None:
+            self._run_queue(batch, key)
+        else:
+            self._update_param(p, group)
+
+    def _take_queue(self):
+        """(the queued updates, their batch's number in this step), the
+        queue emptied; the lock held."""
+        batch = self._queue
+        self._queue, self._queue_bytes = [], 0
+        self._batches += 1
+        return batch, self._batches
+
+    def _run_queue(self, batch, key) -> None:
+        """Runs queued updates [(p, group)] in one am_update_batch call (the
+        same bits as one at a time; one at a time when batch_updates is
+        False). A parameter that cannot be updated
+        keeps its gradient; the others are updated, then the first error is
+        raised, as hooks one after another would have."""
+        jobs, error, hyper = [], None, {}
+        with torch.no_grad():
+            for p, group in batch:
+                if p.grad is None:  # dropped since it was queued
+                    continue
+                try:
+                    self._check(p, p.grad)
+                    if not self.batch_updates:  # one at a time: each checked first
+                        self._precheck_plan(p, group)
+                    if id(group) not in hyper:
+                        hyper[id(group)] = (self._lr_scale(group), self._hsig(group))
+                except AutomagicError as e:
+                    error = error or e
+                    continue
+                jobs.append((p, group) + hyper[id(group)])
+            _lib.lib.am_set_num_threads(torch.get_num_threads())
+            # the key-th batch of each step keeps its own item array
+            try:
+                self._apply_jobs(jobs, ("fused", key))
+            except AutomagicError as e:
+                # one refused while the batch call was prepared (nothing ran:
+                # _prepare_calls puts back what it changed): the others run
+                # without it (they were all kept waiting; found by a review,
+                # twenty-second session). Looked for only then: a check of
+                # every queued parameter first cost 0.5 us each.
+                if not self.batch_updates or len(jobs) < 2:
+                    raise
+                error = error or e
+                good = []
+                for job in jobs:
+                    try:
+                        self._precheck_plan(job[0], job[1])
+                        good.append(job)
+                    except AutomagicError:
+                        pass
+                if len(good) == len(jobs):
+                    raise
+                self._apply_jobs(good, ("fused", key))
+        if error is not None:
+            raise error
+
+    def _on_step_closed(self, ended: bool) -> None:
+        """A step closed: the queued updates run if its backward pass ended
+        (ended) or is still running (a hook of another pass closed it), else
+        they are dropped (the pass raised: running them now could change
+        weights a later forward has used); maybe the window ends too."""
+        batch, key = self._take_queue()
+        self._batches = 0
+        try:
+            if batch and (ended or self._steps.pass_running()):
+                self._run_queue(batch, key)
+            elif batch:
+                warnings.warn(
+                    "Automagic3: a backward pass did not reach its end (an exception "
+                    "inside backward?): the updates of %d parameters queued in it were not "
+                    "run. Their gradients are kept in .grad, and a later backward pass adds "
+                    "to them as PyTorch accumulates; call zero_grad() to drop them"
+                    % len(batch), RuntimeWarning, stacklevel=4)
+        finally:
+            self._count_micro_step()
+
+    def _count_micro_step(self) -> None:
+        self._passes += 1
+        self._micro += 1
+        if self._micro < self.accumulation_steps:
+            return
+        self._close_window(flush=True)
+
+    def _close_window(self, flush: bool) -> None:
+        """Ends the accumulation window: with flush, its gradients applied
+        (_flush); without, dropped by the caller (zero_grad)."""
+        self._micro = 0
+        try:
+            if flush:
+                self._flush()
+        finally:
+            self._updated.clear()
+            self._window_fired = set()
+
+    def _flush(self) -> None:
+        """Updates hooked parameters whose hook fired in this window and
+        whose gradient is not yet applied (deferred ones, and those whose
+        hook fired in an earlier micro-batch of the window but not in the
+        last). A gradient no hook reported (set by hand, or left from before)
+        is left alone, as the reference leaves it."""
+        fired = self._window_fired
+        for group in self.param_groups:
+            for p in group["params"]:
+                index = self._param_index.get(p)  # (None: put in by hand, no hook)
+                if (p.grad is not None and index in self._hooked and index not in self._updated
+                        and (fired is None or index in fired)):
+                    self._updated.add(index)
+                    self._update_param(p, group)
