@@ -247,11 +247,32 @@ AM_HD float am_moment(float old, float sum, float inv_n, const am_consts *k) {
     return am_ema(old, sum * inv_n + k->eps, k);
 }
 
+/* Where rmean / nr overflows float32 the row factor is taken from the
+ * quotient scaled by 2^-64, its root scaled back by 2^32 (am_row_factor). */
+#define AM_RF_DOWN (1.0f / 18446744073709551616.0f) /* 2^-64 */
+#define AM_RF_UP 4294967296.0f                      /* 2^32 */
+#define AM_FLT_MAX 3.40282347e+38f
+
 /* A row factor of SPEC 3.1, rsqrt(nr / rmean), as sqrt(rmean / nr): one
  * division and one square root instead of two divisions and a square root,
  * within an ulp, with the same infinities and NaNs (nr = 0 < rmean: inf;
- * both 0 or both inf: NaN; nr = inf > rmean: 0). */
-AM_HD float am_row_factor(float nr, float rmean) { return sqrtf(rmean / nr); }
+ * both 0 or both inf: NaN; nr = inf > rmean: 0). Where rmean / nr is above
+ * float32's range but nr / rmean is not below it (an all-zero row, nr =
+ * (1 - beta2) * eps = 1e-33, beside gradients of 2e4 and more: float16
+ * gradients reach 65504), SPEC's rsqrt is finite: sqrt(rmean / nr) was
+ * inf, the zero row's u = 0 * inf NaN, and the whole update skipped (found
+ * by a review, twenty-fourth session). There the quotient is taken scaled
+ * by 2^-64 and the root scaled back by 2^32: exact scalings (rmean * 2^-64
+ * stays normal when the quotient overflows, the scaled quotient too), so
+ * the value is the correctly rounded root of the correctly rounded
+ * quotient, as in a wider exponent range; infinite only past 2^64 times
+ * float32's largest value (SPEC's rsqrt is inf from about 7e44 on). The
+ * SIMD paths compute the same (rf_v in the kernels' files). */
+AM_HD float am_row_factor(float nr, float rmean) {
+    const float q = rmean / nr;
+    if (!(q > AM_FLT_MAX)) return sqrtf(q);
+    return sqrtf((rmean * AM_RF_DOWN) / nr) * AM_RF_UP;
+}
 
 /* The sum of a parameter's per-tile sums of u*u (in tile order): groups of
  * AM_SUM_GROUP consecutive tiles are summed in order, then the group sums

@@ -228,6 +228,21 @@ AM_INLINE __m256 ema_v(__m256 old, __m256 x, const am_consts *k) {
                          _mm256_mul_ps(x, _mm256_set1_ps(k->one_m_beta2)));
 }
 
+/* am_row_factor of 8 rows: sqrt(mean / nr), from the quotient scaled by
+ * 2^-64 where it overflows (rare: a branch). */
+AM_INLINE __m256 rf_v(__m256 mean, __m256 nr) {
+    const __m256 q = _mm256_div_ps(mean, nr);
+    const __m256 big = _mm256_cmp_ps(q, _mm256_set1_ps(AM_FLT_MAX), _CMP_GT_OQ);
+    __m256 r = _mm256_sqrt_ps(q);
+    if (_mm256_movemask_ps(big)) {
+        const __m256 s = _mm256_mul_ps(
+            _mm256_sqrt_ps(_mm256_div_ps(_mm256_mul_ps(mean, _mm256_set1_ps(AM_RF_DOWN)), nr)),
+            _mm256_set1_ps(AM_RF_UP));
+        r = _mm256_blendv_ps(r, s, big);
+    }
+    return r;
+}
+
 /* 1 / sqrt(x), IEEE (as am_rsqrt). */
 AM_INLINE __m256 rsqrt_v(__m256 x) {
     return _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_sqrt_ps(x));
@@ -252,7 +267,7 @@ AM_INLINE void moments_v(int64_t R, int64_t C, int64_t b, const float *row,
     }
     mean = _mm256_mul_ps(s, Rinv);
     if (rmean) _mm256_storeu_ps(rmean + b, mean);
-    for (i = 0; i < R; i++) rfv[i] = _mm256_sqrt_ps(_mm256_div_ps(mean, v[i]));
+    for (i = 0; i < R; i++) rfv[i] = rf_v(mean, v[i]);
     scatter_rows(nr + b * R, R, R, v);
     scatter_rows(rf + b * R, R, R, rfv);
     gather_rows(col + b * C, C, C, v);
@@ -297,7 +312,7 @@ static void moments_one(int64_t R, int64_t C, const float *row, const float *col
     *rmean = s * Rinv;
     mean = _mm256_set1_ps(*rmean);
     for (i = 0; i + 8 <= R; i += 8)
-        _mm256_storeu_ps(rf + i, _mm256_sqrt_ps(_mm256_div_ps(mean, _mm256_loadu_ps(nr + i))));
+        _mm256_storeu_ps(rf + i, rf_v(mean, _mm256_loadu_ps(nr + i)));
     for (; i < R; i++) rf[i] = am_row_factor(nr[i], *rmean);
     for (j = 0; j + 8 <= C; j += 8) {
         const __m256 v = ema_v(_mm256_loadu_ps(col + j),

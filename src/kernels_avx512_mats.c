@@ -130,6 +130,20 @@ AM_INLINE void load_t(const void *g, const int gdt, const int N, int64_t b, __m5
     }
 }
 
+/* am_row_factor of 16 rows: sqrt(mean / nr), from the quotient scaled by
+ * 2^-64 where it overflows (rare: a branch). */
+AM_INLINE __m512 rf_v(__m512 mean, __m512 nr) {
+    const __m512 q = _mm512_div_ps(mean, nr);
+    const __mmask16 big = _mm512_cmp_ps_mask(q, _mm512_set1_ps(AM_FLT_MAX), _CMP_GT_OQ);
+    __m512 r = _mm512_sqrt_ps(q);
+    if (big)
+        r = _mm512_mask_mul_ps(
+            r, big,
+            _mm512_sqrt_ps(_mm512_div_ps(_mm512_mul_ps(mean, _mm512_set1_ps(AM_RF_DOWN)), nr)),
+            _mm512_set1_ps(AM_RF_UP));
+    return r;
+}
+
 /* am_lanesum_finish of a row's lane accumulators when only the first N (1
  * or 3) can be nonzero (the others +0, left out: see the top). */
 AM_INLINE __m512 rowsum(const __m512 *a, const int N) {
@@ -198,7 +212,7 @@ AM_INLINE void su16(const void *g, const int gdt, const int N, int64_t b, const 
     }
     mean = _mm512_mul_ps(s, inv);
     if (rmean) _mm512_storeu_ps(rmean + b, mean);
-    for (i = 0; i < N; i++) rfv[i] = _mm512_sqrt_ps(_mm512_div_ps(mean, v[i]));
+    for (i = 0; i < N; i++) rfv[i] = rf_v(mean, v[i]);
     put_rows(nr + b * N, N, v);
     put_rows(rf + b * N, N, rfv);
     for (j = 0; j < N; j++) {

@@ -1066,6 +1066,77 @@ static am_shape mk(int nd, int64_t a, int64_t b, int64_t c, int64_t d) {
     return sh;
 }
 
+/* An all-zero row in every matrix beside gradients of +-3e4 (float16
+ * gradients reach 65504): the zero row's moment is (1 - beta2) * eps =
+ * 1e-33, the row mean about 7e5, so rmean / nr is above float32's range
+ * while SPEC's rsqrt(nr / rmean) is finite (about 2e19). The update must be
+ * applied, the zero rows unchanged (u = 0, no weight decay), the rest
+ * finite, with the same bits on every path: sqrt(rmean / nr) was inf there,
+ * u = 0 * inf NaN, and the whole update skipped (found by a review,
+ * twenty-fourth session). Shapes for each path: small matrices (scalar
+ * sweep, AVX2 and AVX-512 sweeps of 3x3), narrow and wide ones, long rows. */
+static void test_zero_row_factor_range(void **unused) {
+    const am_shape shapes[] = {mk(2, 5, 1, 0, 0),  mk(2, 4, 8, 0, 0),   mk(2, 64, 64, 0, 0),
+                               mk(3, 32, 3, 3, 0), mk(4, 4, 8, 3, 3),   mk(2, 1024, 16, 0, 0),
+                               mk(2, 16, 1024, 0, 0), mk(2, 40, 4100, 0, 0), mk(3, 2, 9, 40, 0)};
+    static const struct { int scalar, threads; } variants[] = {{1, 1}, {0, 1}, {0, 2}};
+    size_t c;
+    int dt, v;
+    (void)unused;
+    for (c = 0; c < sizeof shapes / sizeof shapes[0]; c++)
+        for (dt = 0; dt < 3; dt += 2) { /* float32, float16 (parameter and gradient) */
+            const am_shape *sh = &shapes[c];
+            const int64_t R = sh->dims[sh->ndim - 2], C = sh->dims[sh->ndim - 1];
+            const size_t es = am_dtype_size((am_dtype)dt);
+            am_state_sizes sz;
+            void *first = NULL, *p0, *g;
+            int64_t e;
+            uint64_t s = g_seed ^ (uint64_t)c;
+            assert_int_equal(am_state_get_sizes(sh, &sz), AM_OK);
+            p0 = xmalloc((size_t)sz.numel * es);
+            g = xmalloc((size_t)sz.numel * es);
+            fill(p0, dt, sz.numel, &s, 1);
+            for (e = 0; e < sz.numel; e++)
+                set_value(g, dt, e, (e / C) % R == 1 ? 0.0f : (e & 1) ? 3e4f : -3e4f);
+            for (v = 0; v < 3; v++) {
+                am_hparams hp = am_hparams_default();
+                am_rng_key key = {7, 3};
+                am_report rep;
+                am_state st;
+                am_tensor pt = {NULL, (am_dtype)dt, *sh}, gt = {g, (am_dtype)dt, *sh};
+                void *p = xmalloc((size_t)sz.numel * es), *ws = xmalloc((size_t)sz.workspace_bytes);
+                float *lr = xmalloc(4 * (size_t)sz.lr_count), *row = xmalloc(4 * (size_t)sz.row_count),
+                      *col = xmalloc(4 * (size_t)sz.col_count);
+                uint8_t *pol = xmalloc((size_t)sz.polarity_bytes);
+                memcpy(p, p0, (size_t)sz.numel * es);
+                pt.data = p;
+                st.lr = lr; st.polarity = pol; st.row = row; st.col = col; st.sq = NULL;
+                assert_int_equal(am_state_init(sh, &st, 1e-4), AM_OK);
+                am_kernels_select(variants[v].scalar);
+                assert_int_equal(am_set_num_threads(variants[v].threads), AM_OK);
+                if (am_update(&pt, &gt, &st, &hp, key, ws, (size_t)sz.workspace_bytes, &rep) != AM_OK)
+                    fail_msg("shape %zu dtype %d variant %d: %s", c, dt, v,
+                             am_status_string(rep.status));
+                am_kernels_select(0);
+                am_set_num_threads(1);
+                for (e = 0; e < sz.numel; e++) {
+                    const float x = dt ? am_load(p, dt, e) : ((float *)p)[e];
+                    const float x0 = dt ? am_load(p0, dt, e) : ((float *)p0)[e];
+                    assert_true(isfinite(x));
+                    if ((e / C) % R == 1 && x != x0)
+                        fail_msg("shape %zu: zero row's element %lld moved", c, (long long)e);
+                }
+                assert_int_equal(st.step, 1);
+                if (!first) first = p;
+                else if (memcmp(first, p, (size_t)sz.numel * es) != 0)
+                    fail_msg("shape %zu dtype %d: variant %d differs from the scalar path", c, dt, v);
+                if (p != first) free(p);
+                free(ws); free(lr); free(row); free(col); free(pol);
+            }
+            free(first); free(p0); free(g);
+        }
+}
+
 static void test_updates(void **unused) {
     static const int64_t rows[] = {1, 3, 17};
     int failures = 0, si, ri, x;
@@ -1199,6 +1270,7 @@ int main(void) {
         cmocka_unit_test(test_flat_underflow),
         cmocka_unit_test(test_counted_agreement_underflow),
         cmocka_unit_test(test_counted_mats_underflow),
+        cmocka_unit_test(test_zero_row_factor_range),
         cmocka_unit_test(test_updates),
         cmocka_unit_test(test_concurrent_callers),
     };
