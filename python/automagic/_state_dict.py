@@ -137,6 +137,12 @@ class _StateDictMixin:
                 # from here, so that a later step() is evidence only after a
                 # whole window between two step() calls of this run)
                 self._aligned_steps, self._passes = aligned, 0
+                # the C views of the replaced state hold its tensors (_Plan.held),
+                # and the batch items the views: rebuilt at the next update (the
+                # old state stayed alive, a parameter never updated again kept
+                # it for good; found by a review, twenty-fourth session)
+                self._plans.clear()
+                self._batch_cache.clear()
             except BaseException:
                 for g, og in zip(self.param_groups, old_groups):
                     g.clear()

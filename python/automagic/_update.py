@@ -226,6 +226,11 @@ class _UpdateMixin:
             plan = plans.get(index)
             sig = _plan_signature(p, state, seed)
             if plan is None or plan.sig != sig:
+                if plan is not None:
+                    # the batch items of other keys may hold the old view
+                    # (and through it the tensors it held): dropped, those
+                    # keys rebuild theirs when they come again
+                    self._batch_cache.clear()
                 plan = plans[index] = _Plan(p, state, sig,
                                             _lib.RngKey(seed, index & 0xFFFFFFFF))
             if plan.hsig != hsig:

@@ -435,3 +435,42 @@ def test_a_post_hook_may_drop_the_automagic_entry():
     opt.register_state_dict_post_hook(
         lambda o, sd: {k: v for k, v in sd.items() if k != "automagic"})
     assert "automagic" not in opt.state_dict()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_replaced_state_is_freed_by_load_state_dict(fused):
+    """The C views of each parameter's state (and the batch items pointing at
+    them) held the state tensors a load replaced: alive until the optimizer
+    died for a parameter never updated again (found by a review)."""
+    import gc
+    import weakref
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.nn.Parameter(torch.randn(64, 64, generator=g)) for _ in range(40)]
+    opt = automagic.Automagic3(ps, fused=fused)
+    for _ in range(3):
+        sum((p * p).sum() for p in ps).backward()
+        if not fused:
+            opt.step()
+    old = [weakref.ref(t) for p in ps for t in opt.state[p].values()
+           if isinstance(t, torch.Tensor)]
+    assert len(old) == 4 * len(ps)
+    sd = copy.deepcopy(opt.state_dict())
+    opt.load_state_dict(sd)
+    del sd
+    gc.collect()
+    assert sum(r() is not None for r in old) == 0
+    # and half the parameters frozen from here: their new state's views are
+    # not kept past the next load either
+    for p in ps[::2]:
+        p.requires_grad_(False)
+    sum((p * p).sum() for p in ps).backward()
+    if not fused:
+        opt.step()
+    old = [weakref.ref(t) for p in ps for t in opt.state[p].values()
+           if isinstance(t, torch.Tensor)]
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    sum((p * p).sum() for p in ps[1::2]).backward()
+    if not fused:
+        opt.step()
+    gc.collect()
+    assert sum(r() is not None for r in old) == 0
