@@ -95,9 +95,11 @@ am_status am_optimizer_save(const am_optimizer *o, const char *path) {
     AM_RETURN_IF(!path, AM_ERR_NULL_POINTER, "am_optimizer_save: path is NULL");
     AM_RETURN_IF(!*path, AM_ERR_INVALID_ARGUMENT, "am_optimizer_save: path is empty");
     {   /* named as such: "dir/" was "writing dir/ failed: Not a directory"
-         * (the rename's error; found by a review, twenty-fourth session) */
+         * (the rename's error; found by a review, twenty-fourth session).
+         * lstat: a symbolic link, to a directory too, is replaced by the
+         * checkpoint as before (the rename replaces the link itself) */
         struct stat sb;
-        AM_RETURN_IF(stat(path, &sb) == 0 && S_ISDIR(sb.st_mode), AM_ERR_IO,
+        AM_RETURN_IF(lstat(path, &sb) == 0 && S_ISDIR(sb.st_mode), AM_ERR_IO,
                      "am_optimizer_save: %s is a directory", path);
     }
     plen = strlen(path);

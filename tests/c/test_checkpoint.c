@@ -459,6 +459,16 @@ static void test_version_and_format_named(void **unused) {
     assert_int_equal(am_optimizer_load_memory(a.opt, img, n), AM_ERR_FORMAT);
     assert_non_null(strstr(g_last_log, "format is"));
     free(img);
+    /* damaged in two places, one making an entry unreadable for the
+     * checksum: still corrupt, not a mismatch (with the checksum left to the
+     * checks behind it then, the other damage read as "another registered") */
+    img = t_image(a.opt, &n);
+    patch(img, n, "\"num_params\":\"6\"", "\"num_params\":\"7\"");
+    patch(img, n, "\"dtype\":\"I64\"", "\"etype\":\"I64\"");
+    g_last_log[0] = '\0';
+    assert_int_equal(am_optimizer_load_memory(a.opt, img, n), AM_ERR_FORMAT);
+    assert_non_null(strstr(g_last_log, "dtype is missing"));
+    free(img);
     am_optimizer_destroy(a.opt);
 }
 
