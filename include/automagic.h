@@ -39,10 +39,13 @@
  * destroys it meanwhile (autograd hooks on several threads, each updating
  * its own parameters, are fine). Queries and am_optimizer_save may run
  * concurrently with each other, not with an update of the parameter they
- * read. am_set_log_callback is a process-wide setting: call it before
- * starting threads. am_set_num_threads is process-wide too, and may be called
- * at any time from any thread (it is atomic, and results never depend on the
- * count). The log callback itself may
+ * read (am_optimizer_lr_mean with id -1, am_optimizer_skipped_count and
+ * am_optimizer_save read every parameter: not during any update).
+ * am_set_log_callback is a process-wide setting: call it before starting
+ * threads. am_set_num_threads is process-wide too, and may be called at any
+ * time from any thread (it is atomic, and results never depend on the
+ * count); so may am_set_parallel_runner (it waits for a parallel job in
+ * progress), except from inside a runner. The log callback itself may
  * be called from several threads at once. Tested under ThreadSanitizer
  * (tests/c/test_threads.c, scripts/test_sanitizers.sh).
  */
@@ -508,12 +511,14 @@ AM_API int64_t am_optimizer_lr_count(const am_optimizer *opt, int32_t id);
  * the parameters updated at least once (step > 0) of each one's mean lr
  * (the reference's get_avg_learning_rate for one group, which averages the
  * parameters that have state; the optimizer's initial lr when none has
- * been updated). Errors: AM_ERR_NULL_POINTER, AM_ERR_NOT_FOUND. */
+ * been updated). Errors: AM_ERR_NULL_POINTER, AM_ERR_NOT_FOUND. With id -1
+ * it reads every parameter's lrs: not concurrently with any update. */
 AM_API am_status am_optimizer_lr_mean(const am_optimizer *opt, int32_t id,
                                       double *out);
 
 /* Number of updates skipped for a non-finite gradient or update since
- * creation, summed over parameters. 0 for NULL. */
+ * creation, summed over parameters (it reads every parameter's count: not
+ * concurrently with any update). 0 for NULL. */
 AM_API int64_t am_optimizer_skipped_count(const am_optimizer *opt);
 
 /* Read-only access to parameter id's state (pointers owned by the optimizer,
