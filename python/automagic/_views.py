@@ -50,6 +50,7 @@ def _check_plan_inputs(p: torch.Tensor, state: dict, same_device: bool = True) -
     another device (a CUDA parameter's, moved at its update)."""
     _refuse_subclass(p, "Automagic3: a parameter of shape %s" % (tuple(p.shape),),
                      AutomagicError)
+    _refuse_short_storage(p, "a parameter of shape %s" % (tuple(p.shape),))
     if _has_internal_overlap(p):
         raise AutomagicError(
             "Automagic3: a parameter of shape %s has elements that share memory (an "
@@ -70,6 +71,25 @@ def _check_plan_inputs(p: torch.Tensor, state: dict, same_device: bool = True) -
                 "another shape (p.data = ...) after its first update, or the state "
                 "tensor replaced? Nothing was updated" % (
                     tuple(p.shape), key, got, want, shape, p.device))
+        _refuse_short_storage(t, "the state %r of a parameter of shape %s"
+                              % (key, tuple(p.shape)))
+
+
+def _refuse_short_storage(t: torch.Tensor, what: str) -> None:
+    """Raises AutomagicError when t's elements run past the end of its
+    storage: a storage resized under the tensor (untyped_storage().resize_),
+    which torch does not check until the tensor is read. The C update wrote
+    the whole tensor into it (heap corruption; found in the twenty-fourth
+    session). Checked whenever a C view is (re)built: resizing moves the
+    memory, so the view's signature changes."""
+    if t.numel() == 0:
+        return
+    end = t.storage_offset() + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    have = t.untyped_storage().nbytes()
+    if end * t.element_size() > have:
+        raise AutomagicError(
+            "Automagic3: %s needs %d bytes of storage but its storage holds %d (resized "
+            "under it?); nothing was updated" % (what, end * t.element_size(), have))
 
 
 def _has_internal_overlap(p: torch.Tensor) -> bool:

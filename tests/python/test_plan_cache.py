@@ -149,3 +149,30 @@ def test_seed_change_reaches_the_update():
         _step(t, o, g2)
     assert torch.equal(p.detach(), q.detach())
     assert not torch.equal(p.detach(), r.detach())
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("which", ["param", "state"])
+def test_storage_shrunk_under_a_tensor_is_refused(fused, which):
+    """A storage resized under its tensor (untyped_storage().resize_): torch
+    checks nothing until the tensor is read, and the update wrote the whole
+    parameter into the smaller storage (heap corruption)."""
+    p = torch.nn.Parameter(torch.randn(64, 256))
+    opt = automagic.Automagic3([p], fused=fused)
+    (p * p).sum().backward()
+    if not fused:
+        opt.step()
+    st = opt.state[p]
+    shrunk = "exp_avg_sq_col" if which == "state" else None
+    before = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()
+              if k != shrunk}
+    target = p if which == "param" else st[shrunk]
+    target.untyped_storage().resize_(64)
+    with pytest.raises(automagic.AutomagicError, match="storage holds 64"):
+        if fused:
+            (p.detach() * 0 + p).sum().backward()
+        else:
+            p.grad = torch.ones(64, 256)
+            opt.step()
+    for k, v in before.items():
+        assert (torch.equal(st[k], v) if torch.is_tensor(v) else st[k] == v), k
