@@ -192,8 +192,8 @@ def update_param(opt, p: torch.Tensor, group: dict, error_cls) -> None:
         raise error_cls("Automagic3: parameter on device '%s': %s" % (p.device, _load_error))
     grad = p.grad
     opt._check(p, grad)
+    opt._hsig(group)  # the hyperparameters, as the CPU path checks them (first)
     scale = opt._lr_scale(group)
-    opt._hsig(group)  # the hyperparameters' types, as the CPU path checks them
     with torch.cuda.device(p.device):
         capturing = torch.cuda.is_current_stream_capturing()
     if capturing:

@@ -169,7 +169,8 @@ class _FusedMixin:
                     if not self.batch_updates:  # one at a time: each checked first
                         self._precheck_plan(p, group)
                     if id(group) not in hyper:
-                        hyper[id(group)] = (self._lr_scale(group), self._hsig(group))
+                        hsig = self._hsig(group)  # (first: it names a bad value)
+                        hyper[id(group)] = (self._lr_scale(group), hsig)
                 except AutomagicError as e:
                     error = error or e
                     continue

@@ -10,8 +10,9 @@ from . import _cuda, _lib
 from ._checkpoint import is_real_number
 from ._errors import AutomagicError, NonFiniteGradientError
 from ._views import (_DTYPES, _FLT_MIN, _STATUS_WORD, _STRIDED, _SUPPORTED_DEVICE_TYPES,
-                     _Plan, _check_plan_inputs, _fill_batch_item, _hparams, _plan_signature,
-                     _scale_lrs, _scaled_hparams, _unscaled_lrs)
+                     _Plan, _check_plan_inputs, _fill_batch_item, _group_key, _hparams,
+                     _plan_signature, _scale_lrs, _scaled_hparams, _unscaled_lrs,
+                     _validate_group)
 
 
 class _UpdateMixin:
@@ -105,13 +106,24 @@ class _UpdateMixin:
             sig = tuple([float(group[name]) for name in _lib.HPARAM_NAMES])
         except (TypeError, ValueError):
             sig = None
-        if sig is None or self._hsig_seen.get(id(group)) != sig:
+        # checked again whenever the values changed or one is not a plain
+        # int or float: a string or a bool whose float() equals the value
+        # before passed in fused mode while step() refused it (found by a
+        # randomized review, twenty-fourth session)
+        if sig is None or self._hsig_seen.get(id(group)) != sig or _group_key(group) is None:
             for name in _lib.HPARAM_NAMES[1:]:
                 v = group[name]
                 if not is_real_number(v):
                     raise AutomagicError("Automagic3: %s must be a number, got %r" % (name, v))
             if sig is None:  # lr: neither a number nor a tensor of one
-                raise AutomagicError("Automagic3: lr must be a number, got %r" % (group["lr"],))
+                raise AutomagicError("Automagic3: group['lr'] must be a number (or a one-element "
+                                     "floating tensor), got %r" % (group["lr"],))
+            # and their values, as step() checks them (a NaN reached the
+            # C update in fused mode, after the parameter's state was made)
+            try:
+                _validate_group(group, check_lr=False)
+            except (TypeError, ValueError) as e:
+                raise AutomagicError(str(e)) from None
             self._hsig_seen[id(group)] = sig
         return sig
 
@@ -135,7 +147,8 @@ class _UpdateMixin:
             return
         self._check(p, p.grad)
         _lib.lib.am_set_num_threads(torch.get_num_threads())
-        self._apply(p, group, self._lr_scale(group), self._hsig(group))
+        hsig = self._hsig(group)  # (first: it names a bad value, _lr_scale's float() did not)
+        self._apply(p, group, self._lr_scale(group), hsig)
 
     def _apply(self, p: torch.Tensor, group: dict, scale: float, hsig: tuple) -> None:
         """The update of a checked CPU parameter with a gradient, under
@@ -208,45 +221,56 @@ class _UpdateMixin:
         schedule's scaling (they were left scaled, once more at every retry;
         found by a review, twenty-second session)."""
         state_of, plans, index_of, seed = self.state, self._plans, self._param_index, self.seed
-        for p, group, scale, hsig in jobs:
-            grad = p.grad
-            state = state_of[p]
-            if not state:
-                state = self._init_state(p, group)
-            if not grad.is_contiguous():
-                grad = grad.contiguous()
-            # scale 0: the state advances but the parameter must not move, so
-            # the update is written to a copy that is then dropped.
-            # (one copy: contiguous() of a channels_last p is one already)
-            target = (p if scale != 0.0 and p.is_contiguous()
-                      else p.clone(memory_format=torch.contiguous_format))
-            index = index_of.get(p)
-            if index is None:
-                index = self._index_of(p)
-            plan = plans.get(index)
-            sig = _plan_signature(p, state, seed)
-            if plan is None or plan.sig != sig:
-                if plan is not None:
-                    # the batch items of other keys may hold the old view
-                    # (and through it the tensors it held): dropped, those
-                    # keys rebuild theirs when they come again
-                    self._batch_cache.clear()
-                plan = plans[index] = _Plan(p, state, sig,
-                                            _lib.RngKey(seed, index & 0xFFFFFFFF))
-            if plan.hsig != hsig:
-                plan.hp = _hparams(group)
-                plan.hsig = hsig
-            plan.pt.data = target.data_ptr()
-            gt = plan.gt
-            gt.data = grad.data_ptr()
-            gt.dtype = _DTYPES[grad.dtype]
-            s0 = plan.st.step = int(state["step"])
-            if scale == 1.0 or scale == 0.0:
-                calls.append((p, plan, target, grad, plan.hp, None, state, scale, s0))
-            else:
-                hp, lr_before = _scaled_hparams(group, state, scale)
-                calls.append((p, plan, target, grad, hp, lr_before, state, scale, s0))
-                _scale_lrs(state, scale)  # (recorded first: the rollbacks find it)
+        created = []  # parameters whose state this call made
+        try:
+            for p, group, scale, hsig in jobs:
+                grad = p.grad
+                state = state_of[p]
+                if not state:
+                    state = self._init_state(p, group)
+                    created.append(p)
+                if not grad.is_contiguous():
+                    grad = grad.contiguous()
+                # scale 0: the state advances but the parameter must not move, so
+                # the update is written to a copy that is then dropped.
+                # (one copy: contiguous() of a channels_last p is one already)
+                target = (p if scale != 0.0 and p.is_contiguous()
+                          else p.clone(memory_format=torch.contiguous_format))
+                index = index_of.get(p)
+                if index is None:
+                    index = self._index_of(p)
+                plan = plans.get(index)
+                sig = _plan_signature(p, state, seed)
+                if plan is None or plan.sig != sig:
+                    if plan is not None:
+                        # the batch items of other keys may hold the old view
+                        # (and through it the tensors it held): dropped, those
+                        # keys rebuild theirs when they come again
+                        self._batch_cache.clear()
+                    plan = plans[index] = _Plan(p, state, sig,
+                                                _lib.RngKey(seed, index & 0xFFFFFFFF))
+                if plan.hsig != hsig:
+                    plan.hp = _hparams(group)
+                    plan.hsig = hsig
+                plan.pt.data = target.data_ptr()
+                gt = plan.gt
+                gt.data = grad.data_ptr()
+                gt.dtype = _DTYPES[grad.dtype]
+                s0 = plan.st.step = int(state["step"])
+                if scale == 1.0 or scale == 0.0:
+                    calls.append((p, plan, target, grad, plan.hp, None, state, scale, s0))
+                else:
+                    hp, lr_before = _scaled_hparams(group, state, scale)
+                    calls.append((p, plan, target, grad, hp, lr_before, state, scale, s0))
+                    _scale_lrs(state, scale)  # (recorded first: the rollbacks find it)
+        except BaseException:
+            # no update has run: the states made here go too (a job refused
+            # later in the list left an earlier parameter with a state made
+            # at the group's lr of that moment, its rows' start for good;
+            # found by a randomized review, twenty-fourth session)
+            for p in created:
+                state_of.pop(p, None)
+            raise
 
     @staticmethod
     def _finish_ok(call) -> None:

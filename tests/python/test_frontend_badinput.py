@@ -535,3 +535,57 @@ def test_a_float32_tensor_lr_equal_to_the_start_lr_does_not_warn():
     p.grad = torch.ones_like(p)
     with pytest.warns(UserWarning, match="changed from"):
         opt.step()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("name,bad", [("weight_decay", "0.0"), ("clip_threshold", "1.0"),
+                                      ("clip_threshold", True)])
+def test_a_string_or_bool_equal_in_value_is_refused_in_both_modes(fused, name, bad):
+    """Fused mode's hooks took a string or a bool whose float() equals the
+    value before (step mode refused it); found by a randomized review."""
+    w = torch.nn.Parameter(torch.ones(3, 4))
+    opt = automagic.Automagic3([w], lr=1e-3, fused=fused)
+    (w * 2).sum().backward()
+    if not fused:
+        opt.step()
+    before = w.detach().clone()
+    opt.param_groups[0][name] = bad
+    with pytest.raises(automagic.AutomagicError, match="%s must be a number" % name):
+        (w * 2).sum().backward()
+        opt.step()
+    assert torch.equal(w.detach(), before)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_scale_schedule_names_a_bad_max_lr(fused):
+    w = torch.nn.Parameter(torch.ones(3, 4))
+    opt = automagic.Automagic3([w], lr=1e-4, fused=fused, lr_schedule="scale")
+    opt.param_groups[0]["max_lr"] = "x0.01"
+    with pytest.raises(automagic.AutomagicError, match="max_lr must be a number"):
+        (w * 2).sum().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_refused_first_update_makes_no_state(fused):
+    """A NaN hyperparameter (fused mode: found in the C update, after the
+    state was made) or a later parameter's bad state tensor (step mode's
+    batch) left a state made at the group's lr of that moment, where the
+    rows then started for good; found by a randomized review."""
+    a = torch.nn.Parameter(torch.ones(5))
+    b = torch.nn.Parameter(torch.ones(3, 4))
+    opt = automagic.Automagic3([a, b], lr=1e-4, fused=fused)
+    if fused:
+        opt.param_groups[0]["weight_decay"] = float("nan")
+        with pytest.raises(automagic.AutomagicError, match="weight_decay"):
+            (a.sum() + b.sum()).backward()
+    else:
+        b.grad = torch.ones(3, 4)
+        opt.step()  # b has state now, a none
+        opt.state[b]["exp_avg_sq_col"] = torch.zeros(7)
+        a.grad, b.grad = torch.ones(5), torch.ones(3, 4)
+        with pytest.raises(automagic.AutomagicError, match="exp_avg_sq_col"):
+            opt.step()
+    assert not opt.state.get(a)
+    if fused:  # (whichever hook ran first)
+        assert not opt.state.get(b)
