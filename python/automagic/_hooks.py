@@ -4,6 +4,7 @@ accumulation windows. A mixin of automagic.Automagic3."""
 import warnings
 import weakref
 from collections import OrderedDict
+from typing import Optional
 
 import torch
 
@@ -14,13 +15,28 @@ from ._errors import AutomagicError
 class _FusedMixin:
     """Automagic3's fused-mode hooks and queue."""
 
-    def _register_params(self, group: dict) -> None:
+    def _register_params(self, group: dict, hooked: Optional[set] = None) -> None:
+        """Indexes group's parameters and, in fused mode, hooks those that
+        require grad; hooked (an unpickled optimizer's): the indices the
+        original had hooked, hooked again even if frozen now (a parameter
+        frozen when the optimizer was copied lost its hook, and once
+        unfrozen the copy never updated it in backward where the original
+        did; found by a randomized review, twenty-fourth session)."""
         for pos, p in enumerate(group["params"]):
             index = len(self._param_index)
             self._param_index[p] = index
-            if self.fused and p.requires_grad:
+            frozen_hooked = (hooked is not None and index in hooked and not p.requires_grad
+                             and p.is_leaf)
+            if self.fused and (p.requires_grad or frozen_hooked):
+                if frozen_hooked:
+                    p.requires_grad_(True)  # (a hook needs it; it survives the freeze)
+                try:
+                    handle = p.register_post_accumulate_grad_hook(
+                        self._make_hook(group, pos, index))
+                finally:
+                    if frozen_hooked:
+                        p.requires_grad_(False)
                 self._hooked.add(index)
-                handle = p.register_post_accumulate_grad_hook(self._make_hook(group, pos, index))
                 self._hook_handles.append(handle)
                 self._hook_ids[index] = handle.id
                 self._hook_cdata[index] = p._cdata

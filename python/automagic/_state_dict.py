@@ -166,11 +166,12 @@ class _StateDictMixin:
                     batch_updates=self.batch_updates, fused_batch_bytes=self.fused_batch_bytes,
                     micro=self._micro, deferred=set(self._deferred),
                     warned=set(self._warned), skipped=dict(self._skipped),
-                    aligned=self._aligned_steps)
+                    aligned=self._aligned_steps, hooked=set(self._hooked))
 
     def __setstate__(self, d: dict) -> None:
         extra = {k: d.pop(k) for k in ("micro", "deferred", "warned", "skipped")}
         aligned = d.pop("aligned", None)  # (pickled before it was kept: not known)
+        hooked = d.pop("hooked", None)  # (pickled before: the parameters requiring grad)
         d.setdefault("batch_updates", True)  # pickled before these were kept
         d["_fused_batch_bytes"] = d.pop("fused_batch_bytes", 4 << 20)
         super().__setstate__(d)
@@ -181,4 +182,4 @@ class _StateDictMixin:
         self._window_fired = set() if self._micro == 0 else None
         self._aligned_steps, self._passes = aligned, 0  # (as load_state_dict)
         for group in self.param_groups:
-            self._register_params(group)
+            self._register_params(group, hooked)

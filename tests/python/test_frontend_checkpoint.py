@@ -474,3 +474,31 @@ def test_replaced_state_is_freed_by_load_state_dict(fused):
         opt.step()
     gc.collect()
     assert sum(r() is not None for r in old) == 0
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_made_while_a_parameter_is_frozen_keeps_its_hook(how):
+    """Copied while b was frozen, the copy lost b's backward hook: once b
+    was unfrozen it was never updated in backward, where the original was
+    (found by a randomized review)."""
+    def run(copy_how):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(4, 3))
+        b = torch.nn.Parameter(torch.randn(3))
+        opt = automagic.Automagic3([w, b], lr=1e-3)
+        b.requires_grad_(False)
+        if copy_how == "deepcopy":
+            (w, b), opt = copy.deepcopy(((w, b), opt))
+        elif copy_how == "pickle":
+            (w, b), opt = pickle.loads(pickle.dumps(((w, b), opt)))
+        assert not b.requires_grad
+        b.requires_grad_(True)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            ((w * torch.randn(4, 3, generator=g)).sum()
+             + (b * torch.randn(3, generator=g)).sum()).backward()
+        return w.detach(), b.detach(), b.grad, opt.state[b].get("step")
+    w0, b0, g0, s0 = run(None)
+    w1, b1, g1, s1 = run(how)
+    assert g0 is None and g1 is None and s0 == s1 == 3
+    assert torch.equal(w0, w1) and torch.equal(b0, b1)
