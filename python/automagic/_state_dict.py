@@ -13,6 +13,8 @@ _HPARAM_KEYS = _lib.HPARAM_NAMES + ("base_lr",)
 
 _STATE_DICT_FORMAT = 1
 
+_ABSENT = object()  # (a key a state_dict saved before it was kept lacks)
+
 
 def _add_automagic_entry(opt, sd: dict) -> None:
     """A state_dict post hook, registered first: the front end's own entry
@@ -40,7 +42,10 @@ class _StateDictMixin:
         return dict(format=_STATE_DICT_FORMAT, seed=self.seed,
                     nonfinite_skips=self.nonfinite_skips,
                     skipped_by_param=dict(self._skipped), micro_step=self._micro,
-                    deferred=sorted(self._deferred), aligned_steps=self._aligned_steps)
+                    deferred=sorted(self._deferred), aligned_steps=self._aligned_steps,
+                    passes=self._passes,
+                    window_fired=(None if self._window_fired is None
+                                  else sorted(self._window_fired)))
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads our state_dict or one saved by the reference class.
@@ -92,16 +97,29 @@ class _StateDictMixin:
             elif not isinstance(aligned, bool):
                 raise TypeError("aligned_steps must be true, false or null, got %r"
                                 % (aligned,))
+            # the backward passes since the last step() and the hooks fired
+            # in the open window, as saved (a dict saved mid-window came
+            # back with them forgotten: the window's end then applied a
+            # gradient no hook reported, and a trainer's evidence was lost;
+            # found by a randomized review, twenty-fourth session); a dict
+            # without them (older): not known, as before
+            passes = int(extra.get("passes", 0))
+            fired = extra.get("window_fired", _ABSENT)
+            if fired is not None and fired is not _ABSENT:
+                fired = set(int(i) for i in fired)
         except (TypeError, ValueError, AttributeError) as e:
             raise CheckpointError("Automagic3: the state_dict's 'automagic' entry holds an "
                                   "invalid value (%s)" % e) from None
         nparams = len(self._param_index)  # indices are never reused
-        if (skips < 0 or micro < 0 or any(v < 0 for v in skipped.values())
-                or any(not 0 <= i < nparams for i in set(skipped) | deferred)):
+        fired_set = fired if isinstance(fired, set) else set()
+        if (skips < 0 or micro < 0 or passes < 0 or any(v < 0 for v in skipped.values())
+                or any(not 0 <= i < nparams for i in set(skipped) | deferred | fired_set)):
             raise CheckpointError("Automagic3: the state_dict's 'automagic' entry holds a "
                                   "negative count or a parameter index out of range "
-                                  "(nonfinite_skips %r, micro_step %r, skipped_by_param %r, "
-                                  "deferred %r)" % (skips, micro, skipped, sorted(deferred)))
+                                  "(nonfinite_skips %r, micro_step %r, passes %r, "
+                                  "skipped_by_param %r, deferred %r, window_fired %r)"
+                                  % (skips, micro, passes, skipped, sorted(deferred),
+                                     sorted(fired_set)))
         seed = extra.get("seed", self.seed)
         if seed != self.seed:
             warnings.warn("Automagic3: the state_dict was saved with seed %r, this optimizer "
@@ -132,11 +150,15 @@ class _StateDictMixin:
                 self._micro = micro % self.accumulation_steps
                 self._deferred = deferred
                 self._updated = set()
-                self._window_fired = set() if self._micro == 0 else None
-                # (the passes since the last step() are not known: counted
-                # from here, so that a later step() is evidence only after a
-                # whole window between two step() calls of this run)
-                self._aligned_steps, self._passes = aligned, 0
+                if self._micro == 0:
+                    self._window_fired = set()
+                else:  # (not known when the dict does not say)
+                    self._window_fired = None if fired is _ABSENT else fired
+                # (the passes since the last step(): when the dict does not
+                # say, counted from here, so that a later step() is evidence
+                # only after a whole window between two step() calls of
+                # this run)
+                self._aligned_steps, self._passes = aligned, passes
                 # the C views of the replaced state hold its tensors (_Plan.held),
                 # and the batch items the views: rebuilt at the next update (the
                 # old state stayed alive, a parameter never updated again kept
@@ -166,12 +188,17 @@ class _StateDictMixin:
                     batch_updates=self.batch_updates, fused_batch_bytes=self.fused_batch_bytes,
                     micro=self._micro, deferred=set(self._deferred),
                     warned=set(self._warned), skipped=dict(self._skipped),
-                    aligned=self._aligned_steps, hooked=set(self._hooked))
+                    aligned=self._aligned_steps, hooked=set(self._hooked),
+                    passes=self._passes,
+                    window_fired=(None if self._window_fired is None
+                                  else set(self._window_fired)))
 
     def __setstate__(self, d: dict) -> None:
         extra = {k: d.pop(k) for k in ("micro", "deferred", "warned", "skipped")}
         aligned = d.pop("aligned", None)  # (pickled before it was kept: not known)
         hooked = d.pop("hooked", None)  # (pickled before: the parameters requiring grad)
+        passes = d.pop("passes", 0)  # (pickled before: as load_state_dict without them)
+        fired = d.pop("window_fired", _ABSENT)
         d.setdefault("batch_updates", True)  # pickled before these were kept
         d["_fused_batch_bytes"] = d.pop("fused_batch_bytes", 4 << 20)
         super().__setstate__(d)
@@ -179,7 +206,10 @@ class _StateDictMixin:
         self._init_runtime()
         self._micro, self._deferred = extra["micro"], extra["deferred"]
         self._warned, self._skipped = extra["warned"], extra["skipped"]
-        self._window_fired = set() if self._micro == 0 else None
-        self._aligned_steps, self._passes = aligned, 0  # (as load_state_dict)
+        if self._micro == 0:
+            self._window_fired = set()
+        else:
+            self._window_fired = None if fired is _ABSENT else fired
+        self._aligned_steps, self._passes = aligned, passes  # (as load_state_dict)
         for group in self.param_groups:
             self._register_params(group, hooked)
