@@ -103,13 +103,26 @@ static void param_tensors(const am_shape *s, ck_tensor t[F_COUNT]) {
     }
 }
 
+/* The checksum's items (ck_item), as the writer and the loader's
+ * verify_checksum both make them: a metadata entry, and a tensor entry
+ * named name with its len bytes at data. */
+static void meta_item(ck_items *it, const char *key, const char *val) {
+    am_ck_items_add(it, NULL, 0, "m:%s=%s", key, val);
+}
+
+static void tensor_entry_item(ck_items *it, const char *name, const char *dtype, int32_t ndim,
+                              const int64_t *dims, const unsigned char *data, size_t len) {
+    char ds[8 * 21 + 3];
+    am_ck_dims_str(ds, sizeof ds, ndim, dims);
+    am_ck_items_add(it, data, len, "t:%s:%s:%s", name, dtype, ds);
+}
+
 /* data: the tensor's bytes in the file (t->end - t->begin of them). */
 static void tensor_item(ck_items *it, int32_t p, int f, const ck_tensor *t,
                         const unsigned char *data) {
-    char dims[8 * 21 + 3];
-    am_ck_dims_str(dims, sizeof dims, t->ndim, t->dims);
-    am_ck_items_add(it, data, t->end - t->begin, "t:param.%d.%s:%s:%s", (int)p, k_field[f],
-              t->dtype, dims);
+    char name[48];
+    snprintf(name, sizeof name, "param.%d.%s", (int)p, k_field[f]);
+    tensor_entry_item(it, name, t->dtype, t->ndim, t->dims, data, t->end - t->begin);
 }
 
 /* ------------------------------------------------------------- layout -- */
@@ -270,7 +283,7 @@ static am_status serialize(const am_optimizer *o, unsigned char **out, size_t *o
                         data + t[i].begin);
         }
         for (k = 0; !size_only && k < nmeta; k++)
-            am_ck_items_add(&items, NULL, 0, "m:%s=%s", meta[k].key, meta[k].val);
+            meta_item(&items, meta[k].key, meta[k].val);
         snprintf(crc, sizeof crc, "crc32:%08lx",
                  size_only ? 0ul : (unsigned long)am_ck_checksum(&items));
         ok = !items.oom && (root = cJSON_CreateObject()) != NULL &&
@@ -445,7 +458,6 @@ static am_status checksum_entry(const cJSON *c, const ck_load *L, ck_items *it) 
     int64_t dims[AM_MAX_DIMS];
     int32_t n = 0;
     uint64_t v, b = 0, e = 0;
-    char ds[8 * 21 + 3];
     if (!c->string || !cJSON_IsObject(c)) CK_FAIL(AM_ERR_FORMAT, "%s is not an object", name);
     dt = cJSON_GetObjectItemCaseSensitive(c, "dtype");
     sh = cJSON_GetObjectItemCaseSensitive(c, "shape");
@@ -463,8 +475,7 @@ static am_status checksum_entry(const cJSON *c, const ck_load *L, ck_items *it) 
         !json_size(of->child->next, &e) || b > e || e > L->dlen)
         CK_FAIL(AM_ERR_FORMAT, "%s: data_offsets are not [begin, end] inside the %zu data bytes",
                 name, L->dlen);
-    am_ck_dims_str(ds, sizeof ds, n, dims);
-    am_ck_items_add(it, L->data + b, (size_t)(e - b), "t:%s:%s:%s", name, dt->valuestring, ds);
+    tensor_entry_item(it, name, dt->valuestring, n, dims, L->data + b, (size_t)(e - b));
     return AM_OK;
 }
 
@@ -495,7 +506,7 @@ static am_status verify_checksum(const cJSON *root, const cJSON *meta, const ck_
                    c->string ? c->string : "?");
             st = AM_ERR_FORMAT;
         } else if (strcmp(c->string, k_fixed_meta[M_CHECKSUM]) != 0) {
-            am_ck_items_add(&it, NULL, 0, "m:%s=%s", c->string, c->valuestring);
+            meta_item(&it, c->string, c->valuestring);
         }
     }
     for (c = root->child; st == AM_OK && c; c = c->next)
