@@ -122,7 +122,7 @@ static double run_triad(triad *tr) {
  * than this machine's last-level cache as seen by one VM (measured: triad
  * bandwidth drops to the DRAM level above ~100 MB). glibc's memset of this
  * size uses non-temporal stores, which leave a small tensor in the cache
- * (docs/PERFORMANCE.md); the triad run before each timed update (ordinary
+ * (docs/PERFORMANCE_HISTORY.md); the triad run before each timed update (ordinary
  * stores over 192 MiB) is what evicts it. */
 #define EVICT_BYTES ((size_t)256 << 20)
 static unsigned char *g_evict;

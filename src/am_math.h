@@ -104,7 +104,7 @@ AM_HD uint16_t am_f32_to_bf16_rne(float x) {
  * known-answer vectors for 7 and 10; Huawei's Ascend PhiloxRandom defaults
  * to 7). The noise uses 7 (AM_SR_ROUNDS; README "Differences"): the
  * generator is most of the cost of a 16-bit update, and 7 rounds make it
- * 30% cheaper (docs/PERFORMANCE.md, eighth session). test_rounding.c's
+ * 30% cheaper (docs/PERFORMANCE_HISTORY.md, eighth session). test_rounding.c's
  * chi-square tests reject 5 rounds and pass 6 and 7. */
 #define AM_SR_ROUNDS 7
 

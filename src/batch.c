@@ -8,7 +8,7 @@
  * writes. am_update splits each pass of one tensor over every thread, so
  * all cores run the read-only pass at the same time. On the twelfth
  * session's machine (AMD EPYC, Zen 4) memory gives a read-only stream much
- * less than one that also writes (docs/PERFORMANCE.md); with whole
+ * less than one that also writes (docs/PERFORMANCE_HISTORY.md); with whole
  * parameters on separate threads the passes of different tensors overlap.
  *
  * The split is a function of the items' sizes and the thread count only:

@@ -262,7 +262,7 @@ static inline int64_t am_lrs_row_bytes(int64_t C) { return (C + 7) / 8; }
  * finish_short_rows_task), which the AVX-512 apply runs four rows at a
  * time when they are longer than 4096 (AM_ONE_ROW_APPLY_MAX,
  * kernels_avx512.c): each column factor loaded once for four rows
- * (docs/PERFORMANCE.md, seventeenth and twentieth sessions). */
+ * (docs/PERFORMANCE_HISTORY.md, seventeenth and twentieth sessions). */
 #define AM_LONG_ROW_MIN 3072
 
 typedef struct am_kernels {

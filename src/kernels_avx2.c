@@ -339,7 +339,7 @@ AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C
                            * speed on earlier machines; into L2 only where
                            * am_sw_prefetch is off (Zen 4, twelfth session:
                            * into L1 no faster than none, into L2 faster;
-                           * docs/PERFORMANCE.md). The AVX-512 stats read
+                           * docs/PERFORMANCE_HISTORY.md). The AVX-512 stats read
                            * one row at a time instead (stats_rows there). */
                     const char *nx = (const char *)g + (size_t)(b3 + C + j) * es;
                     for (q = 0; q < 4; q++) {
@@ -901,7 +901,7 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
              * that costs time) the same columns of the next matrix row: two
              * more streams in flight, which one core needs to read memory at
              * full speed (measured, 4096x4096 apply 14.0 -> 10.8 ms at 1
-             * thread, 8.2 -> 6.5 ms at 2; docs/PERFORMANCE.md). Where
+             * thread, 8.2 -> 6.5 ms at 2; docs/PERFORMANCE_HISTORY.md). Where
              * am_sw_prefetch is off (AMD), into L2 only, further ahead in
              * the same streams (AM_L2_PREFETCH_BYTES; Zen 4 running these
              * kernels: 4096x4096 float32 apply 7.0-7.8 -> 6.4-7.4 ms at 1

@@ -395,7 +395,7 @@ AM_INLINE void stats_span(const void *g, const int gdt, const int cnt, int64_t C
  * 11008x4096 8.06 -> 6.27 ms, bfloat16 4096x4096 1.80 -> 1.52-1.54 ms; 2
  * threads 1.64 -> 1.50-1.51 ms; tiles narrower than their matrix,
  * 1024x28672 float32 4.37 -> 3.91 ms, bfloat16 2.52 -> 2.53; docs/
- * PERFORMANCE.md). */
+ * PERFORMANCE_HISTORY.md). */
 AM_INLINE void stats_rows(const void *g, const int gdt, const int cnt, int64_t C, int64_t i,
                           int64_t j0, int64_t n, float *rowpart, float *colpart,
                           const am_polmap *pm, int32_t *rowmatch, __m512i *mn, float *mp,
@@ -443,7 +443,7 @@ AM_INLINE void stats_rows(const void *g, const int gdt, const int cnt, int64_t C
         }
     } else {
         /* float32: one loop (the spans above were slower from memory here:
-         * docs/PERFORMANCE.md, twenty-second session) */
+         * docs/PERFORMANCE_HISTORY.md, twenty-second session) */
         for (j = 0; j < n32; j += 32) {
             uintptr_t off = (uintptr_t)j * es + AM_STATS_PREFETCH_BYTES;
             if (off >= rowb) off += gap;

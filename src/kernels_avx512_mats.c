@@ -22,7 +22,7 @@
  * the caches. Measured (this and the previous version loaded side by side,
  * alternating), 1 and 2 threads, from memory and in cache: 256x256x3x3 and
  * 1280x1280x3x3 float32 0.92-0.95 of the time, 512x512x1x1 0.87-0.91
- * (docs/PERFORMANCE.md).
+ * (docs/PERFORMANCE_HISTORY.md).
  *
  * Sums of squares start from +0 in the reference (acc[] = {0}); x + 0 == x
  * for every x >= +0 and every NaN, so those additions of zero are left out

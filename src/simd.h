@@ -14,7 +14,7 @@
  * their streams: with only the hardware prefetchers one core reads a
  * stream at about 7 GB/s on the development machine, so the stats pass
  * over g and sq (two streams) ran at 9 GB/s; measured, 16M float32 at 1
- * thread: stats 14.8 -> 11.1 ms (docs/PERFORMANCE.md). */
+ * thread: stats 14.8 -> 11.1 ms (docs/PERFORMANCE_HISTORY.md). */
 #define AM_FLAT_PREFETCH 1024
 
 /* Where am_sw_prefetch() is 0, the apply of large matrices still prefetches
@@ -24,7 +24,7 @@
  * AVX-512 apply 6.3-6.7 -> 5.3-5.7 ms bfloat16, 7.8-8.3 -> 7.0-7.3 float16;
  * AVX2 float32 7.0-7.8 -> 6.4-7.4; 2, 4 and 6 KB ahead alike. Not for the
  * AVX-512 float32 apply (4096x4096 no better, 11008x4096 3-10% slower) nor
- * the 1-D finish (no gain); docs/PERFORMANCE.md. */
+ * the 1-D finish (no gain); docs/PERFORMANCE_HISTORY.md. */
 #define AM_L2_PREFETCH_BYTES 4096
 
 #if defined(__x86_64__)

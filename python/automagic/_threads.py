@@ -5,7 +5,7 @@ threads keep spinning for a while after each operation. The library's own
 thread pool then competes with them for the same cores: measured on the
 2-core development machine (2 threads), a 4096x4096 bfloat16 update right
 after a torch operation took 17.8 ms on the own pool and 12.0 ms on
-torch's team (docs/PERFORMANCE.md). So, when torch runs on
+torch's team (docs/PERFORMANCE_HISTORY.md). So, when torch runs on
 OpenMP, the front end hands the library's jobs to that team through
 am_gomp_runner (the `#pragma omp parallel` entry point of the runtime torch
 loaded). Results are bit-identical either way; AUTOMAGIC_TORCH_THREADS=0
