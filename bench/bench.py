@@ -519,10 +519,21 @@ def kernel_rows(result):
     for k in result["kernels"]:
         n = k["numel"]
         gbs = n * k["model_bytes_per_elem"] / k["sec_min"] / 1e9
+        # process CPU time only at one thread: Linux adds a worker thread's
+        # time to the process clock late (at its next tick or sleep), so a
+        # two-thread update shorter than a tick read as one thread's (768x3072
+        # at 2 threads: 0.53 ms wall and 0.53 ms CPU, where 1 thread took 0.76)
+        cpu = k["cpu_sec_min"] / n * 1e9 if k["threads"] == 1 else None
         rows.append(dict(k, ns_per_elem=k["sec_min"] / n * 1e9,
-                         cpu_ns_per_elem=k["cpu_sec_min"] / n * 1e9, gbs=gbs,
+                         cpu_ns_per_elem=cpu, gbs=gbs,
                          triad_best=best[k["threads"]], frac=gbs / best[k["threads"]]))
     return rows
+
+
+def cpu_cell(k):
+    """A kernel row's CPU ns/element as printed: "-" where it is not known
+    (more than one thread; see kernel_rows)."""
+    return "-" if k["cpu_ns_per_elem"] is None else "%.3f" % k["cpu_ns_per_elem"]
 
 
 def torch_lookup(result, shape, dtype, threads):
@@ -548,9 +559,9 @@ def print_tables(result):
     print(hdr)
     print("-" * len(hdr))
     for k in kernel_rows(result):
-        print("%-22s %-8s %3d %-6s %9.3f %9.3f %8.2f %8.2f %8.2f %5.0f%%" % (
+        print("%-22s %-8s %3d %-6s %9.3f %9s %8.2f %8.2f %8.2f %5.0f%%" % (
             "x".join(map(str, k["shape"])), k["dtype"], k["threads"], k["kernels"],
-            k["ns_per_elem"], k["cpu_ns_per_elem"], k["gbs"], k["triad_gbs"],
+            k["ns_per_elem"], cpu_cell(k), k["gbs"], k["triad_gbs"],
             k["triad_best"], 100 * k["frac"]))
     print("\nPyTorch, same parameters, same threads (ms per step, min over reps; "
           "speedup = their time / ours through the front end)")
@@ -615,9 +626,9 @@ def markdown(result):
                "triad GB/s (case) | triad GB/s (run's best) | of bound |")
     out.append("|---|---|---|---|---|---|---|---|---|---|")
     for k in kernel_rows(result):
-        out.append("| %s | %s | %d | %s | %.3f | %.3f | %.2f | %.2f | %.2f | %.0f%% |" % (
+        out.append("| %s | %s | %d | %s | %.3f | %s | %.2f | %.2f | %.2f | %.0f%% |" % (
             "x".join(map(str, k["shape"])), k["dtype"], k["threads"], k["kernels"],
-            k["ns_per_elem"], k["cpu_ns_per_elem"], k["gbs"], k["triad_gbs"],
+            k["ns_per_elem"], cpu_cell(k), k["gbs"], k["triad_gbs"],
             k["triad_best"], 100 * k["frac"]))
     out.append("")
     out.append("| shape | dtype | thr | ours ms | reference ms | AdamW foreach ms | "

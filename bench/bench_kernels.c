@@ -34,7 +34,10 @@ static double now(void) {
 }
 
 /* CPU seconds of every thread of the process: on a shared machine, wall
- * time includes time the scheduler gave to others; this does not. */
+ * time includes time the scheduler gave to others; this does not. Linux
+ * adds a worker thread's time late (at its next tick or sleep), so with
+ * several threads one short update reads low: bench.py shows it for one
+ * thread only. */
 static double cpu_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
