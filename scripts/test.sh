@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: C library (CTest, then under sanitizers and valgrind,
 # then cross-built for aarch64 and run under qemu), then the PyTorch front
-# end (pytest).
+# end (pytest), then a smoke run of the benchmark.
 # Usage: scripts/test.sh      (from the repository root; installs what it needs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,3 +44,6 @@ if ! out=$($PY -m pip install -q --disable-pip-version-check . 2>&1); then
 fi
 # A hung test fails after 15 minutes instead of stalling CI (pytest-timeout).
 $PY -m pytest -q --timeout=900 tests/python
+
+echo "== Benchmark: smoke run (bench/bench.py --quick; times not checked)"
+bash scripts/test_bench.sh
