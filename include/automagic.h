@@ -89,8 +89,13 @@ typedef enum am_status {
     /* The gradient held a NaN or an infinity: parameter and state are
      * exactly as they were (SPEC 6.2). */
     AM_SKIPPED_NONFINITE_GRAD = 1,
-    /* The gradient was finite but the update was not (a float32 overflow of
-     * g*g, or eps = 0 with an all-zero row): nothing was changed. */
+    /* The gradient was finite but the update was not: nothing was changed.
+     * Either g*g overflowed float32, or eps = 0 and SPEC 3.1 divides 0 by
+     * 0: a row or column of a matrix whose gradient and moment are both
+     * still 0, or an element of a 1-D parameter whose gradient and sq are
+     * both still 0 (one zero element skips the whole parameter, at every
+     * update until that element's gradient is nonzero once: with eps = 0 a
+     * bias vector beside a dead unit is never updated). */
     AM_SKIPPED_NONFINITE_UPDATE = 2,
 
     AM_ERR_NULL_POINTER = -1,    /* a required pointer argument is NULL */

@@ -376,10 +376,14 @@ AM_HD float am_expf(float x) {
 }
 
 /* SPEC 3.4: lr * exp((2a - 1) * bump), clamped to [min_lr, max_lr], where
- * a = matches / m is the agreement fraction of the lr-row. */
+ * a = matches / m is the agreement fraction of the lr-row. A NaN product
+ * (0 * inf: an lr at min_lr = 0 when lr_bump_rate > ~88.7 makes the factor
+ * inf) is min_lr: it had passed the clamp and turned the parameter and its
+ * stored lr NaN under AM_OK. Every path clamps so (the SIMD 1-D finishes
+ * with a not-greater-or-equal compare). */
 AM_HD float am_lr_scale(float lr, float factor, const am_consts *k) {
     float v = lr * factor;
-    if (v < k->min_lr) v = k->min_lr;
+    if (!(v >= k->min_lr)) v = k->min_lr;
     if (v > k->max_lr) v = k->max_lr;
     return v;
 }

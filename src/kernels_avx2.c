@@ -1037,7 +1037,7 @@ AM_INLINE int64_t finish_flat_body(void *p, const int pdt, const void *g,
             __m256i mm = _mm256_and_si256(_mm256_set1_epi32((int)mb), lanebit);
             __m256 match = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mm, lanebit));
             lrv = _mm256_mul_ps(lrv, _mm256_blendv_ps(down, up, match));
-            lrv = _mm256_blendv_ps(lrv, lo, _mm256_cmp_ps(lrv, lo, _CMP_LT_OQ));
+            lrv = _mm256_blendv_ps(lrv, lo, _mm256_cmp_ps(lrv, lo, _CMP_NGE_UQ)); /* NaN: min_lr (am_lr_scale) */
             lrv = _mm256_blendv_ps(lrv, hi, _mm256_cmp_ps(lrv, hi, _CMP_GT_OQ));
             _mm256_storeu_ps(lr + e, lrv);
         }

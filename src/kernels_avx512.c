@@ -1271,7 +1271,7 @@ AM_INLINE int64_t flat_mode(void *p, const int pdt, const void *g, const int gdt
         matches += __builtin_popcount(mb);
         if (step > 0) {
             lrv = _mm512_mul_ps(lrv, _mm512_mask_blend_ps(mb, down, up));
-            lrv = _mm512_mask_mov_ps(lrv, _mm512_cmp_ps_mask(lrv, lo, _CMP_LT_OQ), lo);
+            lrv = _mm512_mask_mov_ps(lrv, _mm512_cmp_ps_mask(lrv, lo, _CMP_NGE_UQ), lo); /* NaN: min_lr */
             lrv = _mm512_mask_mov_ps(lrv, _mm512_cmp_ps_mask(lrv, hi, _CMP_GT_OQ), hi);
             _mm512_storeu_ps(lr + e, lrv);
         }

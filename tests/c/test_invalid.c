@@ -101,6 +101,46 @@ static void test_extreme_valid_hparams(void **unused) {
     t_fix_free(&f);
 }
 
+/* min_lr = 0 and lr_bump_rate 200, both valid: a disagreeing update's
+ * exp(-200) takes the lr to 0, the next agreeing one's exp(200) is inf, and
+ * 0 * inf = NaN passed the clamp: lr and parameter NaN for good under AM_OK
+ * (found by a review, twenty-fifth session). The lr stays at min_lr (0),
+ * the parameter finite; a (3, 8) matrix (lr per row) and a 1-D (21). */
+static void test_lr_bump_from_zero(void **unused) {
+    const int64_t dm[2] = {3, 8}, dv[1] = {21};
+    am_shape shapes[2];
+    int c;
+    (void)unused;
+    shapes[0] = t_shape(2, dm);
+    shapes[1] = t_shape(1, dv);
+    for (c = 0; c < 2; c++) {
+        t_fix f;
+        float p[24], g[24];
+        const int64_t n = c ? 21 : 24, nlr = c ? 21 : 3;
+        am_tensor pt = t_tensor(p, AM_DTYPE_FLOAT32, &shapes[c]);
+        am_tensor gt = t_tensor(g, AM_DTYPE_FLOAT32, &shapes[c]);
+        am_hparams hp = am_hparams_default();
+        int i, step;
+        hp.min_lr = 0;
+        hp.lr_bump_rate = 200;
+        t_fix_init(&f, &shapes[c], 1e-3);
+        for (i = 0; i < n; i++) p[i] = 0.5f;
+        for (step = 0; step < 4; step++) {
+            /* signs: +, -, -, - : step 1 disagrees (lr -> 0), 2 and 3 agree */
+            for (i = 0; i < n; i++) g[i] = (step ? -0.01f : 0.01f) * (float)(1 + i % 4);
+            assert_int_equal(am_update(&pt, &gt, &f.st, &hp, (am_rng_key){1, 0}, f.ws,
+                                       f.ws_bytes, NULL),
+                             AM_OK);
+            for (i = 0; i < nlr; i++)
+                if (!(f.st.lr[i] == (step == 0 ? 1e-3f : 0.0f)))
+                    fail_msg("shape %d step %d: lr[%d] = %g", c, step, i, (double)f.st.lr[i]);
+            for (i = 0; i < n; i++)
+                if (!isfinite(p[i])) fail_msg("shape %d step %d: p[%d] = %g", c, step, i, (double)p[i]);
+        }
+        t_fix_free(&f);
+    }
+}
+
 /* ------------------------------------------------------- shapes -------- */
 
 /* Bad shapes, shared by every function that takes one. */
@@ -527,6 +567,7 @@ int main(void) {
         cmocka_unit_test(test_status_dtype_version),
         cmocka_unit_test(test_hparams),
         cmocka_unit_test(test_extreme_valid_hparams),
+        cmocka_unit_test(test_lr_bump_from_zero),
         cmocka_unit_test(test_state_get_sizes),
         cmocka_unit_test(test_state_init),
         cmocka_unit_test(test_update_invalid),

@@ -832,6 +832,58 @@ static void test_flat_underflow(void **unused) {
     assert_true(positive > 0 && flushed > 0);
 }
 
+/* An lr at 0 (min_lr = 0) bumped by an infinite factor (lr_bump_rate 200:
+ * exp(200) is inf, exp(-200) rounds to 0): 0 * inf is NaN, which passed
+ * the clamp and turned lr and parameter NaN (found by a review, twenty-
+ * fifth session). Every finish must clamp it to min_lr, with the same bits:
+ * the scalar reference, the set in use and the plain AVX2 set. */
+static void test_flat_lr_at_zero(void **unused) {
+    const am_kernels *simd = am_kernels_avx2();
+    static const int dts[] = {AM_DTYPE_FLOAT32, AM_DTYPE_BFLOAT16, AM_DTYPE_FLOAT16};
+    enum { N = 77 };
+    am_hparams hp = am_hparams_default();
+    am_consts k;
+    float g[N], sq[2][N], lr[2][N], p[2][N];
+    uint8_t pol[2][(N + 7) / 8];
+    int j, d, v;
+    (void)unused;
+    if (!simd || !am_cpu_has_avx2()) {
+        print_message("SKIPPED: no AVX2 kernels on this build/CPU; nothing to compare\n");
+        skip();
+    }
+    hp.min_lr = 0;
+    hp.lr_bump_rate = 200;
+    k = am_consts_from(&hp);
+    assert_true(isinf(k.bump_up) && k.bump_down == 0.0f);
+    for (j = 0; j < N; j++) g[j] = (j % 3 ? 0.5f : -0.25f) * (float)(1 + j % 5);
+    for (d = 0; d < 6; d++) {
+        const am_kernels *best = d < 3 ? simd : am_kernels_avx2_plain();
+        int64_t m[2];
+        for (v = 0; v < 2; v++) {
+            const am_kernels *kt = v ? best : &am_kernels_ref;
+            for (j = 0; j < N; j++) {
+                sq[v][j] = 0.01f;
+                lr[v][j] = j % 2 ? 0.0f : 1e-3f; /* at 0, or not */
+                p[v][j] = 0.0f;
+            }
+            /* old bits all 1: g > 0 agrees (its lrs at 0 meet inf), g < 0
+             * disagrees (its factor is 0) */
+            memset(pol[v], 0xff, sizeof pol[v]);
+            m[v] = kt->finish_flat(p[v], dts[d % 3], g, AM_DTYPE_FLOAT32, sq[v], lr[v], pol[v],
+                                   0, N, 1.0f, &k, 11, 2, 1);
+        }
+        assert_int_equal(m[0], m[1]);
+        assert_memory_equal(lr[0], lr[1], sizeof lr[0]);
+        assert_memory_equal(p[0], p[1], sizeof p[0]);
+        for (j = 0; j < N; j++) {
+            const float want = g[j] > 0 ? (j % 2 ? 0.0f : (float)hp.max_lr) : 0.0f;
+            if (lr[0][j] != want) fail_msg("dtype %d: lr[%d] = %g, want %g", d % 3, j,
+                                           (double)lr[0][j], (double)want);
+            if (!isfinite(p[0][j])) fail_msg("dtype %d: p[%d] = %g", d % 3, j, (double)p[0][j]);
+        }
+    }
+}
+
 /* The stats pass counts the agreement with the sign of g (that of u);
  * the SPEC's sign is that of u / scale, which is 0 for a positive u small
  * enough. Shape (2, 19): row 0 holds 1e15 in columns 9 (a vector lane) and
@@ -1268,6 +1320,7 @@ int main(void) {
         cmocka_unit_test(test_mats_slots),
         cmocka_unit_test(test_agree_underflow),
         cmocka_unit_test(test_flat_underflow),
+        cmocka_unit_test(test_flat_lr_at_zero),
         cmocka_unit_test(test_counted_agreement_underflow),
         cmocka_unit_test(test_counted_mats_underflow),
         cmocka_unit_test(test_zero_row_factor_range),
