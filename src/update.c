@@ -409,19 +409,33 @@ static void u2_task(void *ctx, int64_t t) {
         WS(u, off_rf, float) + b * g->R, WS(u, off_cf, float) + b * g->C);
 }
 
-/* 1 when some factor is NaN or >= AM_WSUM_FAC_MAX (SSE2: four at a time,
- * no branch per factor; the scalar loop was 2% of a (1024, 16) update). */
-static int big_factor(const float *v, int64_t n) {
+/* The largest magnitude in v[0..n) (factors and moment means, >= 0; +0
+ * when n is 0), NaN when one is NaN (SSE2: four at a time, no branch per
+ * value; a scalar loop was 2% of a (1024, 16) update). The CUDA plan's
+ * am_ck_umax keeps the same. */
+static float max_of(const float *v, int64_t n) {
     int64_t i = 0;
+    float m = 0.0f;
 #if defined(__SSE2__)
-    const __m128 lim = _mm_set1_ps(AM_WSUM_FAC_MAX);
-    __m128 b = _mm_setzero_ps();
-    for (; i + 4 <= n; i += 4) b = _mm_or_ps(b, _mm_cmpnlt_ps(_mm_loadu_ps(v + i), lim));
-    if (_mm_movemask_ps(b)) return 1;
+    const __m128 sign = _mm_set1_ps(-0.0f);
+    __m128 mv = _mm_setzero_ps(), nan = _mm_setzero_ps();
+    float t[4];
+    for (; i + 4 <= n; i += 4) {
+        const __m128 x = _mm_andnot_ps(sign, _mm_loadu_ps(v + i));
+        nan = _mm_or_ps(nan, _mm_cmpunord_ps(x, x));
+        mv = _mm_max_ps(mv, x);
+    }
+    if (_mm_movemask_ps(nan)) return NAN;
+    _mm_storeu_ps(t, mv);
+    m = t[0] > t[1] ? t[0] : t[1];
+    if (t[2] > m) m = t[2];
+    if (t[3] > m) m = t[3];
 #endif
-    for (; i < n; i++)
-        if (!(v[i] < AM_WSUM_FAC_MAX)) return 1;
-    return 0;
+    for (; i < n; i++) {
+        if (v[i] != v[i]) return NAN;
+        if (fabsf(v[i]) > m) m = fabsf(v[i]);
+    }
+    return m;
 }
 
 /* The sum of u*u from the stats pass's W sums (am_wsum, internal.h) into
@@ -447,8 +461,8 @@ static int u2_from_wsum(upd *u) {
         }
         u2 += (double)rmean[b] * t;
     }
-    if (!am_wsum_usable(u2, big_factor(WS(u, off_rf, float), g->B * g->R) ||
-                                big_factor(cf, BC)))
+    if (!am_wsum_usable(u2, max_of(WS(u, off_rf, float), g->B * g->R), max_of(cf, BC),
+                        max_of(rmean, g->B), g->numel))
         return 0;
     u->h->u2_sum = u2;
     return 1;

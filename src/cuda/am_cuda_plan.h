@@ -50,7 +50,9 @@ typedef struct am_cuda_ws_header {
     float scale;                  /* clip divisor of SPEC 3.2 (>= 1) */
     int32_t status;               /* am_status of this update */
     int32_t flag;                 /* nonzero: count the non-finite elements */
-    int32_t bigfac;               /* a factor is NaN or >= AM_WSUM_FAC_MAX */
+    uint32_t rf_max, cf_max;      /* the largest row and column factors' bits */
+    uint32_t rmean_max;           /* the largest row-moment mean's bits (all >= 0:
+                                   * their bits order as they do; NaN's above inf) */
     int32_t u2_pass;              /* the W sums cannot give u2: the lanes do */
 } am_cuda_ws_header;
 
@@ -222,6 +224,21 @@ AM_HD int64_t am_ck_div(int64_t a, int64_t b) {
     return a / b;
 }
 
+/* *dst = max(*dst, v), unsigned: on the GPU an integer atomic (order-free;
+ * read first, so that few of the threads write once the maximum settles),
+ * in the host emulation's sequential loop a plain store. */
+AM_HD void am_ck_umax(uint32_t *dst, uint32_t v) {
+    v &= 0x7fffffffu; /* |x| (max_of's too: a -0 would order above everything) */
+#ifdef __CUDA_ARCH__
+    if (v > *(volatile uint32_t *)dst) atomicMax((unsigned int *)dst, (unsigned int)v);
+#else
+    if (v > *dst) *dst = v;
+#endif
+}
+
+/* The float whose bits am_ck_umax kept: the largest of values >= 0 (the
+ * bits of a NaN order above every other: NaN, which am_wsum_usable refuses). */
+AM_HD float am_ck_ufloat(uint32_t u) { return am_bits_f32(u); }
 
 /* One lane of one (row, column block) of the lanes kernels, thread t:
  * x = t / 8 is the (row, block) pair, t % 8 the lane. Returns the lane's
@@ -472,7 +489,7 @@ AM_HD void am_ck_elem(const am_ck_args *a, int id, int64_t t) {
             h->scale = 0.0f;
             h->status = AM_OK;
             h->flag = 0;
-            h->bigfac = 0;
+            h->rf_max = h->cf_max = h->rmean_max = 0;
             h->u2_pass = 0;
         }
         if (a->ndim >= 2 && t < a->lr_rows) a->row_matches[t] = 0;
@@ -499,6 +516,7 @@ AM_HD void am_ck_elem(const am_ck_args *a, int id, int64_t t) {
             AM_CK_UNROLL
             for (i = 0; i < a->R; i++) s += a->new_row[t * a->R + i];
             a->rmean[t] = s * am_inv_count(a->R);
+            am_ck_umax(&h->rmean_max, am_f32_bits(a->rmean[t]));
         } else {
             int64_t c = t - a->B;
             int64_t rb = am_ck_div(c, BC), y = c - rb * BC, b = am_ck_div(y, a->C);
@@ -526,12 +544,11 @@ AM_HD void am_ck_elem(const am_ck_args *a, int id, int64_t t) {
             nc = am_moment(a->col[t], s, am_inv_count(a->R), &a->k);
             a->new_col[t] = nc;
             a->cf[t] = am_rsqrt(nc);
-            /* every thread that sets it stores the same 1: order-free */
-            if (!(a->cf[t] < AM_WSUM_FAC_MAX)) h->bigfac = 1;
+            am_ck_umax(&h->cf_max, am_f32_bits(a->cf[t])); /* (a max: order-free) */
         }
         if (t < BR) {
             a->rf[t] = am_row_factor(a->new_row[t], a->rmean[am_ck_div(t, a->R)]);
-            if (!(a->rf[t] < AM_WSUM_FAC_MAX)) h->bigfac = 1;
+            am_ck_umax(&h->rf_max, am_f32_bits(a->rf[t]));
         }
         break;
     case AM_CK_WSUM: {
@@ -575,7 +592,9 @@ AM_HD void am_ck_elem(const am_ck_args *a, int id, int64_t t) {
             for (jb = 0; jb < a->njb; jb++) s += a->wblock[b * a->njb + jb];
             u2 += (double)a->rmean[b] * s;
         }
-        if (am_wsum_usable(u2, h->bigfac)) h->u2_sum = u2;
+        if (am_wsum_usable(u2, am_ck_ufloat(h->rf_max), am_ck_ufloat(h->cf_max),
+                           am_ck_ufloat(h->rmean_max), a->numel))
+            h->u2_sum = u2;
         else h->u2_pass = 1;
         break;
     }

@@ -317,12 +317,26 @@ static void test_skips(void **st) {
     }
     /* One row's old moment 1e30, the others 0, a tiny gradient: rf * cf
      * overflows while the sum of u*u is modest, so the sum from the W sums
-     * is not used (am_wsum_usable, the bigfac flag); both skip
+     * is not used (am_wsum_usable, the factors' maxima); both skip
      * (test_nonfinite.c, test_factor_overflow). */
     pair_init(&q, 2, m, AM_DTYPE_FLOAT32, AM_DTYPE_FLOAT32);
     fill_grad(&q, 1e-37f);
     q.s_cpu.row[0] = q.s_emu.row[0] = 1e30f;
     pair_step(&q, &hp, key, AM_SKIPPED_NONFINITE_UPDATE);
+    pair_free(&q);
+    /* Tiny gradients in the last row and column (1e-23: squares 0 in
+     * float32), moments at 0: factors near 1e15 there, the u*u the W sums
+     * leave out dominates, and both paths must take the pass over g (the
+     * factors' maxima in am_wsum_usable) and agree; two steps. */
+    pair_init(&q, 2, m, AM_DTYPE_FLOAT32, AM_DTYPE_FLOAT32);
+    for (k = 0; k < 2; k++) {
+        int64_t i;
+        fill_grad(&q, 1.0f);
+        for (i = 0; i < q.sz.numel; i++)
+            if (i / m[1] == m[0] - 1 || i % m[1] == m[1] - 1)
+                store(q.grad.data, AM_DTYPE_FLOAT32, i, (i + k) & 1 ? -1e-23f : 1e-23f);
+        pair_step(&q, &hp, key, AM_OK);
+    }
     pair_free(&q);
     /* eps = 0 and an all-zero first gradient: u = 0 * rsqrt(0) is NaN. */
     hp.eps = 0.0;

@@ -434,6 +434,46 @@ static void test_lr_rails(void **unused) {
     t_fix_free(&f);
 }
 
+/* Gradient elements far below 2^-63 (their float32 squares 0 or coarse
+ * subnormals) in a row and a column that hold nothing else: their moments
+ * stay near eps, the factors near 1e15, and u there is huge. The sum of
+ * u*u for the clip had come from the W sums of g*g, which left those
+ * elements out: the clip scale was 15.8 instead of 7.9e7 on (2, 2) and the
+ * parameter moved 5e6 times too far (found by a randomized review, twenty-
+ * fifth session). Several steps. */
+static void test_tiny_gradient_elements(void **unused) {
+    static const t_case shapes[] = {{2, {2, 2}}, {2, {8, 40}}, {3, {3, 5, 6}}};
+    static const float tiny[] = {1e-23f, 1e-22f, 3e-22f, 1e-21f, 1e-30f};
+    size_t c, t;
+    (void)unused;
+    for (c = 0; c < sizeof shapes / sizeof shapes[0]; c++)
+        for (t = 0; t < sizeof tiny / sizeof tiny[0]; t++) {
+            am_shape sh = t_shape(shapes[c].ndim, shapes[c].d);
+            const int64_t n = t_numel(&sh), C = sh.dims[sh.ndim - 1];
+            const int64_t R = sh.dims[sh.ndim - 2];
+            am_hparams hp = am_hparams_default();
+            float *p = t_calloc(n * 4), *g = t_calloc(n * 4);
+            t_fix f;
+            cmp_stats cs;
+            int64_t i;
+            int s;
+            memset(&cs, 0, sizeof cs);
+            t_fix_init(&f, &sh, 1e-6);
+            for (s = 0; s < 3; s++) {
+                /* the last row and the last column of every matrix tiny */
+                for (i = 0; i < n; i++)
+                    g[i] = ((i / C) % R == R - 1 || i % C == C - 1)
+                               ? ((i + s) & 1 ? -tiny[t] : tiny[t])
+                               : (i & 2 ? -1.0f : 0.5f);
+                check_one_step(&sh, AM_DTYPE_FLOAT32, AM_DTYPE_FLOAT32, p, g, &f, &hp,
+                               (uint64_t)s + 1, &cs);
+            }
+            t_fix_free(&f);
+            free(p);
+            free(g);
+        }
+}
+
 /* Free-running: the reference keeps its own state (moments and lrs in
  * double, the float32 parameter rounded to float32 after each step, as SPEC
  * 3.5 stores it) for 40 steps, never re-synchronised with the library. The
@@ -552,6 +592,7 @@ int main(void) {
         cmocka_unit_test(test_float32_all_shapes),
         cmocka_unit_test(test_all_dtype_pairs),
         cmocka_unit_test(test_lr_rails),
+        cmocka_unit_test(test_tiny_gradient_elements),
         cmocka_unit_test(test_free_running),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
