@@ -5,8 +5,10 @@
 # one (am_cuda_device_count then reports 0 devices).
 #
 # AM_CUDA defaults to ON when a CUDA compiler is found. Architectures:
-# sm_80 (A100) and sm_90 (H100/H200) machine code plus compute_90 PTX that
-# newer GPUs JIT-compile; override with -DCMAKE_CUDA_ARCHITECTURES=...
+# sm_75 (T4, RTX 20xx), sm_80 (A100) and sm_90 (H100/H200) machine code plus
+# compute_90 PTX that newer GPUs JIT-compile; override with
+# -DCMAKE_CUDA_ARCHITECTURES=... (sm_75 is the oldest the kernels build for:
+# they use __match_any_sync).
 include(CheckLanguage)
 check_language(CUDA)
 if(CMAKE_CUDA_COMPILER)
@@ -18,7 +20,7 @@ option(AM_CUDA "Build libautomagic_cuda (needs nvcc)" ${AM_CUDA_DEFAULT})
 
 if(AM_CUDA)
   if(NOT CMAKE_CUDA_ARCHITECTURES)
-    set(CMAKE_CUDA_ARCHITECTURES "80-real;90")
+    set(CMAKE_CUDA_ARCHITECTURES "75-real;80-real;90")
   endif()
   enable_language(CUDA)
   set(CMAKE_CUDA_STANDARD 17)

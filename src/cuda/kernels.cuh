@@ -60,7 +60,19 @@ __device__ __forceinline__ void am_warp_add(unsigned mask,
                                             unsigned long long key,
                                             unsigned v) {
     unsigned grp = __match_any_sync(mask, key);
+#if __CUDA_ARCH__ >= 800
     unsigned sum = __reduce_add_sync(grp, v);
+#else
+    /* sm_75 (T4, RTX 20xx) has no __reduce_add_sync: every lane of mask
+     * reads every lane's v and adds those of its group (integers: the same
+     * sum in any order) */
+    unsigned sum = 0;
+    int l;
+    for (l = 0; l < 32; l++) {
+        const unsigned x = __shfl_sync(mask, v, l);
+        if ((grp >> l) & 1u) sum += x;
+    }
+#endif
     if ((threadIdx.x & 31) == (unsigned)(__ffs(grp) - 1) && sum)
         atomicAdd(dst, (unsigned long long)sum);
 }
