@@ -239,11 +239,16 @@ typedef struct am_state {
  * float32, the precision it is stored in (the
  * SPEC's 1e-3 rule is applied by the caller or by am_optimizer_create; this
  * function stores what it is given). Errors: AM_ERR_NULL_POINTER (a buffer the
- * shape needs is NULL), AM_ERR_INVALID_SHAPE, AM_ERR_INVALID_HPARAM. */
+ * shape needs is NULL), AM_ERR_INVALID_SHAPE, AM_ERR_INVALID_HPARAM,
+ * AM_ERR_INVALID_ARGUMENT (a float array not aligned to 4 bytes). */
 AM_API am_status am_state_init(const am_shape *shape, am_state *state,
                                double initial_lr);
 
-/* A parameter (or its gradient): data pointer, dtype and shape. */
+/* A parameter (or its gradient): data pointer, dtype and shape. data must
+ * be aligned to the element size (4 bytes for float32, 2 for bfloat16 and
+ * float16; AM_ERR_INVALID_ARGUMENT otherwise), as must a state's float
+ * arrays (4 bytes): C compilers and GPUs assume it. A gradient must not
+ * overlap its parameter or the state (the result is undefined). */
 typedef struct am_tensor {
     void *data;      /* may be NULL only when numel == 0 */
     am_dtype dtype;
@@ -286,7 +291,8 @@ typedef struct am_report {
  * AM_ERR_INVALID_SHAPE (param and grad shapes differ, or bad shape),
  * AM_ERR_INVALID_HPARAM, AM_ERR_BUFFER_SIZE (workspace too small),
  * AM_ERR_INVALID_ARGUMENT (state.step < 0, or INT64_MAX: it cannot be
- * incremented). On any status but AM_OK nothing the caller owns is modified
+ * incremented; or param, grad or a state array not aligned to its element
+ * size, see am_tensor). On any status but AM_OK nothing the caller owns is modified
  * except the workspace and the report. */
 AM_API am_status am_update(const am_tensor *param, const am_tensor *grad,
                            am_state *state, const am_hparams *hp,
@@ -470,7 +476,8 @@ AM_API void am_optimizer_destroy(am_optimizer *opt);
  * initialised. *out_id receives the parameter id (0, 1, 2, ... in order of
  * registration), which also keys its randomness. Errors: AM_ERR_NULL_POINTER,
  * AM_ERR_INVALID_DTYPE, AM_ERR_INVALID_SHAPE, AM_ERR_OUT_OF_MEMORY,
- * AM_ERR_INVALID_ARGUMENT (INT32_MAX parameters already registered). */
+ * AM_ERR_INVALID_ARGUMENT (INT32_MAX parameters already registered, or data
+ * not aligned to the element size). */
 AM_API am_status am_optimizer_add_param(am_optimizer *opt, void *data,
                                         am_dtype dtype, int32_t ndim,
                                         const int64_t *shape, int32_t *out_id);
@@ -495,7 +502,8 @@ AM_API am_status am_optimizer_update_param(am_optimizer *opt, int32_t id,
  * (nothing updated): AM_ERR_NULL_POINTER (opt, grads or grad_dtypes NULL),
  * AM_ERR_INVALID_DTYPE (grad_dtypes[i] invalid for a non-NULL grads[i]),
  * AM_ERR_INVALID_ARGUMENT (a parameter given a gradient has step ==
- * INT64_MAX, which a checkpoint can hold but an update cannot increment).
+ * INT64_MAX, which a checkpoint can hold but an update cannot increment, or
+ * a gradient is not aligned to its element size).
  * On more than one thread (am_set_num_threads) the updates run as one
  * am_update_batch call (whole parameters on separate threads; the same
  * bits as one at a time). */

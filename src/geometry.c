@@ -135,3 +135,21 @@ am_status am_workspace_view_get(const am_shape *shape, void *workspace,
     view->nonfinite = &h->nonfinite;
     return AM_OK;
 }
+
+am_status am_check_aligned(const void *p, size_t align, const char *what) {
+    AM_RETURN_IF(align > 1 && (uintptr_t)p % align != 0, AM_ERR_INVALID_ARGUMENT,
+                 "%s %p is not aligned to %zu bytes, its element size", what, p, align);
+    return AM_OK;
+}
+
+am_status am_check_state_aligned(const am_state *s, const char *prefix) {
+    const float *a[4];
+    static const char *const name[4] = {"state.lr", "state.row", "state.col", "state.sq"};
+    int i;
+    a[0] = s->lr; a[1] = s->row; a[2] = s->col; a[3] = s->sq;
+    for (i = 0; i < 4; i++)
+        AM_RETURN_IF((uintptr_t)a[i] % sizeof(float) != 0, AM_ERR_INVALID_ARGUMENT,
+                     "%s%s %p is not aligned to 4 bytes (float32)", prefix, name[i],
+                     (const void *)a[i]);
+    return AM_OK;
+}

@@ -91,6 +91,17 @@ typedef struct am_geom {
 am_status am_geom_init(const am_shape *shape, am_geom *g);
 am_status am_geom_init_as(const am_shape *shape, am_geom *g, const char *what);
 
+/* AM_ERR_INVALID_ARGUMENT, the message naming what ("param data",
+ * "state.lr"), when p is not a multiple of align bytes (the element's size:
+ * a misaligned float is undefined behaviour in C and a fault on a GPU; it
+ * was accepted and read anyway, found by a review, twenty-fifth session);
+ * AM_OK otherwise, NULL included. */
+am_status am_check_aligned(const void *p, size_t align, const char *what);
+
+/* am_check_aligned of a state's float arrays (lr, row, col, sq), prefix
+ * naming the caller ("" or "am_update_cuda: "). */
+am_status am_check_state_aligned(const am_state *s, const char *prefix);
+
 /* The header at the start of the workspace. */
 typedef struct am_ws_header {
     double u2_sum;

@@ -64,6 +64,7 @@ am_status am_optimizer_add_param(am_optimizer *o, void *data, am_dtype dtype,
     AM_CHECK(am_geom_init(&s.t.shape, &g));
     AM_RETURN_IF(g.numel > 0 && !data, AM_ERR_NULL_POINTER,
                  "am_optimizer_add_param: data is NULL");
+    AM_CHECK(am_check_aligned(data, am_dtype_size(dtype), "am_optimizer_add_param: data"));
     AM_RETURN_IF(o->count == INT32_MAX, AM_ERR_INVALID_ARGUMENT,
                  "am_optimizer_add_param: too many parameters");
     s.t.data = data;
@@ -227,6 +228,13 @@ am_status am_optimizer_update_all(am_optimizer *o, const void *const *grads,
         AM_RETURN_IF(grads[i] && am_dtype_size(gds[i]) == 0, AM_ERR_INVALID_DTYPE,
                      "am_optimizer_update_all: grad_dtypes[%d] = %d is invalid",
                      (int)i, (int)gds[i]);
+        /* (here, or parameters before i would be updated when am_update
+         * refused a misaligned grads[i]) */
+        AM_RETURN_IF(grads[i] && slot_numel(&o->params[i]) > 0 &&
+                         (uintptr_t)grads[i] % am_dtype_size(gds[i]) != 0,
+                     AM_ERR_INVALID_ARGUMENT,
+                     "am_optimizer_update_all: grads[%d] %p is not aligned to %zu bytes, "
+                     "its element size", (int)i, grads[i], am_dtype_size(gds[i]));
         /* A loaded checkpoint may hold step == INT64_MAX (valid to load, not
          * to increment): refuse here, or parameters before i would already
          * have been updated when am_update refused parameter i. */

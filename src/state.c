@@ -30,6 +30,7 @@ static am_status state_init_impl(const am_shape *shape, am_state *state,
                  "am_state_init: state.col is NULL");
     AM_RETURN_IF(g.sizes.sq_count > 0 && !state->sq, AM_ERR_NULL_POINTER,
                  "am_state_init: state.sq is NULL");
+    AM_CHECK(am_check_state_aligned(state, "am_state_init: "));
     for (i = 0; i < g.sizes.lr_count; i++) state->lr[i] = (float)initial_lr;
     if (g.sizes.polarity_bytes)
         memset(state->polarity, 0, (size_t)g.sizes.polarity_bytes);

@@ -82,6 +82,7 @@ static am_status check_state(const am_geom *g, const am_state *s) {
     } else {
         AM_RETURN_IF(!s->sq, AM_ERR_NULL_POINTER, "state.sq is NULL");
     }
+    AM_CHECK(am_check_state_aligned(s, ""));
     /* step is incremented: INT64_MAX would overflow (undefined behaviour). */
     AM_RETURN_IF(s->step == INT64_MAX, AM_ERR_INVALID_ARGUMENT,
                  "state.step = %lld cannot be incremented", (long long)s->step);
@@ -115,6 +116,8 @@ static am_status validate(upd *u, const am_tensor *param, const am_tensor *grad,
     if (u->g.numel > 0) {
         AM_RETURN_IF(!param->data, AM_ERR_NULL_POINTER, "param data is NULL");
         AM_RETURN_IF(!grad->data, AM_ERR_NULL_POINTER, "grad data is NULL");
+        AM_CHECK(am_check_aligned(param->data, am_dtype_size(param->dtype), "param data"));
+        AM_CHECK(am_check_aligned(grad->data, am_dtype_size(grad->dtype), "grad data"));
     }
     return AM_OK;
 }

@@ -177,6 +177,13 @@ am_status check_args(const am_tensor *param, const am_tensor *grad,
     } else {
         AM_RETURN_IF(!st->sq, AM_ERR_NULL_POINTER, "am_update_cuda: state.sq is NULL");
     }
+    AM_CHECK(am_check_aligned(param->data, am_dtype_size(param->dtype),
+                              "am_update_cuda: param data"));
+    AM_CHECK(am_check_aligned(grad->data, am_dtype_size(grad->dtype),
+                              "am_update_cuda: grad data"));
+    AM_CHECK(am_check_state_aligned(st, "am_update_cuda: "));
+    AM_RETURN_IF((uintptr_t)step % sizeof(int64_t) != 0, AM_ERR_INVALID_ARGUMENT,
+                 "am_update_cuda: step %p is not aligned to 8 bytes (int64)", (void *)step);
     return AM_OK;
 }
 

@@ -357,6 +357,24 @@ static void update_invalid(const am_shape *sh) {
         EXPECT_ERR(call_phase(which, &pt, &gt, &bst, &hp, f.ws, f.ws_bytes, &rep), AM_ERR_INVALID_ARGUMENT);
         bst.step = INT64_MIN;
         EXPECT_ERR(call_phase(which, &pt, &gt, &bst, &hp, f.ws, f.ws_bytes, &rep), AM_ERR_INVALID_ARGUMENT);
+        /* buffers not aligned to their element size (read anyway before the
+         * twenty-fifth session: undefined behaviour, UBSan's report) */
+        bp = pt; bp.data = (char *)p + 1;
+        EXPECT_ERR(call_phase(which, &bp, &gt, stp, &hp, f.ws, f.ws_bytes, &rep), AM_ERR_INVALID_ARGUMENT);
+        if (!strstr(g_log.msg, "param data")) fail_msg("message '%s'", g_log.msg);
+        bg = gt; bg.data = (char *)g + 2;
+        EXPECT_ERR(call_phase(which, &pt, &bg, stp, &hp, f.ws, f.ws_bytes, &rep), AM_ERR_INVALID_ARGUMENT);
+        if (!strstr(g_log.msg, "grad data")) fail_msg("message '%s'", g_log.msg);
+        for (b = 0; b < 4; b++) {
+            float *const *fp[4];
+            bst = f.st;
+            fp[0] = &bst.lr; fp[1] = &bst.row; fp[2] = &bst.col; fp[3] = &bst.sq;
+            if (!*fp[b]) continue;
+            *(float **)fp[b] = (float *)((char *)*fp[b] + 2);
+            EXPECT_ERR(call_phase(which, &pt, &gt, &bst, &hp, f.ws, f.ws_bytes, &rep),
+                       AM_ERR_INVALID_ARGUMENT);
+            if (!strstr(g_log.msg, "state.")) fail_msg("message '%s'", g_log.msg);
+        }
         /* the report of a failed update says so */
         if (which == 0 || which == 3) {
             memset(&rep, 0x77, sizeof rep);

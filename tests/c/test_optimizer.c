@@ -227,6 +227,11 @@ static void test_optimizer_invalid(void **unused) {
     EXPECT_ERR(am_optimizer_add_param(o.opt, buf, AM_DTYPE_FLOAT32, 9, d2, &id), AM_ERR_INVALID_SHAPE);
     EXPECT_ERR(am_optimizer_add_param(o.opt, buf, AM_DTYPE_FLOAT32, 2, dneg, &id), AM_ERR_INVALID_SHAPE);
     EXPECT_ERR(am_optimizer_add_param(o.opt, buf, AM_DTYPE_FLOAT32, 2, dbig, &id), AM_ERR_INVALID_SHAPE);
+    /* data not aligned to its element size */
+    EXPECT_ERR(am_optimizer_add_param(o.opt, (char *)buf + 2, AM_DTYPE_FLOAT32, 2, d2, &id),
+               AM_ERR_INVALID_ARGUMENT);
+    EXPECT_ERR(am_optimizer_add_param(o.opt, (char *)buf + 1, AM_DTYPE_BFLOAT16, 2, d2, &id),
+               AM_ERR_INVALID_ARGUMENT);
     assert_int_equal(id, 1234);
     check_same(&s, &o);
     /* out of memory: 2^46 float32 elements need 2^48 bytes of lrs alone,
@@ -257,6 +262,14 @@ static void test_optimizer_invalid(void **unused) {
         EXPECT_ERR(am_optimizer_update_all(o.opt, NULL, gds, reps), AM_ERR_NULL_POINTER);
         EXPECT_ERR(am_optimizer_update_all(o.opt, grads, NULL, reps), AM_ERR_NULL_POINTER);
         EXPECT_ERR(am_optimizer_update_all(o.opt, grads, gds, reps), AM_ERR_INVALID_DTYPE);
+        check_same(&s, &o);
+        /* a misaligned gradient for parameter 1: parameter 0 untouched */
+        gds[1] = AM_DTYPE_BFLOAT16;
+        grads[1] = (const char *)o.gb + 1;
+        EXPECT_ERR(am_optimizer_update_all(o.opt, grads, gds, reps), AM_ERR_INVALID_ARGUMENT);
+        check_same(&s, &o);
+        EXPECT_ERR(am_optimizer_update_param(o.opt, 1, grads[1], AM_DTYPE_BFLOAT16, &rep),
+                   AM_ERR_INVALID_ARGUMENT);
         check_same(&s, &o);
     }
     /* get_lrs */
