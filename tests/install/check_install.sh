@@ -41,4 +41,43 @@ b=$("$tmp/consumer/b/qs_cmake" | tail -n 1)
 mse=$(echo "$a" | awk '{print $2}')
 awk -v m="$mse" 'BEGIN { exit !(m + 0 < 1e-3) }' ||
   { echo "install: the quickstart did not converge (final mse $mse)"; exit 1; }
+# A shared-only consumer where libcjson's development files are missing
+# (pkg-config's search path holds only this prefix): pkg-config and the
+# CMake target automagic::automagic must work, and only COMPONENTS static
+# must report automagic as not found (both were refused before).
+# shellcheck disable=SC2046
+PKG_CONFIG_LIBDIR="$tmp/prefix/lib/pkgconfig" PKG_CONFIG_PATH= \
+  cc "$root/examples/quickstart.c" $(PKG_CONFIG_LIBDIR="$tmp/prefix/lib/pkgconfig" \
+  PKG_CONFIG_PATH= pkg-config --cflags --libs automagic) \
+  -Wl,-rpath,"$tmp/prefix/lib" -o "$tmp/qs_shared_pc"
+mkdir -p "$tmp/consumer2" "$tmp/consumer3"
+cat > "$tmp/consumer2/CMakeLists.txt" <<CM
+cmake_minimum_required(VERSION 3.18)
+project(consumer2 C)
+find_package(automagic 0.2 REQUIRED)
+add_executable(qs_shared "$root/examples/quickstart.c")
+target_link_libraries(qs_shared PRIVATE automagic::automagic)
+CM
+cat > "$tmp/consumer3/CMakeLists.txt" <<CM
+cmake_minimum_required(VERSION 3.18)
+project(consumer3 C)
+find_package(automagic 0.2 COMPONENTS static)
+if(automagic_FOUND)
+  message(FATAL_ERROR "automagic found with its static component, libcjson hidden")
+endif()
+CM
+PKG_CONFIG_LIBDIR="$tmp/prefix/lib/pkgconfig" PKG_CONFIG_PATH= \
+  cmake -S "$tmp/consumer2" -B "$tmp/consumer2/b" -DCMAKE_PREFIX_PATH="$tmp/prefix" >/dev/null
+cmake --build "$tmp/consumer2/b" >/dev/null
+PKG_CONFIG_LIBDIR="$tmp/prefix/lib/pkgconfig" PKG_CONFIG_PATH= \
+  cmake -S "$tmp/consumer3" -B "$tmp/consumer3/b" -DCMAKE_PREFIX_PATH="$tmp/prefix" \
+  >/dev/null 2>"$tmp/consumer3.err" ||
+  { cat "$tmp/consumer3.err"; echo "install: COMPONENTS static configure failed"; exit 1; }
+grep -q "needs libcjson's pkg-config file" "$tmp/consumer3.err" ||
+  { cat "$tmp/consumer3.err"; echo "install: no reason given for the missing static component"; exit 1; }
+c=$("$tmp/qs_shared_pc" | tail -n 1)
+d=$("$tmp/consumer2/b/qs_shared" | tail -n 1)
+[ "$a" = "$c" ] && [ "$a" = "$d" ] ||
+  { echo "install: shared-only consumers differ: '$a', '$c', '$d'"; exit 1; }
 echo "install: pkg-config and CMake consumers built and ran: $a"
+echo "install: shared-only consumers without libcjson's pkg-config file built and ran"
