@@ -410,9 +410,11 @@ AM_API am_status am_workspace_view_get(const am_shape *shape, void *workspace,
 
 /* -------------------------------------------------------- threading ----- */
 
-/* Sets the number of threads the CPU kernels may use (1 = single-threaded;
- * 0 = the number of online processors). Results are bit-identical for every
- * value. Process-wide. Errors: AM_ERR_INVALID_ARGUMENT (n < 0). */
+/* Sets the number of threads the CPU kernels may use (1 = single-threaded,
+ * the default; 0 = the number of online processors; the library's own pool
+ * runs at most 257, the caller's thread included, whatever n says). Results
+ * are bit-identical for every value. Process-wide. Errors:
+ * AM_ERR_INVALID_ARGUMENT (n < 0). */
 AM_API am_status am_set_num_threads(int n);
 /* The current thread count (>= 1). */
 AM_API int am_get_num_threads(void);
@@ -547,6 +549,17 @@ AM_API am_status am_optimizer_get_state(const am_optimizer *opt, int32_t id,
 AM_API am_status am_optimizer_get_hparams(const am_optimizer *opt,
                                           am_hparams *hp, uint64_t *seed);
 
+/* Replaces the optimizer's hyperparameters with *hp (its seed stays), e.g.
+ * after am_optimizer_load, which sets the checkpoint's: a trainer resuming
+ * with another weight_decay or max_lr (the PyTorch front end's rule, SPEC 7,
+ * that the constructor's values win) sets them here. Validated as by
+ * am_optimizer_create (an lr above 1e-3 is forced to 1e-6 with a warning);
+ * the per-row lrs already in the state are kept (hp->lr only starts the
+ * parameters registered later). Not concurrently with any update, load or
+ * save of the same optimizer. Errors (nothing changed): AM_ERR_NULL_POINTER,
+ * AM_ERR_INVALID_HPARAM. */
+AM_API am_status am_optimizer_set_hparams(am_optimizer *opt, const am_hparams *hp);
+
 /* --------------------------------------------------------- checkpoints -- */
 
 /* A checkpoint holds the optimizer's whole state: hyperparameters, seed, and
@@ -564,7 +577,8 @@ AM_API am_status am_optimizer_get_hparams(const am_optimizer *opt,
  * the hyperparameters, step >= 0, no negative lr or moment, zero polarity
  * padding bits) before changing anything: on any error the
  * optimizer is exactly as it was. On success the hyperparameters and seed
- * are the checkpoint's, and training continues bit-identically. (A start lr
+ * are the checkpoint's (am_optimizer_set_hparams changes them after), and
+ * training continues bit-identically. (A start lr
  * above 1e-3, which no saved optimizer holds, is forced to 1e-6 with a
  * warning, as am_optimizer_create does: parameters registered after the
  * load start from it.)

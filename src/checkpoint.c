@@ -576,9 +576,12 @@ static am_status load_meta(const am_optimizer *o, const cJSON *meta, ck_load *L)
                     L->pmeta[2 * p + 1]);
         same = s.ndim == pt->shape.ndim;
         for (d = 0; same && d < s.ndim; d++) same = s.dims[d] == pt->shape.dims[d];
-        if (!same)
-            CK_FAIL(AM_ERR_MISMATCH, "param.%d has shape %s in the file, another registered",
-                    (int)p, L->pmeta[2 * p + 1]);
+        if (!same) {
+            char reg[AM_MAX_DIMS * 21 + 3];
+            am_ck_dims_str(reg, sizeof reg, pt->shape.ndim, pt->shape.dims);
+            CK_FAIL(AM_ERR_MISMATCH, "param.%d has shape %s in the file, %s registered",
+                    (int)p, L->pmeta[2 * p + 1], reg);
+        }
     }
     for (k = 0; k < 8; k++)
         if (!am_ck_parse_double(L->meta[M_HP0 + k], hp_field(&L->hp, k)))

@@ -88,8 +88,9 @@ am_status am_optimizer_add_param(am_optimizer *o, void *data, am_dtype dtype,
         free(mem);
         free(s.ws);
         AM_RETURN_IF(1, AM_ERR_OUT_OF_MEMORY,
-                     "am_optimizer_add_param: out of memory for %lld elements",
-                     (long long)g.numel);
+                     "am_optimizer_add_param: out of memory for the state of %lld "
+                     "elements (%zu bytes: lrs, polarity, moments; %zu of workspace)",
+                     (long long)g.numel, total, s.ws_bytes);
     }
     s.state_mem = mem;
     s.st.lr = (float *)mem;
@@ -322,6 +323,16 @@ am_status am_optimizer_get_state(const am_optimizer *o, int32_t id,
     AM_RETURN_IF(!out, AM_ERR_NULL_POINTER, "am_optimizer_get_state: out is NULL");
     *out = o->params[id].st;
     if (shape) *shape = o->params[id].t.shape;
+    return AM_OK;
+}
+
+am_status am_optimizer_set_hparams(am_optimizer *o, const am_hparams *hp) {
+    am_hparams h;
+    AM_RETURN_IF(!o, AM_ERR_NULL_POINTER, "am_optimizer_set_hparams: opt is NULL");
+    AM_CHECK(am_hparams_validate(hp));
+    h = *hp;
+    am_force_start_lr(&h);
+    o->hp = h;
     return AM_OK;
 }
 

@@ -494,6 +494,9 @@ static void test_mismatch(void **unused) {
         assert_int_equal(am_optimizer_add_param(o, w, k_dt[p], k_ndim[p],
                                                 p == 1 ? s12 : k_dims[p], &id), AM_OK);
     expect_reject(a.opt, o, AM_ERR_MISMATCH, "shape");
+    /* the message names both shapes (it said "another registered") */
+    if (!strstr(g_last_log, "[13]") || !strstr(g_last_log, "[12] registered"))
+        fail_msg("log \"%s\" does not name both shapes", g_last_log);
     am_optimizer_destroy(o);
     /* same shapes, one dtype differs */
     assert_int_equal(am_optimizer_create(&hp, 1, &o), AM_OK);

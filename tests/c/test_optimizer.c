@@ -300,6 +300,43 @@ static void test_optimizer_invalid(void **unused) {
     EXPECT_ERR(am_optimizer_get_state(o.opt, -1, &st, NULL), AM_ERR_NOT_FOUND);
     assert_memory_equal(&st, &st_pattern, sizeof st);
     check_same(&s, &o);
+    /* set_hparams: NULLs and an invalid set change nothing; a valid one is
+     * what get_hparams gives, its lr > 1e-3 forced to 1e-6, the seed and
+     * every state kept; the next update uses it (weight decay) */
+    {
+        am_hparams h0, h1, hs = am_hparams_default();
+        uint64_t seed = 0;
+        float w_before[12], w_plain[12];
+        assert_int_equal(am_optimizer_get_hparams(o.opt, &h0, NULL), AM_OK);
+        EXPECT_ERR(am_optimizer_set_hparams(NULL, &hs), AM_ERR_NULL_POINTER);
+        EXPECT_ERR(am_optimizer_set_hparams(o.opt, NULL), AM_ERR_NULL_POINTER);
+        hs.beta2 = 1.0;
+        EXPECT_ERR(am_optimizer_set_hparams(o.opt, &hs), AM_ERR_INVALID_HPARAM);
+        assert_int_equal(am_optimizer_get_hparams(o.opt, &h1, &seed), AM_OK);
+        assert_memory_equal(&h0, &h1, sizeof h0);
+        assert_true(seed == 99);
+        check_same(&s, &o);
+        hs = am_hparams_default();
+        hs.lr = 0.5;
+        hs.weight_decay = 0.25;
+        assert_int_equal(am_optimizer_set_hparams(o.opt, &hs), AM_OK);
+        assert_int_equal(am_optimizer_get_hparams(o.opt, &h1, &seed), AM_OK);
+        assert_true(h1.lr == 1e-6 && h1.weight_decay == 0.25 && seed == 99);
+        check_same(&s, &o);
+        /* the same update with and without the decay differ */
+        memcpy(w_before, o.w, sizeof w_before);
+        {
+            t_opt q;
+            t_opt_make(&q);
+            memcpy(q.w, w_before, sizeof q.w);
+            assert_int_equal(am_optimizer_update_param(q.opt, 0, q.g, AM_DTYPE_FLOAT32, NULL),
+                             AM_OK);
+            memcpy(w_plain, q.w, sizeof w_plain);
+            am_optimizer_destroy(q.opt);
+        }
+        assert_int_equal(am_optimizer_update_param(o.opt, 0, o.g, AM_DTYPE_FLOAT32, NULL), AM_OK);
+        assert_true(memcmp(o.w, w_plain, sizeof w_plain) != 0);
+    }
     am_optimizer_destroy(o.opt);
 }
 
