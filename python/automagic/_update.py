@@ -125,7 +125,28 @@ class _UpdateMixin:
             except (TypeError, ValueError) as e:
                 raise AutomagicError(str(e)) from None
             self._hsig_seen[id(group)] = sig
+            self._warn_clamps(group)
         return sig
+
+    def _warn_clamps(self, group: dict) -> None:
+        """Warns once when a group's min_lr/max_lr differ from those it was
+        added with while an lr scheduler is attached (group["initial_lr"]):
+        OneCycleLR and CyclicLR write their own cycle's "min_lr"/"max_lr"
+        into the group, the same keys as the clamps of the rows' lrs, which
+        then follow them silently (found by a review, twenty-fifth session;
+        the reference does the same)."""
+        added = self._clamps_added.get(id(group))
+        if added is None or "initial_lr" not in group or "clamps" in self._warned:
+            return
+        now = (float(group["min_lr"]), float(group["max_lr"]))
+        if now != added:
+            self._warn_once("clamps", "group['min_lr'], group['max_lr'] changed from %g, %g to "
+                            "%g, %g while an lr scheduler is attached: OneCycleLR and CyclicLR "
+                            "write their own min_lr and max_lr into the group, the same keys "
+                            "as Automagic3's clamps of each row's tuned lr, which now follow "
+                            "them (as in the reference). Set group['min_lr'] and "
+                            "group['max_lr'] back after creating such a scheduler if that is "
+                            "not meant (warned once)" % (added + now))
 
     def _update_param(self, p: torch.Tensor, group: dict) -> None:
         """Updates one parameter (a backward hook, or the end of a fused

@@ -287,6 +287,12 @@ def _refuse_subclass(p: torch.Tensor, where: str, error) -> None:
 
 def _check_param(p, index: int) -> None:
     """Refuses, at construction, a parameter no update could handle."""
+    if isinstance(p, torch.nn.parameter.UninitializedTensorMixin):
+        # (its shape cannot be read: torch's own error pointed at
+        # load_state_dict; found by a review, twenty-fifth session)
+        raise ValueError("Automagic3: parameter %d is uninitialized (a lazy module such as "
+                         "nn.LazyLinear): run one forward pass through the model before "
+                         "creating the optimizer" % index)
     where = "Automagic3: parameter %d (shape %s)" % (index, tuple(getattr(p, "shape", ())))
     if not isinstance(p, torch.Tensor):
         raise TypeError("%s is a %s, not a torch.Tensor" % (where, type(p).__name__))

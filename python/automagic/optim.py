@@ -188,6 +188,9 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         self._plans = {}               # index -> _Plan (C views of one parameter)
         self._valid_groups = {}        # id(group) -> _group_key last validated
         self._hsig_seen = {}           # id(group) -> _hsig last checked
+        # id(group) -> its (min_lr, max_lr) when added: an lr scheduler that
+        # writes those keys (OneCycleLR, CyclicLR) is warned about (_hsig)
+        self._clamps_added = {}
         self._batch_cache = {}         # _apply_batch's items, by caller's key
         self._queue = []               # fused mode: small updates not yet run
         self._queue_bytes = 0          # their gradients' bytes
@@ -253,6 +256,7 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         group.setdefault("base_lr", float(group["lr"]))
+        self._clamps_added[id(group)] = (float(group["min_lr"]), float(group["max_lr"]))
         self._register_params(group)
 
     def _adopt_listed(self, force: bool = False) -> None:

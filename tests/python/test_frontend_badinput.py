@@ -530,6 +530,8 @@ def test_a_float32_tensor_lr_equal_to_the_start_lr_does_not_warn():
     p.grad = torch.ones_like(p)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        # (OneCycleLR's min_lr/max_lr over the clamps: warned about apart)
+        warnings.filterwarnings("ignore", message=r"Automagic3: group\['min_lr'\]")
         opt.step()
     opt.param_groups[0]["lr"].fill_(2e-5)  # a real change still warns
     p.grad = torch.ones_like(p)
@@ -589,3 +591,18 @@ def test_a_refused_first_update_makes_no_state(fused):
     assert not opt.state.get(a)
     if fused:  # (whichever hook ran first)
         assert not opt.state.get(b)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_lazy_module_parameters_are_refused_clearly(fused):
+    # an nn.LazyLinear's parameters before its first forward: torch's own
+    # error about their shape pointed at load_state_dict (found by a review,
+    # twenty-fifth session)
+    m = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="uninitialized.*forward pass"):
+        automagic.Automagic3(m.parameters(), fused=fused)
+    m(torch.randn(1, 3))
+    opt = automagic.Automagic3(m.parameters(), fused=fused)
+    m(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    assert all(opt.state[p]["step"] == 1 for p in m.parameters())

@@ -58,6 +58,31 @@ def test_scheduler_ignored_by_default_and_warned_once():
 
 
 @pytest.mark.parametrize("fused", [True, False])
+def test_scheduler_writing_the_clamps_is_warned_once(fused):
+    # OneCycleLR writes its own cycle's min_lr/max_lr into the group: the
+    # same keys as the clamps of the rows' lrs, which then follow them (as in
+    # the reference) with no word said (found by a review, twenty-fifth
+    # session); a scheduler that leaves them alone is not warned about.
+    data = batches(4, seed=35)
+    m = make()
+    opt = automagic.Automagic3(m.parameters(), fused=fused)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=50,
+                                                cycle_momentum=False)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        _step_train(m, opt, data, sched)
+    msgs = [str(w.message) for w in rec if "Automagic3's clamps" in str(w.message)]
+    assert len(msgs) == 1 and "0.01 to 4e-09, 0.001" in msgs[0], msgs
+    m2 = make()
+    o2 = automagic.Automagic3(m2.parameters(), fused=fused)
+    s2 = torch.optim.lr_scheduler.LambdaLR(o2, lambda s: 0.5)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        _step_train(m2, o2, data, s2)
+    assert not [w for w in rec if "Automagic3's clamps" in str(w.message)]
+
+
+@pytest.mark.parametrize("fused", [True, False])
 def test_rows_start_from_group_lr_as_the_reference(fused, make_reference):
     # The reference creates a parameter's state at its first update with
     # lr = group["lr"] as it is then (a warmup scheduler's first value, or a
