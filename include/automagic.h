@@ -95,7 +95,14 @@ typedef enum am_status {
      * still 0, or an element of a 1-D parameter whose gradient and sq are
      * both still 0 (one zero element skips the whole parameter, at every
      * update until that element's gradient is nonzero once: with eps = 0 a
-     * bias vector beside a dead unit is never updated). */
+     * bias vector beside a dead unit is never updated). Also, where SPEC's
+     * left-to-right g * rf * cf stays finite: a row factor times a column
+     * factor overflowing float32 (the update computes g * (rf * cf); an
+     * all-zero row and an all-zero column of a matrix beside gradients of
+     * about 1e7 and more with the default eps, or of about 1 with eps <=
+     * 1e-40: skipped at every update while they stay zero; the reference
+     * turns the parameter NaN there), and a mean of row moments
+     * overflowing (eps near float32's limit). */
     AM_SKIPPED_NONFINITE_UPDATE = 2,
 
     AM_ERR_NULL_POINTER = -1,    /* a required pointer argument is NULL */
