@@ -7,8 +7,8 @@
 # AM_CUDA defaults to ON when a CUDA compiler is found. Architectures:
 # sm_75 (T4, RTX 20xx), sm_80 (A100) and sm_90 (H100/H200) machine code plus
 # compute_90 PTX that newer GPUs JIT-compile; override with
-# -DCMAKE_CUDA_ARCHITECTURES=... (sm_75 is the oldest the kernels build for:
-# they use __match_any_sync).
+# -DCMAKE_CUDA_ARCHITECTURES=... (sm_75 is the oldest CUDA 13's nvcc builds
+# for; the kernels' __match_any_sync needs sm_70).
 include(CheckLanguage)
 check_language(CUDA)
 if(CMAKE_CUDA_COMPILER)

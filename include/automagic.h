@@ -94,8 +94,10 @@ typedef enum am_status {
      * 0: a row or column of a matrix whose gradient and moment are both
      * still 0, or an element of a 1-D parameter whose gradient and sq are
      * both still 0 (one zero element skips the whole parameter, at every
-     * update until that element's gradient is nonzero once: with eps = 0 a
-     * bias vector beside a dead unit is never updated). Also, where SPEC's
+     * update until one in which no such element is zero: with eps = 0 a
+     * bias vector beside a dead unit is never updated; a skipped update
+     * stores nothing, so elements that take turns being zero are skipped
+     * for ever). Also, where SPEC's
      * left-to-right g * rf * cf stays finite: a row factor times a column
      * factor overflowing float32 (the update computes g * (rf * cf); an
      * all-zero row and an all-zero column of a matrix beside gradients of
@@ -702,7 +704,9 @@ AM_API am_status am_cuda_device_count(int *count);
  * report is zeroed), or, with nothing queued and nothing modified:
  * AM_ERR_NULL_POINTER, AM_ERR_INVALID_DTYPE, AM_ERR_INVALID_SHAPE,
  * AM_ERR_INVALID_HPARAM, AM_ERR_BUFFER_SIZE (workspace too small),
- * AM_ERR_UNSUPPORTED (library without CUDA), AM_ERR_DEVICE (the first launch
+ * AM_ERR_INVALID_ARGUMENT (param, grad, a state array, step or report not
+ * aligned to its element size; step < 0 cannot be checked: it is on the
+ * device), AM_ERR_UNSUPPORTED (library without CUDA), AM_ERR_DEVICE (the first launch
  * failed: bad stream, no device, kernel image missing for this GPU; the log
  * callback gets CUDA's message). AM_ERR_DEVICE after the first launch (the
  * runtime failing mid-sequence) may leave an update partly queued. Device

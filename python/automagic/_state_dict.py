@@ -213,3 +213,6 @@ class _StateDictMixin:
         self._aligned_steps, self._passes = aligned, passes  # (as load_state_dict)
         for group in self.param_groups:
             self._register_params(group, hooked)
+            # (the clamps as unpickled: a scheduler attached later that
+            # writes them is warned about, as on the original)
+            self._clamps_added[id(group)] = (float(group["min_lr"]), float(group["max_lr"]))

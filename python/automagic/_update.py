@@ -131,8 +131,7 @@ class _UpdateMixin:
     def _warn_clamps(self, group: dict) -> None:
         """Warns once when a group's min_lr/max_lr differ from those it was
         added with while an lr scheduler is attached (group["initial_lr"]):
-        OneCycleLR and CyclicLR write their own cycle's "min_lr"/"max_lr"
-        into the group, the same keys as the clamps of the rows' lrs, which
+        OneCycleLR writes its own cycle's "min_lr"/"max_lr" into the group, the same keys as the clamps of the rows' lrs, which
         then follow them silently (found by a review, twenty-fifth session;
         the reference does the same)."""
         added = self._clamps_added.get(id(group))
@@ -141,12 +140,13 @@ class _UpdateMixin:
         now = (float(group["min_lr"]), float(group["max_lr"]))
         if now != added:
             self._warn_once("clamps", "group['min_lr'], group['max_lr'] changed from %g, %g to "
-                            "%g, %g while an lr scheduler is attached: OneCycleLR and CyclicLR "
-                            "write their own min_lr and max_lr into the group, the same keys "
-                            "as Automagic3's clamps of each row's tuned lr, which now follow "
-                            "them (as in the reference). Set group['min_lr'] and "
-                            "group['max_lr'] back after creating such a scheduler if that is "
-                            "not meant (warned once)" % (added + now))
+                            "%g, %g while an lr scheduler is attached: OneCycleLR writes its "
+                            "own min_lr and max_lr into the group, the same keys as "
+                            "Automagic3's clamps of each row's tuned lr, which now follow them "
+                            "(as in the reference). OneCycleLR reads them at every step, so "
+                            "they cannot be set back without changing its schedule; use a "
+                            "scheduler that does not write them if the clamps matter (warned "
+                            "once)" % (added + now))
 
     def _update_param(self, p: torch.Tensor, group: dict) -> None:
         """Updates one parameter (a backward hook, or the end of a fused

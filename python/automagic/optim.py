@@ -189,7 +189,7 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         self._valid_groups = {}        # id(group) -> _group_key last validated
         self._hsig_seen = {}           # id(group) -> _hsig last checked
         # id(group) -> its (min_lr, max_lr) when added: an lr scheduler that
-        # writes those keys (OneCycleLR, CyclicLR) is warned about (_hsig)
+        # writes those keys (OneCycleLR) is warned about (_hsig)
         self._clamps_added = {}
         self._batch_cache = {}         # _apply_batch's items, by caller's key
         self._queue = []               # fused mode: small updates not yet run

@@ -233,6 +233,10 @@ static am_status update_cuda_impl(const am_tensor *param, const am_tensor *grad,
     size_t need;
     cudaError_t e;
     AM_CHECK(check_args(param, grad, state, step, hp, workspace, &g));
+    /* (the last kernel writes it, after the state: a misaligned one faulted
+     * after the update was applied) */
+    AM_RETURN_IF((uintptr_t)report % 8 != 0, AM_ERR_INVALID_ARGUMENT,
+                 "am_update_cuda: report %p is not aligned to 8 bytes", (void *)report);
     need = am_cuda_layout_of(&g).total;
     AM_RETURN_IF(workspace_bytes < need, AM_ERR_BUFFER_SIZE,
                  "am_update_cuda: workspace: %zu bytes given, %zu needed",

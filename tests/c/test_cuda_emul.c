@@ -324,6 +324,29 @@ static void test_skips(void **st) {
     q.s_cpu.row[0] = q.s_emu.row[0] = 1e30f;
     pair_step(&q, &hp, key, AM_SKIPPED_NONFINITE_UPDATE);
     pair_free(&q);
+    /* min_lr = 0 and an lr bump of 200: a disagreeing step takes lrs to 0,
+     * the next agreeing one multiplies 0 by inf; both paths clamp the NaN
+     * to min_lr (am_lr_scale), matrix and 1-D, four steps of flipping and
+     * holding signs */
+    for (k = 0; k < 2; k++) {
+        am_hparams hb = am_hparams_default();
+        int t;
+        hb.min_lr = 0;
+        hb.lr_bump_rate = 200;
+        pair_init(&q, k ? 1 : 2, k ? v : m, AM_DTYPE_FLOAT32, AM_DTYPE_FLOAT32);
+        for (t = 0; t < 4; t++) {
+            int64_t i;
+            fill_grad(&q, 1.0f);
+            for (i = 0; i < q.sz.numel; i++) {
+                float x = (float)(1 + i % 3) * (t == 0 ? 0.01f : -0.01f);
+                store(q.grad.data, AM_DTYPE_FLOAT32, i, x);
+            }
+            pair_step(&q, &hb, key, AM_OK);
+            for (i = 0; i < q.sz.lr_count; i++)
+                if (q.s_emu.lr[i] != q.s_emu.lr[i]) fail_msg("step %d: emulated lr NaN", t);
+        }
+        pair_free(&q);
+    }
     /* Tiny gradients in the last row and column (1e-23: squares 0 in
      * float32), moments at 0: factors near 1e15 there, the u*u the W sums
      * leave out dominates, and both paths must take the pass over g (the

@@ -227,6 +227,16 @@ static void test_state_init(void **unused) {
         if (b == 3) st.col = NULL;
         EXPECT_ERR(am_state_init(&sh, &st, 1e-3), AM_ERR_NULL_POINTER);
     }
+    /* a float array not aligned to 4 bytes: refused, nothing written (the
+     * arrays are long enough for the shifted view) */
+    for (b = 0; b < 3; b++) {
+        float **fp[3];
+        st = f.st;
+        fp[0] = &st.lr; fp[1] = &st.row; fp[2] = &st.col;
+        *fp[b] = (float *)((char *)*fp[b] + 2);
+        EXPECT_ERR(am_state_init(&sh, &st, 1e-3), AM_ERR_INVALID_ARGUMENT);
+        if (!strstr(g_log.msg, "not aligned")) fail_msg("message '%s'", g_log.msg);
+    }
     t_snap_check(&snap, &f, NULL, NULL);
     t_snap_free(&snap);
     t_fix_free(&f);

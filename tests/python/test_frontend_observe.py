@@ -80,6 +80,21 @@ def test_scheduler_writing_the_clamps_is_warned_once(fused):
         warnings.simplefilter("always")
         _step_train(m2, o2, data, s2)
     assert not [w for w in rec if "Automagic3's clamps" in str(w.message)]
+    # a copy (deepcopy, pickle) warns as the original does
+    for copy_of in (copy.deepcopy, lambda o: __import__("pickle").loads(
+            __import__("pickle").dumps(o))):
+        m3 = make()
+        o3 = copy_of(automagic.Automagic3(m3.parameters(), fused=False))
+        s3 = torch.optim.lr_scheduler.OneCycleLR(o3, max_lr=1e-3, total_steps=50,
+                                                 cycle_momentum=False)
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            for g in o3.param_groups:  # (the copy's own parameters)
+                for p in g["params"]:
+                    p.grad = torch.full_like(p, 0.01)
+            o3.step()
+            s3.step()
+        assert [w for w in rec if "Automagic3's clamps" in str(w.message)], copy_of
 
 
 @pytest.mark.parametrize("fused", [True, False])
