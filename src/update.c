@@ -441,6 +441,57 @@ static float max_of(const float *v, int64_t n) {
     return m;
 }
 
+/* The largest magnitude in v[t] over the t whose sums[t] is not 0 (as
+ * max_of; am_wsum_usable's rfnz_max and cfnz_max). */
+static float max_where_nonzero(const float *v, const float *sums, int64_t n) {
+    int64_t i = 0;
+    float m = 0.0f;
+#if defined(__SSE2__)
+    const __m128 sign = _mm_set1_ps(-0.0f), zero = _mm_setzero_ps();
+    __m128 mv = _mm_setzero_ps(), nan = _mm_setzero_ps();
+    float t[4];
+    for (; i + 4 <= n; i += 4) {
+        const __m128 keep = _mm_cmpneq_ps(_mm_loadu_ps(sums + i), zero);
+        const __m128 x = _mm_and_ps(keep, _mm_andnot_ps(sign, _mm_loadu_ps(v + i)));
+        nan = _mm_or_ps(nan, _mm_cmpunord_ps(x, x));
+        mv = _mm_max_ps(mv, x);
+    }
+    if (_mm_movemask_ps(nan)) return NAN;
+    _mm_storeu_ps(t, mv);
+    m = t[0] > t[1] ? t[0] : t[1];
+    if (t[2] > m) m = t[2];
+    if (t[3] > m) m = t[3];
+#endif
+    for (; i < n; i++) {
+        if (sums[i] == 0.0f) continue;
+        if (v[i] != v[i]) return NAN;
+        if (fabsf(v[i]) > m) m = fabsf(v[i]);
+    }
+    return m;
+}
+
+/* 1 when a row or a column whose float32 sum of g*g is 0 holds a nonzero
+ * element (squares that underflowed: am_wsum_usable's zero_nz). Reads only
+ * those rows and columns, which are usually none. */
+static int zero_sums_hold_nonzero(const upd *u) {
+    const am_geom *g = &u->g;
+    const float *rs = WS(u, off_row_sumsq, float), *cs = WS(u, off_col_sumsq, float);
+    const void *d = u->grad->data;
+    const int dt = u->grad->dtype;
+    int64_t t, k;
+    for (t = 0; t < g->B * g->R; t++)
+        if (rs[t] == 0.0f)
+            for (k = 0; k < g->C; k++)
+                if (am_load(d, dt, t * g->C + k) != 0.0f) return 1;
+    for (t = 0; t < g->B * g->C; t++)
+        if (cs[t] == 0.0f) {
+            const int64_t b = t / g->C, j = t - b * g->C;
+            for (k = 0; k < g->R; k++)
+                if (am_load(d, dt, (b * g->R + k) * g->C + j) != 0.0f) return 1;
+        }
+    return 0;
+}
+
 /* The sum of u*u from the stats pass's W sums (am_wsum, internal.h) into
  * u2_sum; returns 0 (nothing set) when they cannot stand for the pass: not
  * filled, filled from other row sums than the ones the moments came from
@@ -464,9 +515,15 @@ static int u2_from_wsum(upd *u) {
         }
         u2 += (double)rmean[b] * t;
     }
-    if (!am_wsum_usable(u2, max_of(WS(u, off_rf, float), g->B * g->R), max_of(cf, BC),
-                        max_of(rmean, g->B), g->numel))
-        return 0;
+    {
+        const float *rf = WS(u, off_rf, float);
+        const float *rs = WS(u, off_row_sumsq, float), *cs = WS(u, off_col_sumsq, float);
+        if (!am_wsum_usable(u2, max_of(rf, g->B * g->R), max_of(cf, BC),
+                            max_where_nonzero(rf, rs, g->B * g->R),
+                            max_where_nonzero(cf, cs, BC), max_of(rmean, g->B), g->numel,
+                            zero_sums_hold_nonzero(u)))
+            return 0;
+    }
     u->h->u2_sum = u2;
     return 1;
 }

@@ -51,6 +51,8 @@ typedef struct am_cuda_ws_header {
     int32_t status;               /* am_status of this update */
     int32_t flag;                 /* nonzero: count the non-finite elements */
     uint32_t rf_max, cf_max;      /* the largest row and column factors' bits */
+    uint32_t rfnz_max, cfnz_max;  /* the same over rows/columns whose g*g sum is not 0 */
+    int32_t zero_nz;              /* such a row/column with a zero sum holds a nonzero g */
     uint32_t rmean_max;           /* the largest row-moment mean's bits (all >= 0:
                                    * their bits order as they do; NaN's above inf) */
     int32_t u2_pass;              /* the W sums cannot give u2: the lanes do */
@@ -490,6 +492,8 @@ AM_HD void am_ck_elem(const am_ck_args *a, int id, int64_t t) {
             h->status = AM_OK;
             h->flag = 0;
             h->rf_max = h->cf_max = h->rmean_max = 0;
+            h->rfnz_max = h->cfnz_max = 0;
+            h->zero_nz = 0;
             h->u2_pass = 0;
         }
         if (a->ndim >= 2 && t < a->lr_rows) a->row_matches[t] = 0;
@@ -545,10 +549,12 @@ AM_HD void am_ck_elem(const am_ck_args *a, int id, int64_t t) {
             a->new_col[t] = nc;
             a->cf[t] = am_rsqrt(nc);
             am_ck_umax(&h->cf_max, am_f32_bits(a->cf[t])); /* (a max: order-free) */
+            if (s != 0.0f) am_ck_umax(&h->cfnz_max, am_f32_bits(a->cf[t]));
         }
         if (t < BR) {
             a->rf[t] = am_row_factor(a->new_row[t], a->rmean[am_ck_div(t, a->R)]);
             am_ck_umax(&h->rf_max, am_f32_bits(a->rf[t]));
+            if (a->row_sumsq[t] != 0.0f) am_ck_umax(&h->rfnz_max, am_f32_bits(a->rf[t]));
         }
         break;
     case AM_CK_WSUM: {
@@ -557,8 +563,10 @@ AM_HD void am_ck_elem(const am_ck_args *a, int id, int64_t t) {
         int64_t j = y - b * a->C;
         int64_t i0 = rb * a->RB, i1 = i0 + a->RB < a->R ? i0 + a->RB : a->R;
         const int64_t base = b * a->R * a->C + j;
-        const float *w = a->wrow + b * a->R;
+        const float *w = a->wrow + b * a->R, *rsum = a->row_sumsq + b * a->R;
+        const int czero = a->col_sumsq[y] == 0.0f;
         float s = 0.0f;
+        int nz = 0; /* a nonzero g in a row or column whose sum of g*g is 0 */
         for (i = i0; i + 4 <= i1; i += 4) {
             float x0 = am_load(a->g, a->gdt, base + i * a->C);
             float x1 = am_load(a->g, a->gdt, base + (i + 1) * a->C);
@@ -569,12 +577,19 @@ AM_HD void am_ck_elem(const am_ck_args *a, int id, int64_t t) {
             q += (x2 * x2) * w[i + 2];
             q += (x3 * x3) * w[i + 3];
             s += q;
+            nz |= (x0 != 0.0f && (czero || rsum[i] == 0.0f)) |
+                  (x1 != 0.0f && (czero || rsum[i + 1] == 0.0f)) |
+                  (x2 != 0.0f && (czero || rsum[i + 2] == 0.0f)) |
+                  (x3 != 0.0f && (czero || rsum[i + 3] == 0.0f));
         }
         for (; i < i1; i++) {
             float x = am_load(a->g, a->gdt, base + i * a->C);
             s += (x * x) * w[i];
+            nz |= x != 0.0f && (czero || rsum[i] == 0.0f);
         }
         a->wpart[rb * BC + y] = s;
+        /* every thread that sets it stores the same 1: order-free */
+        if (nz) h->zero_nz = 1;
         break;
     }
     case AM_CK_WSUM_BLOCKS: {
@@ -593,7 +608,8 @@ AM_HD void am_ck_elem(const am_ck_args *a, int id, int64_t t) {
             u2 += (double)a->rmean[b] * s;
         }
         if (am_wsum_usable(u2, am_ck_ufloat(h->rf_max), am_ck_ufloat(h->cf_max),
-                           am_ck_ufloat(h->rmean_max), a->numel))
+                           am_ck_ufloat(h->rfnz_max), am_ck_ufloat(h->cfnz_max),
+                           am_ck_ufloat(h->rmean_max), a->numel, h->zero_nz))
             h->u2_sum = u2;
         else h->u2_pass = 1;
         break;

@@ -294,7 +294,7 @@ static void test_nd(void **st) {
 
 /* A NaN and an overflow of g*g: both paths skip, nothing changes. */
 static void test_skips(void **st) {
-    static const int64_t m[] = {9, 13}, v[] = {77};
+    static const int64_t m[] = {9, 13}, v[] = {77}, mz[] = {37, 203};
     am_hparams hp = am_hparams_default();
     am_rng_key key = {123, 4};
     pair q;
@@ -347,6 +347,21 @@ static void test_skips(void **st) {
         }
         pair_free(&q);
     }
+    /* An all-zero last row and column: the W sums stand (their zeros lose
+     * nothing) on both paths, which must decide alike (the plan's maxima
+     * over rows and columns of nonzero sums, and its zero_nz flag); then
+     * one tiny element there, which sends both to the pass over g. */
+    pair_init(&q, 2, mz, AM_DTYPE_FLOAT32, AM_DTYPE_FLOAT32);
+    for (k = 0; k < 3; k++) {
+        int64_t i;
+        fill_grad(&q, 1.0f);
+        for (i = 0; i < q.sz.numel; i++)
+            if (i / mz[1] == mz[0] - 1 || i % mz[1] == mz[1] - 1)
+                store(q.grad.data, AM_DTYPE_FLOAT32, i, 0.0f);
+        if (k == 2) store(q.grad.data, AM_DTYPE_FLOAT32, q.sz.numel - 1, 3e-24f);
+        pair_step(&q, &hp, key, AM_OK);
+    }
+    pair_free(&q);
     /* Tiny gradients in the last row and column (1e-23: squares 0 in
      * float32), moments at 0: factors near 1e15 there, the u*u the W sums
      * leave out dominates, and both paths must take the pass over g (the

@@ -884,6 +884,65 @@ static void test_flat_lr_at_zero(void **unused) {
     }
 }
 
+/* Which sum of u*u the moments phase takes (am_wsum_usable): the W sums
+ * leave the tile sums of the pass over g untouched, which a pattern written
+ * there between the phases shows. A gradient with an all-zero row and an
+ * all-zero column must keep the W sums (its zeros lose nothing: the first
+ * version of the underflow check sent it to the pass at every step, 17-41%
+ * slower; found by a review, twenty-fifth session), as must an all-zero
+ * gradient and an ordinary one; tiny nonzero elements in such a row and
+ * column (squares that underflow) must take the pass. */
+static void test_wsum_choice(void **unused) {
+    enum { R = 48, C = 80 };
+    am_shape sh = {2, {R, C}};
+    am_state_sizes sz;
+    am_geom g;
+    am_hparams hp = am_hparams_default();
+    int c, step;
+    (void)unused;
+    assert_int_equal(am_state_get_sizes(&sh, &sz), AM_OK);
+    assert_int_equal(am_geom_init(&sh, &g), AM_OK);
+    for (c = 0; c < 4; c++) {
+        float *p = xmalloc(4 * R * C), *gr = xmalloc(4 * R * C);
+        float *lr = xmalloc(4 * R), *row = xmalloc(4 * R), *col = xmalloc(4 * C);
+        uint8_t *pol = xmalloc((size_t)sz.polarity_bytes);
+        void *ws = xmalloc((size_t)sz.workspace_bytes);
+        am_state st = {lr, pol, row, col, NULL, 0};
+        am_tensor pt = {p, AM_DTYPE_FLOAT32, sh}, gt = {gr, AM_DTYPE_FLOAT32, sh};
+        uint64_t rs = g_seed ^ (uint64_t)c;
+        int64_t e;
+        assert_int_equal(am_state_init(&sh, &st, 1e-4), AM_OK);
+        for (e = 0; e < R * C; e++) p[e] = 0.0f;
+        for (step = 0; step < 3; step++) {
+            unsigned char *base = am_ws_base(&g, ws, (size_t)sz.workspace_bytes);
+            double *tiles;
+            int untouched = 1;
+            int64_t t;
+            fill(gr, AM_DTYPE_FLOAT32, R * C, &rs, 1);
+            for (e = 0; e < R * C; e++) {
+                const int64_t i = e / C, j = e % C;
+                if (c == 0) continue;                       /* ordinary */
+                if (c == 2) { gr[e] = 0.0f; continue; }     /* all zero */
+                if (i == 5 || j == 7)                       /* row 5, column 7 */
+                    gr[e] = c == 1 ? 0.0f : ((e & 1) ? -1e-23f : 1e-23f);
+            }
+            assert_int_equal(am_update_stats(&pt, &gt, &st, &hp, ws, (size_t)sz.workspace_bytes),
+                             AM_OK);
+            tiles = (double *)(base + g.off_tile_u2);
+            for (t = 0; t < g.ntiles; t++) tiles[t] = -7.0;
+            assert_int_equal(am_update_moments(&pt, &gt, &st, &hp, ws,
+                                               (size_t)sz.workspace_bytes), AM_OK);
+            for (t = 0; t < g.ntiles; t++) untouched &= tiles[t] == -7.0;
+            if (untouched != (c != 3))
+                fail_msg("case %d step %d: the %s was used", c, step,
+                         untouched ? "W sums" : "pass over g");
+            assert_int_equal(am_update_finish(&pt, &gt, &st, &hp, (am_rng_key){3, 1}, ws,
+                                              (size_t)sz.workspace_bytes, NULL), AM_OK);
+        }
+        free(p); free(gr); free(lr); free(row); free(col); free(pol); free(ws);
+    }
+}
+
 /* The stats pass counts the agreement with the sign of g (that of u);
  * the SPEC's sign is that of u / scale, which is 0 for a positive u small
  * enough. Shape (2, 19): row 0 holds 1e15 in columns 9 (a vector lane) and
@@ -1321,6 +1380,7 @@ int main(void) {
         cmocka_unit_test(test_agree_underflow),
         cmocka_unit_test(test_flat_underflow),
         cmocka_unit_test(test_flat_lr_at_zero),
+        cmocka_unit_test(test_wsum_choice),
         cmocka_unit_test(test_counted_agreement_underflow),
         cmocka_unit_test(test_counted_mats_underflow),
         cmocka_unit_test(test_zero_row_factor_range),
