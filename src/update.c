@@ -441,33 +441,55 @@ static float max_of(const float *v, int64_t n) {
     return m;
 }
 
-/* The largest magnitude in v[t] over the t whose sums[t] is not 0 (as
- * max_of; am_wsum_usable's rfnz_max and cfnz_max). */
-static float max_where_nonzero(const float *v, const float *sums, int64_t n) {
+/* One scan of factors v[0..n) and their rows' or columns' float32 sums of
+ * g*g: the largest magnitude of all (*all; NaN when one is NaN, as max_of),
+ * of those whose sum is not 0 (*nz), and whether a sum is 0 (returned). For
+ * am_wsum_usable; SSE2 four at a time (three scans of their own added 7-11%
+ * to a (1024, 16) update). */
+static int factor_maxima(const float *v, const float *sums, int64_t n, float *all, float *nz) {
     int64_t i = 0;
-    float m = 0.0f;
+    float ma = 0.0f, mn = 0.0f;
+    int zero = 0;
 #if defined(__SSE2__)
-    const __m128 sign = _mm_set1_ps(-0.0f), zero = _mm_setzero_ps();
-    __m128 mv = _mm_setzero_ps(), nan = _mm_setzero_ps();
-    float t[4];
+    const __m128 sign = _mm_set1_ps(-0.0f), z = _mm_setzero_ps();
+    __m128 va = _mm_setzero_ps(), vn = _mm_setzero_ps(), nan = _mm_setzero_ps();
+    __m128 zs = _mm_setzero_ps();
+    float t[4], u[4];
     for (; i + 4 <= n; i += 4) {
-        const __m128 keep = _mm_cmpneq_ps(_mm_loadu_ps(sums + i), zero);
-        const __m128 x = _mm_and_ps(keep, _mm_andnot_ps(sign, _mm_loadu_ps(v + i)));
+        const __m128 x = _mm_andnot_ps(sign, _mm_loadu_ps(v + i));
+        const __m128 sz = _mm_cmpeq_ps(_mm_loadu_ps(sums + i), z);
         nan = _mm_or_ps(nan, _mm_cmpunord_ps(x, x));
-        mv = _mm_max_ps(mv, x);
+        va = _mm_max_ps(va, x);
+        vn = _mm_max_ps(vn, _mm_andnot_ps(sz, x));
+        zs = _mm_or_ps(zs, sz);
     }
-    if (_mm_movemask_ps(nan)) return NAN;
-    _mm_storeu_ps(t, mv);
-    m = t[0] > t[1] ? t[0] : t[1];
-    if (t[2] > m) m = t[2];
-    if (t[3] > m) m = t[3];
+    if (_mm_movemask_ps(nan)) {
+        *all = *nz = NAN;
+        return 1;
+    }
+    zero = _mm_movemask_ps(zs) != 0;
+    _mm_storeu_ps(t, va);
+    _mm_storeu_ps(u, vn);
+    ma = t[0] > t[1] ? t[0] : t[1];
+    if (t[2] > ma) ma = t[2];
+    if (t[3] > ma) ma = t[3];
+    mn = u[0] > u[1] ? u[0] : u[1];
+    if (u[2] > mn) mn = u[2];
+    if (u[3] > mn) mn = u[3];
 #endif
     for (; i < n; i++) {
-        if (sums[i] == 0.0f) continue;
-        if (v[i] != v[i]) return NAN;
-        if (fabsf(v[i]) > m) m = fabsf(v[i]);
+        const float x = fabsf(v[i]);
+        if (x != x) {
+            *all = *nz = NAN;
+            return 1;
+        }
+        if (x > ma) ma = x;
+        if (sums[i] == 0.0f) zero = 1;
+        else if (x > mn) mn = x;
     }
-    return m;
+    *all = ma;
+    *nz = mn;
+    return zero;
 }
 
 /* 1 when a row or a column whose float32 sum of g*g is 0 holds a nonzero
@@ -516,12 +538,12 @@ static int u2_from_wsum(upd *u) {
         u2 += (double)rmean[b] * t;
     }
     {
-        const float *rf = WS(u, off_rf, float);
-        const float *rs = WS(u, off_row_sumsq, float), *cs = WS(u, off_col_sumsq, float);
-        if (!am_wsum_usable(u2, max_of(rf, g->B * g->R), max_of(cf, BC),
-                            max_where_nonzero(rf, rs, g->B * g->R),
-                            max_where_nonzero(cf, cs, BC), max_of(rmean, g->B), g->numel,
-                            zero_sums_hold_nonzero(u)))
+        float rf_all, rf_nz, cf_all, cf_nz;
+        const int zr = factor_maxima(WS(u, off_rf, float), WS(u, off_row_sumsq, float),
+                                     g->B * g->R, &rf_all, &rf_nz);
+        const int zc = factor_maxima(cf, WS(u, off_col_sumsq, float), BC, &cf_all, &cf_nz);
+        if (!am_wsum_usable(u2, rf_all, cf_all, rf_nz, cf_nz, max_of(rmean, g->B), g->numel,
+                            (zr || zc) && zero_sums_hold_nonzero(u)))
             return 0;
     }
     u->h->u2_sum = u2;
