@@ -131,9 +131,10 @@ class _UpdateMixin:
     def _warn_clamps(self, group: dict) -> None:
         """Warns once when a group's min_lr/max_lr differ from those it was
         added with while an lr scheduler is attached (group["initial_lr"]):
-        OneCycleLR writes its own cycle's "min_lr"/"max_lr" into the group, the same keys as the clamps of the rows' lrs, which
-        then follow them silently (found by a review, twenty-fifth session;
-        the reference does the same)."""
+        OneCycleLR writes its own cycle's "min_lr"/"max_lr" into the group,
+        the same keys as the clamps of the rows' lrs, which then follow them
+        silently (found by a review, twenty-fifth session; the reference
+        does the same)."""
         added = self._clamps_added.get(id(group))
         if added is None or "initial_lr" not in group or "clamps" in self._warned:
             return
