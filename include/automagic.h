@@ -70,7 +70,7 @@ extern "C" {
 /* ------------------------------------------------------------- version --- */
 
 #define AM_VERSION_MAJOR 0
-#define AM_VERSION_MINOR 2
+#define AM_VERSION_MINOR 3
 #define AM_VERSION_PATCH 0
 #define AM_VERSION_NUMBER \
     (AM_VERSION_MAJOR * 10000 + AM_VERSION_MINOR * 100 + AM_VERSION_PATCH)
@@ -383,8 +383,10 @@ AM_API am_status am_update_batch(am_batch_item *items, int64_t n, void *workspac
  *                     new moments, polarity, lrs and step to state. Returns
  *                     AM_SKIPPED_NONFINITE_UPDATE if u2_sum is not finite.
  * The sums are over the tensor the caller passes; a sharded engine passes its
- * shard and reduces. The clip's rms divides u2_sum by the numel of the tensor
- * passed, so an engine with k equal shards divides the reduced u2_sum by k.
+ * shard and reduces. After am_update_stats, the clip's rms divides u2_sum by
+ * the numel of the tensor passed, so an engine with k equal shards divides
+ * the reduced u2_sum by k; after am_update_stats_shard (below) it divides by
+ * the whole parameter's numel, and any split along dims[0] works.
  * Errors: those of am_update, and AM_ERR_INVALID_ARGUMENT from
  * am_update_moments (am_update_finish) when the workspace does not hold
  * am_update_stats' (am_update_moments') results for a parameter of this
@@ -393,6 +395,56 @@ AM_API am_status am_update_batch(am_batch_item *items, int64_t n, void *workspac
 AM_API am_status am_update_stats(const am_tensor *param, const am_tensor *grad,
                                  const am_state *state, const am_hparams *hp,
                                  void *workspace, size_t workspace_bytes);
+
+/* Where a shard lies in its parameter: the tensors passed to the phases hold
+ * a contiguous range of the whole parameter's dims[0] (rows of a matrix,
+ * whole matrices of an ndim >= 3 weight, elements of a vector); every other
+ * dim is the whole parameter's. */
+typedef struct am_shard {
+    int64_t dim0_total; /* dims[0] of the whole parameter */
+} am_shard;
+
+/* am_update_stats for one shard of a parameter split along dims[0] across
+ * processes (ZeRO-style data parallelism: each process keeps the state of
+ * its own rows). The phases then follow SPEC 3 for the whole parameter,
+ * with these reductions (sums over the shards) between them:
+ *
+ *   am_update_stats_shard                     on every shard
+ *   all-reduce col_sumsq (2-D), nonfinite, and row_moment_sum (2-D)
+ *   am_update_moments                         on every shard
+ *   all-reduce u2_sum
+ *   am_update_finish                          on every shard
+ *
+ * Do not reduce row_sumsq: a shard holds whole rows. For a 2-D parameter
+ * (rows split) the column moments divide by dim0_total rows and the row
+ * factors use the mean of the row moments over all dim0_total rows, from
+ * the reduced row_moment_sum; each shard's state holds its own rows (lr,
+ * polarity, row moments: shape [rows of the shard]) and a copy of the
+ * column moments [C], which stays the same on every shard when every copy
+ * starts the same (am_state_init) and every shard runs every update. For
+ * ndim >= 3 (whole matrices) and ndim 1 (element ranges) every moment is
+ * the shard's own and only u2_sum (and nonfinite) is reduced. The clip's
+ * rms divides the reduced u2_sum by the whole parameter's numel, so the
+ * shards may differ in size; a shard may be empty (dims[0] = 0: it updates
+ * nothing, its step and column moments stay as they were; it still takes
+ * part in the reductions, with zeros).
+ *
+ * The result equals am_update on the whole parameter within float32
+ * rounding (the sums are added in another order): lrs and polarity bits
+ * the same, moments and float32 parameters within a few ulp (tested). The
+ * rounding noise of bfloat16/float16 parameters is keyed by the element's
+ * index within the shard: give each shard its own key.param_id (for
+ * example parameter id * shards + shard index), or shards of the same
+ * parameter round with the same noise at the same local index.
+ *
+ * Errors: those of am_update_stats; AM_ERR_NULL_POINTER (shard NULL);
+ * AM_ERR_INVALID_ARGUMENT (a 0-D parameter, or dim0_total smaller than
+ * the shard's dims[0]); AM_ERR_INVALID_SHAPE (the whole parameter's
+ * element count above 2^56). Nothing but the workspace is modified. */
+AM_API am_status am_update_stats_shard(const am_tensor *param, const am_tensor *grad,
+                                       const am_state *state, const am_hparams *hp,
+                                       const am_shard *shard, void *workspace,
+                                       size_t workspace_bytes);
 AM_API am_status am_update_moments(const am_tensor *param,
                                    const am_tensor *grad,
                                    const am_state *state, const am_hparams *hp,
@@ -409,6 +461,9 @@ typedef struct am_workspace_view {
     float *col_sumsq;           /* [col_count]: sum over R of g*g */
     double *u2_sum;             /* [1]: sum of u*u before clipping */
     int64_t *nonfinite;         /* [1]: non-finite gradient elements */
+    double *row_moment_sum;     /* [1]: after am_update_stats_shard of a 2-D
+                                   shard, the sum over its rows of the new
+                                   row moments; 0 otherwise */
 } am_workspace_view;
 
 /* Fills view with pointers into workspace for shape. Errors as

@@ -3,7 +3,6 @@
 
 #include <string.h>
 
-#define AM_MAX_SHAPE_PRODUCT ((int64_t)1 << 56)
 
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -35,7 +34,7 @@ am_status am_geom_init_as(const am_shape *shape, am_geom *g, const char *what) {
          * bytes per unit of it: bounding that product by 2^56 keeps every
          * size representable, also for zero-element shapes such as
          * [0, 2^62] whose other dims would otherwise overflow. */
-        AM_RETURN_IF(s > 0 && bound > AM_MAX_SHAPE_PRODUCT / s, AM_ERR_INVALID_SHAPE,
+        AM_RETURN_IF(s > 0 && bound > AM_MAX_NUMEL / s, AM_ERR_INVALID_SHAPE,
                      "%s: too large at dims[%d] (the product of the nonzero "
                      "dims must be at most 2^56)", what, (int)d);
         if (s > 0) bound *= s;
@@ -133,6 +132,7 @@ am_status am_workspace_view_get(const am_shape *shape, void *workspace,
     view->col_sumsq = g.ndim >= 2 ? (float *)(base + g.off_col_sumsq) : NULL;
     view->u2_sum = &h->u2_sum;
     view->nonfinite = &h->nonfinite;
+    view->row_moment_sum = &h->row_moment_sum;
     return AM_OK;
 }
 

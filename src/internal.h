@@ -60,6 +60,10 @@ void am_log_item(const char *fn, int64_t index);
 #define AM_ROW_BLOCK_MIN 64  /* rows per tile: max(64, ceil(R / 64)) */
 #define AM_FLAT_CHUNK 16384  /* elements per tile when ndim <= 1 */
 
+/* The most elements, counting nonzero dims only, a shape may describe (a
+ * bound that keeps every derived size representable; am_geom_init). */
+#define AM_MAX_NUMEL ((int64_t)1 << 56)
+
 typedef struct am_geom {
     int32_t ndim;
     int64_t numel;
@@ -112,6 +116,8 @@ typedef struct am_ws_header {
     int64_t wsummed;    /* 1: stats filled the am_wsum sums (wpart, wnr) */
     int64_t ndim;       /* the shape stats ran on: checked by the later */
     int64_t dims[AM_MAX_DIMS]; /* phases (the same numel is not enough) */
+    int64_t dim0_total; /* am_update_stats_shard: the whole dims[0]; else 0 */
+    double row_moment_sum; /* 2-D shard: sum of its new row moments */
 } am_ws_header;
 
 enum { AM_STAGE_NONE = 0, AM_STAGE_STATS = 0x5157A7, AM_STAGE_MOMENTS = 0x5157A8 };

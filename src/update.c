@@ -43,6 +43,7 @@ typedef struct upd {
     int mats_sweep;
     float facmin;
     am_state *wstate; /* am_update's state (writable), for that */
+    int64_t dim0_total; /* am_update_stats_shard's, for the header; else 0 */
 } upd;
 
 #define WS(u, off, T) ((T *)((u)->ws + (u)->g.off))
@@ -54,6 +55,8 @@ static void header_set_shape(upd *u) {
     u->h->numel = u->g.numel;
     u->h->ndim = s->ndim;
     for (d = 0; d < AM_MAX_DIMS; d++) u->h->dims[d] = d < s->ndim ? s->dims[d] : 0;
+    u->h->dim0_total = u->dim0_total;
+    u->h->row_moment_sum = 0.0;
 }
 
 /* 1 when the workspace header holds stage's results for this parameter's
@@ -306,6 +309,18 @@ static void combine_parts(float *dst, const float *parts, int64_t nparts,
         for (x = 0; x < n; x++) dst[x] += parts[p * n + x];
 }
 
+/* A 2-D shard (am_update_stats_shard): the sum over its rows of the new
+ * row moments, as moments_mats forms each (am_moment), for the engine to
+ * reduce across the shards into the mean over every row (shard_factors). */
+static void shard_row_moment_sum(upd *u) {
+    const am_geom *g = &u->g;
+    const float *rs = WS(u, off_row_sumsq, float), Cinv = am_inv_count(g->C);
+    double s = 0.0;
+    int64_t i;
+    for (i = 0; i < g->R; i++) s += (double)am_moment(u->state->row[i], rs[i], Cinv, &u->k);
+    u->h->row_moment_sum = s;
+}
+
 static am_status run_stats(upd *u) {
     const am_geom *g = &u->g;
     int finite = 1;
@@ -341,6 +356,7 @@ static am_status run_stats(upd *u) {
                           g->nrb, g->B * g->C);
         /* A non-finite g makes its row's sum non-finite. */
         for (x = 0; x < BR; x++) finite &= am_isfinite_f32(rs[x]);
+        if (u->h->dim0_total && g->ndim == 2) shard_row_moment_sum(u);
     } else {
         am_parallel_for(g->ntiles, AM_FLAT_CHUNK * 12.0, flat_u2_task, u);
         u->h->u2_sum = am_sum_tiles(WS(u, off_tile_u2, double), g->ntiles);
@@ -550,6 +566,26 @@ static int u2_from_wsum(upd *u) {
     return 1;
 }
 
+/* A 2-D shard's column moments and factors over every row of the whole
+ * matrix (col_sumsq reduced across the shards, dim0_total rows), and its
+ * row factors from the mean of every row's moment (row_moment_sum reduced),
+ * in place of moments_mats' over the shard's rows: the same formulas as
+ * every kernel's (am_moment, am_rsqrt, am_row_factor), O(R + C). */
+static void shard_factors(upd *u) {
+    const am_geom *g = &u->g;
+    const float *cs = WS(u, off_col_sumsq, float), *nr = WS(u, off_new_row, float);
+    const float Rinv = am_inv_count(u->h->dim0_total);
+    float *nc = WS(u, off_new_col, float), *cf = WS(u, off_cf, float);
+    float *rf = WS(u, off_rf, float), *rmean = WS(u, off_rmean, float);
+    int64_t i, j;
+    for (j = 0; j < g->C; j++) {
+        nc[j] = am_moment(u->state->col[j], cs[j], Rinv, &u->k);
+        cf[j] = am_rsqrt(nc[j]);
+    }
+    rmean[0] = (float)(u->h->row_moment_sum / (double)u->h->dim0_total);
+    for (i = 0; i < g->R; i++) rf[i] = am_row_factor(nr[i], rmean[0]);
+}
+
 static am_status run_moments(upd *u) {
     const am_geom *g = &u->g;
     const am_consts *k = &u->k;
@@ -568,6 +604,7 @@ static am_status run_moments(upd *u) {
         } else {
             u->kt->moments_mats(g->R, g->C, 0, g->B, u->state->row, u->state->col,
                                 rs, cs, k, nr, nc, rf, cf, rmean);
+            if (u->h->dim0_total && g->ndim == 2) shard_factors(u);
             if (u2_from_wsum(u)) {
                 u->h->stage = AM_STAGE_MOMENTS;
                 return AM_OK;
@@ -937,7 +974,8 @@ static am_status run_finish(upd *u, am_state *state, am_report *rep) {
     }
     /* SPEC 3.2, in the reference's order: norm / sqrt(n) / clip, >= 1. */
     norm = (float)sqrt(u->h->u2_sum);
-    rms = norm / (float)sqrt((double)g->numel);
+    /* a shard's: the whole parameter's numel (g->m elements per dims[0]) */
+    rms = norm / (float)sqrt((double)(u->h->dim0_total ? u->h->dim0_total * g->m : g->numel));
     u->scale = rms / u->k.clip;
     if (!(u->scale >= 1.0f)) u->scale = 1.0f;
     u->inv = 1.0f / u->scale;
@@ -1019,6 +1057,32 @@ static am_status update_stats_impl(const am_tensor *param, const am_tensor *grad
     return run_stats(&u);
 }
 
+static am_status update_stats_shard_impl(const am_tensor *param, const am_tensor *grad,
+                                         const am_state *state, const am_hparams *hp,
+                                         const am_shard *shard, void *workspace,
+                                         size_t workspace_bytes) {
+    upd u;
+    int64_t per = 1;
+    int d;
+    memset(&u, 0, sizeof u);
+    AM_CHECK(prepare(&u, param, grad, state, hp, workspace, workspace_bytes));
+    AM_RETURN_IF(!shard, AM_ERR_NULL_POINTER, "am_update_stats_shard: shard is NULL");
+    AM_RETURN_IF(param->shape.ndim == 0, AM_ERR_INVALID_ARGUMENT,
+                 "am_update_stats_shard: a 0-D parameter has no dims[0] to split");
+    AM_RETURN_IF(shard->dim0_total < param->shape.dims[0], AM_ERR_INVALID_ARGUMENT,
+                 "am_update_stats_shard: shard.dim0_total = %lld is smaller than the "
+                 "shard's dims[0] = %lld", (long long)shard->dim0_total,
+                 (long long)param->shape.dims[0]);
+    for (d = 1; d < param->shape.ndim; d++) per *= param->shape.dims[d]; /* <= 2^56 */
+    AM_RETURN_IF(shard->dim0_total > AM_MAX_NUMEL ||
+                     (per > 0 && shard->dim0_total > AM_MAX_NUMEL / per),
+                 AM_ERR_INVALID_SHAPE,
+                 "am_update_stats_shard: the whole parameter (dims[0] = %lld) would hold "
+                 "more than 2^56 elements", (long long)shard->dim0_total);
+    u.dim0_total = shard->dim0_total;
+    return run_stats(&u);
+}
+
 static am_status update_moments_impl(const am_tensor *param, const am_tensor *grad,
                             const am_state *state, const am_hparams *hp,
                             void *workspace, size_t workspace_bytes) {
@@ -1081,6 +1145,14 @@ am_status am_update_stats(const am_tensor *param, const am_tensor *grad,
                           const am_state *state, const am_hparams *hp,
                           void *workspace, size_t workspace_bytes) {
     AM_FPENV_RETURN(update_stats_impl(param, grad, state, hp, workspace, workspace_bytes));
+}
+
+am_status am_update_stats_shard(const am_tensor *param, const am_tensor *grad,
+                                const am_state *state, const am_hparams *hp,
+                                const am_shard *shard, void *workspace,
+                                size_t workspace_bytes) {
+    AM_FPENV_RETURN(update_stats_shard_impl(param, grad, state, hp, shard, workspace,
+                                            workspace_bytes));
 }
 
 am_status am_update_moments(const am_tensor *param, const am_tensor *grad,

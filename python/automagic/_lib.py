@@ -81,7 +81,7 @@ LOG_FN = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
 
 # The C library's version this front end was written against (the header's
 # AM_VERSION_*, CMakeLists.txt, pyproject.toml; a test checks they agree).
-LIBRARY_VERSION = "0.2.0"
+LIBRARY_VERSION = "0.3.0"
 
 
 def package_dirs():

@@ -263,17 +263,66 @@ static void test_state_init(void **unused) {
 /* --------------------------------------------------- kernel layer ------ */
 
 /* which: 0 am_update, 1 am_update_stats, 2 am_update_moments,
- * 3 am_update_finish. */
+ * 3 am_update_finish, 4 am_update_stats_shard (a valid shard: the whole
+ * parameter twice as long along dims[0]). */
 static am_status call_phase(int which, const am_tensor *p, const am_tensor *g,
                             am_state *st, const am_hparams *hp, void *ws, size_t wsb,
                             am_report *rep) {
     am_rng_key key = {42, 0};
+    am_shard shard = {p && p->shape.ndim > 0 ? 2 * p->shape.dims[0] : 0};
     switch (which) {
     case 0: return am_update(p, g, st, hp, key, ws, wsb, rep);
     case 1: return am_update_stats(p, g, st, hp, ws, wsb);
     case 2: return am_update_moments(p, g, st, hp, ws, wsb);
+    case 4: return am_update_stats_shard(p, g, st, hp, &shard, ws, wsb);
     default: return am_update_finish(p, g, st, hp, key, ws, wsb, rep);
     }
+}
+
+/* am_update_stats_shard's own argument errors, with nothing modified. */
+static void stats_shard_invalid(const am_shape *sh) {
+    int64_t n = t_numel(sh), i;
+    float *p = (float *)t_calloc(n * 4), *g = (float *)t_calloc(n * 4);
+    am_hparams hp = am_hparams_default();
+    am_tensor pt = t_tensor(p, AM_DTYPE_FLOAT32, sh), gt = t_tensor(g, AM_DTYPE_FLOAT32, sh);
+    am_shard shard;
+    t_fix f;
+    t_snap snap;
+    t_fix_init(&f, sh, 1e-3);
+    for (i = 0; i < n; i++) g[i] = 0.03f * (float)(i % 7) - 0.1f;
+    t_snap_take(&snap, &f, p, (size_t)n * 4, g, (size_t)n * 4);
+    EXPECT_ERR(am_update_stats_shard(&pt, &gt, &f.st, &hp, NULL, f.ws, f.ws_bytes),
+               AM_ERR_NULL_POINTER);
+    if (sh->ndim == 0) {
+        shard.dim0_total = 1;
+        EXPECT_ERR(am_update_stats_shard(&pt, &gt, &f.st, &hp, &shard, f.ws, f.ws_bytes),
+                   AM_ERR_INVALID_ARGUMENT);
+        if (!strstr(g_log.msg, "0-D")) fail_msg("message '%s'", g_log.msg);
+    } else {
+        shard.dim0_total = sh->dims[0] - 1;
+        EXPECT_ERR(am_update_stats_shard(&pt, &gt, &f.st, &hp, &shard, f.ws, f.ws_bytes),
+                   AM_ERR_INVALID_ARGUMENT);
+        if (!strstr(g_log.msg, "dim0_total")) fail_msg("message '%s'", g_log.msg);
+        shard.dim0_total = INT64_MIN;
+        EXPECT_ERR(am_update_stats_shard(&pt, &gt, &f.st, &hp, &shard, f.ws, f.ws_bytes),
+                   AM_ERR_INVALID_ARGUMENT);
+        shard.dim0_total = (n / sh->dims[0]) > 1 ? ((int64_t)1 << 56) / (n / sh->dims[0]) + 1
+                                                 : ((int64_t)1 << 56) + 1;
+        EXPECT_ERR(am_update_stats_shard(&pt, &gt, &f.st, &hp, &shard, f.ws, f.ws_bytes),
+                   AM_ERR_INVALID_SHAPE);
+        shard.dim0_total = INT64_MAX;
+        EXPECT_ERR(am_update_stats_shard(&pt, &gt, &f.st, &hp, &shard, f.ws, f.ws_bytes),
+                   AM_ERR_INVALID_SHAPE);
+        /* the largest whole parameter is accepted */
+        shard.dim0_total = ((int64_t)1 << 56) / (n / sh->dims[0]);
+        assert_int_equal(am_update_stats_shard(&pt, &gt, &f.st, &hp, &shard, f.ws, f.ws_bytes),
+                         AM_OK);
+    }
+    t_snap_check(&snap, &f, p, g);
+    t_snap_free(&snap);
+    t_fix_free(&f);
+    free(p);
+    free(g);
 }
 
 /* Every invalid argument of am_update and of each phase, on a factored and
@@ -294,7 +343,7 @@ static void update_invalid(const am_shape *sh) {
     assert_int_equal(call_phase(0, &pt, &gt, &f.st, &hp, f.ws, f.ws_bytes, NULL), AM_OK);
     assert_int_equal(call_phase(0, &pt, &gt, &f.st, &hp, f.ws, f.ws_bytes, NULL), AM_OK);
     t_snap_take(&snap, &f, p, (size_t)n * 4, g, (size_t)n * 4);
-    for (which = 0; which < 4; which++) {
+    for (which = 0; which < 5; which++) {
         am_tensor bp, bg;
         am_state bst;
         am_hparams bh;
@@ -480,6 +529,10 @@ static void test_update_invalid(void **unused) {
     update_invalid(&s1);
     update_invalid(&s0);
     update_invalid(&s4);
+    stats_shard_invalid(&s2);
+    stats_shard_invalid(&s1);
+    stats_shard_invalid(&s0);
+    stats_shard_invalid(&s4);
 }
 
 static void test_workspace_view(void **unused) {

@@ -344,6 +344,166 @@ static void test_zero_element_sums(void **unused) {
     }
 }
 
+/* a and b two float32 sums of the same n squares (and eps) in different
+ * orders: each within n * 2^-24 of the exact sum, relative. */
+static int near_sums(float a, float b, int64_t n) {
+    return fabs((double)a - (double)b) <= 2.0 * (double)n * 0x1p-24 * fabs((double)b);
+}
+
+/* One step of am_update_stats_shard's protocol over K shards (dims[0]
+ * split as rows[]), the reductions done here as an engine's all-reduce
+ * would: col_sumsq, nonfinite, row_moment_sum after stats, u2_sum after
+ * moments, each shard given the sum of all. Shard k's key has param_id
+ * k + 1 (the header's advice for 16-bit parameters). */
+static void shard_step(const am_tensor *sp, const am_tensor *sg, t_fix *part, int K,
+                       const am_hparams *hp, int64_t dim0_total) {
+    enum { KMAX = 4 };
+    am_workspace_view v[KMAX];
+    const am_shard shard = {dim0_total};
+    const int64_t C = sp[0].shape.ndim == 2 ? sp[0].shape.dims[1] : 0;
+    double u2 = 0.0, rms = 0.0;
+    int64_t nonfinite = 0, j;
+    float *cs = (float *)t_calloc(C * 4);
+    int k;
+    assert_true(K <= KMAX);
+    for (k = 0; k < K; k++) {
+        assert_int_equal(am_update_stats_shard(&sp[k], &sg[k], &part[k].st, hp, &shard,
+                                               part[k].ws, part[k].ws_bytes), AM_OK);
+        assert_int_equal(am_workspace_view_get(&sp[k].shape, part[k].ws, part[k].ws_bytes, &v[k]),
+                         AM_OK);
+        for (j = 0; j < C; j++) cs[j] += v[k].col_sumsq[j];
+        nonfinite += *v[k].nonfinite;
+        rms += *v[k].row_moment_sum;
+    }
+    for (k = 0; k < K; k++) {
+        if (C) memcpy(v[k].col_sumsq, cs, (size_t)C * 4);
+        *v[k].nonfinite = nonfinite;
+        *v[k].row_moment_sum = rms;
+        assert_int_equal(am_update_moments(&sp[k], &sg[k], &part[k].st, hp, part[k].ws,
+                                           part[k].ws_bytes), AM_OK);
+        u2 += *v[k].u2_sum;
+    }
+    for (k = 0; k < K; k++) {
+        const am_rng_key key = {5, (uint32_t)k + 1};
+        *v[k].u2_sum = u2;
+        assert_int_equal(am_update_finish(&sp[k], &sg[k], &part[k].st, hp, key, part[k].ws,
+                                          part[k].ws_bytes, NULL), AM_OK);
+    }
+    free(cs);
+}
+
+/* A parameter split along dims[0] into shards of rows[0..K) (of any sizes,
+ * empty ones too) through am_update_stats_shard, against am_update on the
+ * whole: lrs, polarity and the shards' own moments identical (for ndim >= 3
+ * and 1 all moments are the shards' own), a 2-D matrix's column moments
+ * within float32 summation error (its column sums added in another order:
+ * 6 ulp seen on 130 rows), float32
+ * parameters within 2 ulp; 16-bit ones, rounded with other noise (each
+ * shard its own param_id), within one 16-bit ulp per step. An empty shard
+ * keeps its state. */
+static void dim0_shard_case(const am_shape *sh, const int64_t *rows, int K, am_dtype pdt) {
+    enum { KMAX = 4, STEPS = 4 };
+    const size_t es = am_dtype_size(pdt);
+    int64_t n = t_numel(sh), per = sh->dims[0] ? n / sh->dims[0] : 0, i, off;
+    char *p = (char *)t_calloc(n * (int64_t)es), *ps = (char *)t_calloc(n * (int64_t)es);
+    float *g = (float *)t_calloc(n * 4);
+    am_shape ssh[KMAX];
+    am_tensor sp[KMAX], sg[KMAX];
+    am_hparams hp = am_hparams_default();
+    uint64_t rs = t_seed() ^ 0x5a17u;
+    t_fix full, part[KMAX];
+    int s, k;
+    assert_true(K <= KMAX);
+    t_fix_init(&full, sh, 1e-3);
+    for (k = 0, off = 0; k < K; off += rows[k] * per, k++) {
+        ssh[k] = *sh;
+        ssh[k].dims[0] = rows[k];
+        t_fix_init(&part[k], &ssh[k], 1e-3);
+        sp[k] = t_tensor(ps + off * (int64_t)es, pdt, &ssh[k]);
+        sg[k] = t_tensor(g + off, AM_DTYPE_FLOAT32, &ssh[k]);
+    }
+    assert_true(off == n);
+    for (i = 0; i < n; i++) t_store_random(p, pdt, i, &rs, -2, 1);
+    memcpy(ps, p, (size_t)n * es);
+    hp.clip_threshold = 0.5; /* make the clip bind, so the reduced u2 matters */
+    for (s = 0; s < STEPS; s++) {
+        am_tensor pt = t_tensor(p, pdt, sh), gt = t_tensor(g, AM_DTYPE_FLOAT32, sh);
+        for (i = 0; i < n; i++) t_store_random(g, AM_DTYPE_FLOAT32, i, &rs, -6, 1);
+        /* an all-zero row (or element) now and then */
+        if (s % 2 && n) memset(g + (n / per / 2) * per, 0, (size_t)per * 4);
+        assert_int_equal(am_update(&pt, &gt, &full.st, &hp, (am_rng_key){5, 0}, full.ws,
+                                   full.ws_bytes, NULL), AM_OK);
+        shard_step(sp, sg, part, K, &hp, sh->dims[0]);
+        for (i = 0; i < n; i++) {
+            const double a = t_load(p, pdt, i), b = t_load(ps, pdt, i);
+            const double ulp = pdt == AM_DTYPE_FLOAT32 ? 2.0 * (double)(nextafterf(fabsf((float)a), INFINITY) - fabsf((float)a))
+                               : (s + 1) * ldexp(1.0, ilogb(fmax(fabs(a), fabs(b))) -
+                                                        (pdt == AM_DTYPE_BFLOAT16 ? 7 : 10));
+            if (!(fabs(a - b) <= ulp))
+                fail_msg("%s dtype %d step %d: p[%lld] sharded %.9g, whole %.9g", t_shape_str(sh),
+                         (int)pdt, s, (long long)i, b, a);
+        }
+        for (k = 0, off = 0; k < K; off += rows[k], k++) {
+            const t_fix *f = &part[k];
+            const int64_t nr = f->sz.row_count, nc = f->sz.col_count;
+            assert_int_equal(f->st.step, rows[k] ? s + 1 : 0);
+            assert_memory_equal(f->st.lr, full.st.lr + off, (size_t)f->sz.lr_count * 4);
+            if (sh->ndim >= 2) {
+                const int64_t prb = full.sz.polarity_bytes / sh->dims[0];
+                assert_memory_equal(f->st.polarity, full.st.polarity + off * prb,
+                                    (size_t)f->sz.polarity_bytes);
+            } else {
+                for (i = 0; i < rows[k]; i++)
+                    assert_int_equal((f->st.polarity[i / 8] >> (i % 8)) & 1,
+                                     (full.st.polarity[(off + i) / 8] >> ((off + i) % 8)) & 1);
+            }
+            if (sh->ndim == 1) {
+                assert_memory_equal(f->st.sq, full.st.sq + off, (size_t)rows[k] * 4);
+            } else if (sh->ndim == 2) {
+                assert_memory_equal(f->st.row, full.st.row + off, (size_t)nr * 4);
+                for (i = 0; i < nc; i++)
+                    if (rows[k] ? !near_sums(f->st.col[i], full.st.col[i], sh->dims[0])
+                                : f->st.col[i] != 0.0f)
+                        fail_msg("%s step %d shard %d: col[%lld] %.9g, whole %.9g", t_shape_str(sh),
+                                 s, k, (long long)i, (double)f->st.col[i], (double)full.st.col[i]);
+            } else { /* whole matrices: every moment the shard's own */
+                assert_memory_equal(f->st.row, full.st.row + off * (full.sz.row_count / sh->dims[0]),
+                                    (size_t)nr * 4);
+                assert_memory_equal(f->st.col, full.st.col + off * (full.sz.col_count / sh->dims[0]),
+                                    (size_t)nc * 4);
+            }
+        }
+    }
+    for (k = 0; k < K; k++) t_fix_free(&part[k]);
+    t_fix_free(&full);
+    free(p);
+    free(ps);
+    free(g);
+}
+
+static void test_dim0_shards(void **unused) {
+    const int64_t a[2] = {130, 300}, ra[2] = {50, 80};  /* W sums */
+    const int64_t b[2] = {7, 20000}, rb[3] = {3, 0, 4}; /* rows over 16384, an empty shard */
+    const int64_t c[2] = {200, 48}, rc[3] = {1, 120, 79};
+    const int64_t d[3] = {5, 9, 7}, rd[2] = {2, 3};      /* whole matrices */
+    const int64_t e[4] = {6, 2, 3, 5}, re[2] = {1, 5};
+    const int64_t f[1] = {100}, rf[2] = {37, 63};        /* element ranges */
+    const int64_t h[2] = {64, 40}, rh[2] = {30, 34};
+    const int64_t one[1] = {130};                        /* one shard of all */
+    am_shape sa = t_shape(2, a), sb = t_shape(2, b), sc = t_shape(2, c), sd = t_shape(3, d);
+    am_shape se = t_shape(4, e), sf = t_shape(1, f), shh = t_shape(2, h);
+    (void)unused;
+    dim0_shard_case(&sa, ra, 2, AM_DTYPE_FLOAT32);
+    dim0_shard_case(&sa, one, 1, AM_DTYPE_FLOAT32);
+    dim0_shard_case(&sb, rb, 3, AM_DTYPE_FLOAT32);
+    dim0_shard_case(&sc, rc, 3, AM_DTYPE_FLOAT32);
+    dim0_shard_case(&sd, rd, 2, AM_DTYPE_FLOAT32);
+    dim0_shard_case(&se, re, 2, AM_DTYPE_FLOAT32);
+    dim0_shard_case(&sf, rf, 2, AM_DTYPE_FLOAT32);
+    dim0_shard_case(&sa, ra, 2, AM_DTYPE_BFLOAT16);
+    dim0_shard_case(&shh, rh, 2, AM_DTYPE_FLOAT16);
+}
+
 static void test_sharded_protocol(void **unused) {
     const int64_t d1[1] = {64}, d3[3] = {4, 9, 7}, d4[4] = {6, 2, 3, 5};
     const int64_t d3w[3] = {2, 70, 33}; /* tiles with the W sums (am_wsum) */
@@ -419,6 +579,7 @@ int main(void) {
         cmocka_unit_test(test_phases_sum_groups),
         cmocka_unit_test(test_view_contents),
         cmocka_unit_test(test_sharded_protocol),
+        cmocka_unit_test(test_dim0_shards),
         cmocka_unit_test(test_zero_element_sums),
         cmocka_unit_test(test_rows_changed_between_phases),
         cmocka_unit_test(test_lr_bump_table),

@@ -11,7 +11,7 @@
 static void test_version(void **unused) {
     (void)unused;
     assert_int_equal(am_version_number(), AM_VERSION_NUMBER);
-    assert_string_equal(am_version_string(), "0.2.0");
+    assert_string_equal(am_version_string(), "0.3.0");
 }
 
 static void test_one_update(void **unused) {

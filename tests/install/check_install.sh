@@ -27,7 +27,7 @@ mkdir -p "$tmp/consumer"
 cat > "$tmp/consumer/CMakeLists.txt" <<CM
 cmake_minimum_required(VERSION 3.18)
 project(consumer C)
-find_package(automagic 0.2 REQUIRED)
+find_package(automagic 0.3 REQUIRED)
 add_executable(qs_cmake "$root/examples/quickstart.c")
 target_link_libraries(qs_cmake PRIVATE automagic::automagic_static)
 CM
@@ -54,14 +54,14 @@ mkdir -p "$tmp/consumer2" "$tmp/consumer3"
 cat > "$tmp/consumer2/CMakeLists.txt" <<CM
 cmake_minimum_required(VERSION 3.18)
 project(consumer2 C)
-find_package(automagic 0.2 REQUIRED)
+find_package(automagic 0.3 REQUIRED)
 add_executable(qs_shared "$root/examples/quickstart.c")
 target_link_libraries(qs_shared PRIVATE automagic::automagic)
 CM
 cat > "$tmp/consumer3/CMakeLists.txt" <<CM
 cmake_minimum_required(VERSION 3.18)
 project(consumer3 C)
-find_package(automagic 0.2 COMPONENTS static)
+find_package(automagic 0.3 COMPONENTS static)
 if(automagic_FOUND)
   message(FATAL_ERROR "automagic found with its static component, libcjson hidden")
 endif()
