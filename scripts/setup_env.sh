@@ -5,6 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # python3-pip, python3-venv: a minimal Debian has neither (pip below; .venv).
 APT_PKGS="build-essential cmake pkg-config libcmocka-dev libcjson-dev zlib1g-dev valgrind"
+# libopenmpi-dev, openmpi-bin: examples/zero_mpi.c and its test (sharded data parallelism)
+APT_PKGS="$APT_PKGS libopenmpi-dev openmpi-bin"
 # locales: the locale sources tests/c/run_locale_test.sh builds with localedef
 APT_PKGS="$APT_PKGS locales"
 APT_PKGS="$APT_PKGS python3 python3-pip python3-venv"
