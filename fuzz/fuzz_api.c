@@ -220,7 +220,12 @@ static void op_update(rd *r) {
     switch ((how >> 5) % 4) {
     case 0: s = am_update(&p, &g, &st, &hp, key, ws, wsb, (how & 128) ? NULL : &rep); break;
     case 1:
-        s = am_update_stats(&p, &g, &st, &hp, ws, wsb);
+        if (u8(r) & 1) { /* a shard of a parameter of any dims[0] (valid or not) */
+            const am_shard shard = {pick_i64(r)};
+            s = am_update_stats_shard(&p, &g, &st, &hp, &shard, ws, wsb);
+        } else {
+            s = am_update_stats(&p, &g, &st, &hp, ws, wsb);
+        }
         if (s == AM_OK) s = am_update_moments(&p, &g, &st, &hp, ws, wsb);
         if (s == AM_OK) s = am_update_finish(&p, &g, &st, &hp, key, ws, wsb, &rep);
         break;
