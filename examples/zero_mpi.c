@@ -9,12 +9,15 @@
  * then each process updates only its own rows of W and elements of b, with
  * the optimizer state of those rows only, and the updated rows are gathered
  * back to every process. The reductions the sharded update needs between its
- * phases are a few vectors of O(IN) floats and two scalars per parameter.
+ * phases are, per parameter, the column sums of a matrix (IN floats) and
+ * three scalars (two for a vector).
  *
  * Rank 0 also keeps a replica updated by am_update on the whole parameters
  * with the same gradients, and checks after every step that the sharded
  * training gives the same parameters (within float32 rounding: the sums are
- * added in another order) and the same per-row learning rates.
+ * added in another order) and the same per-row learning rates. At one step
+ * a NaN enters the gradient of a row that one process owns: every process
+ * must skip that update (the others learn of it from the reduced count).
  *
  *   mpirun -np 3 ./zero_mpi          exit status 0 when every check held
  */
@@ -30,6 +33,8 @@
 #define OUT 50
 #define N 240 /* samples per batch, split across the processes */
 #define STEPS 40
+#define NAN_STEP 20 /* a NaN in W's gradient, row NAN_ROW */
+#define NAN_ROW 45
 
 /* One parameter: the whole of it on every process, this process's shard
  * of its dims[0] (rows of W, elements of b) and the shard's state. */
@@ -43,6 +48,7 @@ typedef struct sharded {
     size_t ws_bytes;
     am_tensor pt, gt;    /* the shard's rows of data and grad */
     int *counts, *displs; /* elements of every shard, for the gather */
+    int *lcounts, *ldispls; /* lrs of every shard (dims[0] indices) */
 } sharded;
 
 static int g_rank, g_size;
@@ -105,26 +111,32 @@ static void sharded_init(sharded *s, int ndim, const int64_t *dims, double lr) {
     s->gt.data = s->grad + s->row0 * s->per;
     s->counts = xcalloc((size_t)g_size, sizeof(int));
     s->displs = xcalloc((size_t)g_size, sizeof(int));
+    s->lcounts = xcalloc((size_t)g_size, sizeof(int));
+    s->ldispls = xcalloc((size_t)g_size, sizeof(int));
     for (r = 0; r < g_size; r++) {
         int64_t r0, nr;
         split(dims[0], r, &r0, &nr);
         s->counts[r] = (int)(nr * s->per);
         s->displs[r] = (int)(r0 * s->per);
+        s->lcounts[r] = (int)nr;
+        s->ldispls[r] = (int)r0;
     }
 }
 
 static void sharded_free(sharded *s) {
     free(s->data); free(s->grad); free(s->st.lr); free(s->st.polarity);
     free(s->st.row); free(s->st.col); free(s->st.sq); free(s->ws);
-    free(s->counts); free(s->displs);
+    free(s->counts); free(s->displs); free(s->lcounts); free(s->ldispls);
 }
 
 /* One sharded update of every parameter (its grad already summed), then
- * the updated rows gathered to every process. The phases' statuses: a
- * skip (non-finite gradient) is reported by every process alike once
- * nonfinite is reduced, and every process must still take part in every
- * reduction, so a skip is not an error here. */
-static void sharded_update(sharded *ps, int np, const am_hparams *hp, uint64_t seed) {
+ * the updated rows gathered to every process; finish's status of each
+ * parameter into status[]. A skip (a non-finite gradient) is returned by
+ * every process's moments and finish once nonfinite is reduced, and every
+ * process must take part in every reduction: every phase runs whatever the
+ * one before returned, and a skip is not an error. */
+static void sharded_update(sharded *ps, int np, const am_hparams *hp, uint64_t seed,
+                           am_status *status) {
     am_workspace_view v[4];
     int i;
     for (i = 0; i < np; i++) {
@@ -147,8 +159,9 @@ static void sharded_update(sharded *ps, int np, const am_hparams *hp, uint64_t s
         {
             /* every shard its own stream of rounding noise (16-bit weights) */
             const am_rng_key key = {seed, (uint32_t)(i * g_size + g_rank)};
-            check(am_update_finish(&ps[i].pt, &ps[i].gt, &ps[i].st, hp, key, ps[i].ws,
-                                   ps[i].ws_bytes, NULL), "am_update_finish");
+            status[i] = am_update_finish(&ps[i].pt, &ps[i].gt, &ps[i].st, hp, key, ps[i].ws,
+                                         ps[i].ws_bytes, NULL);
+            check(status[i], "am_update_finish");
         }
         MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_FLOAT, ps[i].data, ps[i].counts, ps[i].displs,
                        MPI_FLOAT, MPI_COMM_WORLD);
@@ -188,20 +201,29 @@ static void replica_free(replica *r) {
     free(r->st.col); free(r->st.sq); free(r->ws);
 }
 
-/* The replica's update with the same gradient; returns the largest
- * difference from the sharded parameter relative to its largest magnitude,
- * and counts the shard-0 lrs that differ (rank 0 holds shard 0). */
-static double replica_step(replica *r, const sharded *s, const am_hparams *hp, int *lr_diff) {
+/* Every shard's lrs, in dims[0] order, into lrs on rank 0. */
+static void gather_lrs(const sharded *s, float *lrs) {
+    MPI_Gatherv(s->st.lr, (int)s->part.dims[0], MPI_FLOAT, lrs, s->lcounts, s->ldispls,
+                MPI_FLOAT, 0, MPI_COMM_WORLD);
+}
+
+/* The replica's update with the same gradient (its status in *status);
+ * returns the largest difference from the sharded parameter relative to
+ * its largest magnitude, and counts the lrs (lrs: every shard's, gathered)
+ * that differ. */
+static double replica_step(replica *r, const sharded *s, const float *lrs, const am_hparams *hp,
+                           int *lr_diff, am_status *status) {
     am_tensor pt = {r->data, AM_DTYPE_FLOAT32, s->whole}, gt = {s->grad, AM_DTYPE_FLOAT32, s->whole};
     double dmax = 0.0, amax = 0.0;
     int64_t i;
-    check(am_update(&pt, &gt, &r->st, hp, (am_rng_key){1, 0}, r->ws,
-                    (size_t)r->sz.workspace_bytes, NULL), "am_update");
+    *status = am_update(&pt, &gt, &r->st, hp, (am_rng_key){1, 0}, r->ws,
+                        (size_t)r->sz.workspace_bytes, NULL);
+    check(*status, "am_update");
     for (i = 0; i < r->sz.numel; i++) {
         dmax = fmax(dmax, fabs((double)r->data[i] - (double)s->data[i]));
         amax = fmax(amax, fabs((double)r->data[i]));
     }
-    for (i = 0; i < s->part.dims[0]; i++) *lr_diff += r->st.lr[i] != s->st.lr[i];
+    for (i = 0; i < s->whole.dims[0]; i++) *lr_diff += r->st.lr[i] != lrs[i];
     return amax > 0.0 ? dmax / amax : dmax;
 }
 
@@ -213,7 +235,9 @@ int main(int argc, char **argv) {
     replica rep[2];
     unsigned seed = 12345;
     int64_t n0, nn;
-    int step, n, i, o, lr_diff = 0, failed = 0;
+    static float lrs[OUT];
+    am_status status[2], rstatus;
+    int step, n, i, o, lr_diff = 0, failed = 0, skipped = 0;
     double worst = 0.0, loss0 = 0.0, loss = 0.0;
     MPI_Init(&argc, &argv);
     MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
@@ -259,17 +283,35 @@ int main(int argc, char **argv) {
                 for (i = 0; i < IN; i++) ps[0].grad[o * IN + i] += 2.0f * e * X[n][i] / N;
                 ps[1].grad[o] += 2.0f * e / N;
             }
+        /* one process's contribution turns an element of row NAN_ROW
+         * into NaN; the sum carries it to every process */
+        if (step == NAN_STEP && g_rank == 1 % g_size) ps[0].grad[NAN_ROW * IN + 3] = NAN;
         MPI_Allreduce(MPI_IN_PLACE, ps[0].grad, OUT * IN, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
         MPI_Allreduce(MPI_IN_PLACE, ps[1].grad, OUT, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
         MPI_Allreduce(MPI_IN_PLACE, &l, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
-        sharded_update(ps, 2, &hp, 1);
+        sharded_update(ps, 2, &hp, 1, status);
+        if (status[0] != (step == NAN_STEP ? AM_SKIPPED_NONFINITE_GRAD : AM_OK) ||
+            status[1] != AM_OK) {
+            fprintf(stderr, "FAIL: rank %d step %d: statuses %d %d\n", g_rank, step,
+                    (int)status[0], (int)status[1]);
+            failed = 1;
+        }
+        skipped += status[0] == AM_SKIPPED_NONFINITE_GRAD;
         if (step == 0) loss0 = l;
         loss = l;
-        if (g_rank == 0) {
-            for (i = 0; i < 2; i++) {
-                const double d = replica_step(&rep[i], &ps[i], &hp, &lr_diff);
+        for (i = 0; i < 2; i++) {
+            gather_lrs(&ps[i], lrs);
+            if (g_rank == 0) {
+                const double d = replica_step(&rep[i], &ps[i], lrs, &hp, &lr_diff, &rstatus);
                 worst = fmax(worst, d);
+                if (rstatus != status[i]) {
+                    fprintf(stderr, "FAIL: step %d: the whole update returned %d, the shards %d\n",
+                            step, (int)rstatus, (int)status[i]);
+                    failed = 1;
+                }
             }
+        }
+        if (g_rank == 0) {
             if (step % 10 == 0 || step == STEPS - 1)
                 printf("step %2d  loss %.5f  sharded vs whole: max rel diff %.2e\n", step, l,
                        worst);
@@ -290,13 +332,14 @@ int main(int argc, char **argv) {
             fprintf(stderr, "FAIL: loss %.5f did not halve from %.5f\n", loss, loss0);
             failed = 1;
         }
-        printf("%d processes, %d steps: %s\n", g_size, STEPS, failed ? "FAILED" : "ok");
+        printf("%d processes, %d steps (%d skipped): %s\n", g_size, STEPS, skipped,
+               failed ? "FAILED" : "ok");
         replica_free(&rep[0]);
         replica_free(&rep[1]);
     }
     sharded_free(&ps[0]);
     sharded_free(&ps[1]);
-    MPI_Bcast(&failed, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
     MPI_Finalize();
     return failed;
 }

@@ -592,7 +592,14 @@ static am_status run_moments(upd *u) {
     AM_RETURN_IF(!header_matches(u, AM_STAGE_STATS), AM_ERR_INVALID_ARGUMENT,
                  "am_update_moments: workspace does not hold am_update_stats "
                  "results for this parameter (of this shape)");
-    if (u->h->nonfinite) return AM_SKIPPED_NONFINITE_GRAD;
+    if (u->h->nonfinite) {
+        /* finish then returns the skip too, not a phase-order error: a
+         * sharded engine calls every phase on every shard (a shard whose
+         * own gradient is finite learns of another's NaN from the reduced
+         * count only here; found by a review, twenty-sixth session) */
+        u->h->stage = AM_STAGE_MOMENTS;
+        return AM_SKIPPED_NONFINITE_GRAD;
+    }
     if (g->ndim >= 2 && g->numel > 0) {
         const float *rs = WS(u, off_row_sumsq, float), *cs = WS(u, off_col_sumsq, float);
         float *nr = WS(u, off_new_row, float), *nc = WS(u, off_new_col, float);
@@ -967,11 +974,13 @@ static am_status run_finish(upd *u, am_state *state, am_report *rep) {
                  "am_update_finish: workspace does not hold am_update_moments "
                  "results for this parameter (of this shape)");
     if (u->h->nonfinite) return AM_SKIPPED_NONFINITE_GRAD;
-    if (g->numel == 0) return AM_OK;
+    /* (before the no-op of an empty shard, which reports the skip with the
+     * others; u2_sum is 0 for a zero-element parameter otherwise) */
     if (!isfinite(u->h->u2_sum)) {
         if (u->mats_sweep) restore_moments(u);
         return AM_SKIPPED_NONFINITE_UPDATE;
     }
+    if (g->numel == 0) return AM_OK;
     /* SPEC 3.2, in the reference's order: norm / sqrt(n) / clip, >= 1. */
     norm = (float)sqrt(u->h->u2_sum);
     /* a shard's: the whole parameter's numel (g->m elements per dims[0]) */
