@@ -499,33 +499,37 @@ static void dim0_shard_case(const am_shape *sh, const int64_t *rows, int K, am_d
 }
 
 static void test_dim0_shards(void **unused) {
-    const int64_t a[2] = {130, 300}, ra[2] = {50, 80};  /* W sums */
-    const int64_t b[2] = {7, 20000}, rb[3] = {3, 0, 4}; /* rows over 16384, an empty shard */
-    const int64_t c[2] = {200, 48}, rc[3] = {1, 120, 79};
-    const int64_t d[3] = {5, 9, 7}, rd[2] = {2, 3};      /* whole matrices */
-    const int64_t e[4] = {6, 2, 3, 5}, re[2] = {1, 5};
-    const int64_t f[1] = {100}, rf[2] = {37, 63};        /* element ranges */
-    const int64_t h[2] = {64, 40}, rh[2] = {30, 34};
-    const int64_t one[1] = {130};                        /* one shard of all */
-    const int64_t l[2] = {20000, 4}, rl[2] = {7000, 13000}; /* many rows */
-    am_shape sa = t_shape(2, a), sb = t_shape(2, b), sc = t_shape(2, c), sd = t_shape(3, d);
-    am_shape se = t_shape(4, e), sf = t_shape(1, f), shh = t_shape(2, h), sl = t_shape(2, l);
+    typedef struct {
+        int32_t ndim;
+        int64_t d[4];
+        int K;
+        int64_t rows[3];
+        am_dtype pdt;
+        int clip;
+    } sc;
+    static const sc cases[] = {
+        {2, {130, 300}, 2, {50, 80}, AM_DTYPE_FLOAT32, 1},      /* the W sums */
+        {2, {130, 300}, 1, {130}, AM_DTYPE_FLOAT32, 1},         /* one shard of all */
+        {2, {7, 20000}, 3, {3, 0, 4}, AM_DTYPE_FLOAT32, 1},     /* rows over 16384, an empty shard */
+        {2, {200, 48}, 3, {1, 120, 79}, AM_DTYPE_FLOAT32, 1},
+        {3, {5, 9, 7}, 2, {2, 3}, AM_DTYPE_FLOAT32, 1},         /* whole matrices */
+        {4, {6, 2, 3, 5}, 2, {1, 5}, AM_DTYPE_FLOAT32, 1},
+        {1, {100}, 2, {37, 63}, AM_DTYPE_FLOAT32, 1},           /* element ranges */
+        {2, {130, 300}, 2, {50, 80}, AM_DTYPE_BFLOAT16, 1},
+        {2, {64, 40}, 2, {30, 34}, AM_DTYPE_FLOAT16, 1},
+        /* the clip off: the row mean's error shows (a review measured
+         * 20-400 ulp on 1e5-1e6 rows against am_update's float32 sum) */
+        {2, {130, 300}, 2, {50, 80}, AM_DTYPE_FLOAT32, 0},
+        {2, {20000, 4}, 2, {7000, 13000}, AM_DTYPE_FLOAT32, 0}, /* many rows */
+        {2, {20000, 4}, 2, {7000, 13000}, AM_DTYPE_FLOAT32, 1},
+        {1, {100}, 2, {37, 63}, AM_DTYPE_FLOAT32, 0},
+    };
+    size_t c;
     (void)unused;
-    dim0_shard_case(&sa, ra, 2, AM_DTYPE_FLOAT32, 1);
-    dim0_shard_case(&sa, one, 1, AM_DTYPE_FLOAT32, 1);
-    dim0_shard_case(&sb, rb, 3, AM_DTYPE_FLOAT32, 1);
-    dim0_shard_case(&sc, rc, 3, AM_DTYPE_FLOAT32, 1);
-    dim0_shard_case(&sd, rd, 2, AM_DTYPE_FLOAT32, 1);
-    dim0_shard_case(&se, re, 2, AM_DTYPE_FLOAT32, 1);
-    dim0_shard_case(&sf, rf, 2, AM_DTYPE_FLOAT32, 1);
-    dim0_shard_case(&sa, ra, 2, AM_DTYPE_BFLOAT16, 1);
-    dim0_shard_case(&shh, rh, 2, AM_DTYPE_FLOAT16, 1);
-    /* the clip off: the row mean's error shows (a review measured 20-400
-     * ulp on 1e5-1e6 rows against am_update's float32 sum) */
-    dim0_shard_case(&sa, ra, 2, AM_DTYPE_FLOAT32, 0);
-    dim0_shard_case(&sl, rl, 2, AM_DTYPE_FLOAT32, 0);
-    dim0_shard_case(&sl, rl, 2, AM_DTYPE_FLOAT32, 1);
-    dim0_shard_case(&sf, rf, 2, AM_DTYPE_FLOAT32, 0);
+    for (c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        const am_shape sh = t_shape(cases[c].ndim, cases[c].d);
+        dim0_shard_case(&sh, cases[c].rows, cases[c].K, cases[c].pdt, cases[c].clip);
+    }
 }
 
 /* A gradient non-finite in one shard: that shard's stats reports it, and
