@@ -140,7 +140,7 @@ static void sharded_update(sharded *ps, int np, const am_hparams *hp, uint64_t s
     am_workspace_view v[4];
     int i;
     for (i = 0; i < np; i++) {
-        const am_shard shard = {ps[i].whole.dims[0]};
+        const am_shard shard = {ps[i].whole.dims[0], ps[i].row0};
         check(am_update_stats_shard(&ps[i].pt, &ps[i].gt, &ps[i].st, hp, &shard, ps[i].ws,
                                     ps[i].ws_bytes), "am_update_stats_shard");
         check(am_workspace_view_get(&ps[i].part, ps[i].ws, ps[i].ws_bytes, &v[i]),
@@ -157,8 +157,9 @@ static void sharded_update(sharded *ps, int np, const am_hparams *hp, uint64_t s
               "am_update_moments");
         MPI_Allreduce(MPI_IN_PLACE, v[i].u2_sum, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
         {
-            /* every shard its own stream of rounding noise (16-bit weights) */
-            const am_rng_key key = {seed, (uint32_t)(i * g_size + g_rank)};
+            /* the whole parameter's key: the rounding noise of 16-bit
+             * weights is keyed by the element's index in the whole */
+            const am_rng_key key = {seed, (uint32_t)i};
             status[i] = am_update_finish(&ps[i].pt, &ps[i].gt, &ps[i].st, hp, key, ps[i].ws,
                                          ps[i].ws_bytes, NULL);
             check(status[i], "am_update_finish");

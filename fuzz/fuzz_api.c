@@ -221,7 +221,9 @@ static void op_update(rd *r) {
     case 0: s = am_update(&p, &g, &st, &hp, key, ws, wsb, (how & 128) ? NULL : &rep); break;
     case 1:
         if (u8(r) & 1) { /* a shard of a parameter of any dims[0] (valid or not) */
-            const am_shard shard = {pick_i64(r)};
+            am_shard shard;
+            shard.dim0_total = pick_i64(r);
+            shard.dim0_offset = pick_i64(r);
             s = am_update_stats_shard(&p, &g, &st, &hp, &shard, ws, wsb);
         } else {
             s = am_update_stats(&p, &g, &st, &hp, ws, wsb);

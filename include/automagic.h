@@ -405,7 +405,8 @@ AM_API am_status am_update_stats(const am_tensor *param, const am_tensor *grad,
  * whole matrices of an ndim >= 3 weight, elements of a vector); every other
  * dim is the whole parameter's. */
 typedef struct am_shard {
-    int64_t dim0_total; /* dims[0] of the whole parameter */
+    int64_t dim0_total;  /* dims[0] of the whole parameter */
+    int64_t dim0_offset; /* where the shard starts along it (0 for the first) */
 } am_shard;
 
 /* am_update_stats for one shard of a parameter split along dims[0] across
@@ -441,16 +442,16 @@ typedef struct am_shard {
  * another order: 20-400 ulp of a parameter on 1e5-1e6 rows where the
  * clip does not bind; where it binds the row mean's error is one factor
  * of the whole update and cancels; within 2 ulp on the tested shapes);
- * ndim >= 3 and 1-D shards the same bits for float32 (tested). The
- * rounding noise of bfloat16/float16 parameters is keyed by the element's
- * index within the shard: give each shard its own key.param_id (for
- * example parameter id * shards + shard index), or shards of the same
- * parameter round with the same noise at the same local index.
+ * ndim >= 3 and 1-D shards the same bits (tested). The rounding noise of
+ * bfloat16/float16 parameters is keyed by the element's index in the whole
+ * parameter (SPEC 5: dim0_offset places it), so every shard passes the
+ * whole parameter's key and the noise does not depend on the split.
  *
  * Errors: those of am_update_stats; AM_ERR_NULL_POINTER (shard NULL);
- * AM_ERR_INVALID_ARGUMENT (a 0-D parameter, or dim0_total smaller than
- * the shard's dims[0]); AM_ERR_INVALID_SHAPE (the whole parameter's
- * element count above 2^56). Nothing but the workspace is modified. */
+ * AM_ERR_INVALID_ARGUMENT (a 0-D parameter, dim0_total smaller than the
+ * shard's dims[0], or dim0_offset outside [0, dim0_total - dims[0]]);
+ * AM_ERR_INVALID_SHAPE (the whole parameter's element count above 2^56).
+ * Nothing but the workspace is modified. */
 AM_API am_status am_update_stats_shard(const am_tensor *param, const am_tensor *grad,
                                        const am_state *state, const am_hparams *hp,
                                        const am_shard *shard, void *workspace,

@@ -418,14 +418,15 @@ AM_HD void am_store_sr(void *base, int dtype, int64_t i, float v, uint32_t rnd) 
  * within an ulp; a division per element cost 13-15% of the compute-bound
  * 16-bit apply), p = p - lr * (u + wd * p) rounded with the element's noise.
  * Returns the new polarity bit (u > 0), the SPEC's (u / scale > 0) whenever
- * finish uses it (counts_valid, update.c). The scalar reference's loop and
- * the SIMD kernels' tails. */
+ * finish uses it (counts_valid, update.c). The noise is that of element
+ * f + noff of the whole parameter (noff: a shard's first element, else 0).
+ * The scalar reference's loop and the SIMD kernels' tails. */
 AM_HD int am_apply_one(void *p, int pdt, const void *g, int gdt, int64_t f,
                        float fac, float inv, float lr, float wd,
-                       uint64_t seed, uint32_t param_id, int64_t step) {
+                       uint64_t seed, uint32_t param_id, int64_t step, int64_t noff) {
     float u = (fac * am_load(g, gdt, f)) * inv;
     float v = am_apply(am_load(p, pdt, f), u, lr, wd);
-    uint32_t rnd = pdt != 0 ? am_sr_noise(seed, param_id, step, f, pdt, v) : 0u;
+    uint32_t rnd = pdt != 0 ? am_sr_noise(seed, param_id, step, f + noff, pdt, v) : 0u;
     am_store_sr(p, pdt, f, v, rnd);
     return u > 0.0f;
 }

@@ -117,6 +117,7 @@ typedef struct am_ws_header {
     int64_t ndim;       /* the shape stats ran on: checked by the later */
     int64_t dims[AM_MAX_DIMS]; /* phases (the same numel is not enough) */
     int64_t dim0_total; /* am_update_stats_shard: the whole dims[0]; else 0 */
+    int64_t noise_off;  /* its first element's index in the whole; else 0 */
     double row_moment_sum; /* 2-D shard: sum of its new row moments */
 } am_ws_header;
 
@@ -352,8 +353,10 @@ typedef struct am_kernels {
 
     /* Applies p -= lr*(u*inv + wd*p) over matrix rows [r0, r1) of one
      * lr-row, inv = 1 / clip scale (am_apply_one), stochastic rounding keyed
-     * by flat element index. When pol_row is not NULL it also writes the new
-     * polarity bits (u*inv > 0) there, bit 0 being element (r0, 0).
+     * by flat element index plus noff (the whole parameter's index of a
+     * shard's first element: am_update_stats_shard; else 0). When pol_row
+     * is not NULL it also writes the new polarity bits (u*inv > 0) there,
+     * bit 0 being element (r0, 0).
      * lrs: NULL, or each matrix row r is an lr-row of its own with lr
      * lrs[r - r0] (lr unused), its bits from byte (r - r0) *
      * am_lrs_row_bytes(C) of pol_row on (many short lr-rows in one call: run_finish). */
@@ -361,15 +364,16 @@ typedef struct am_kernels {
                        int64_t C, int64_t r0, int64_t r1, const float *rf,
                        const float *cf, float inv, float lr, const float *lrs,
                        const am_consts *k, uint64_t seed, uint32_t param_id,
-                       int64_t step, uint8_t *pol_row);
+                       int64_t step, int64_t noff, uint8_t *pol_row);
 
     /* Unfactored finish over elements [e0, e1) (e0 % 8 == 0): new sq,
      * polarity, per-element lr (bumped when step > 0 by up/down factor
-     * semantics of am_lr_bump), parameter. Returns matches. */
+     * semantics of am_lr_bump), parameter (noise keyed as apply_rows').
+     * Returns matches. */
     int64_t (*finish_flat)(void *p, int pdt, const void *g, int gdt,
                            float *sq, float *lr, uint8_t *pol, int64_t e0,
                            int64_t e1, float scale, const am_consts *k,
-                           uint64_t seed, uint32_t param_id, int64_t step);
+                           uint64_t seed, uint32_t param_id, int64_t step, int64_t noff);
 
     /* Batched slots for many small matrices (e.g. 65536 3x3 matrices of a
      * (256, 256, 3, 3) conv weight), where per-matrix calls cost more than

@@ -101,6 +101,7 @@ typedef struct rngwin {
     uint64_t seed;
     uint32_t pid;
     int64_t step, q0;
+    int64_t off; /* element f's noise is that of f + off (a shard's first) */
     int valid;
     uint32_t w[128];
     am_widewin wide;
@@ -109,6 +110,7 @@ typedef struct rngwin {
 /* The 16-bit noise of elements f..f+7 (regenerating the window when
  * needed), one 32-bit lane per element. */
 AM_INLINE __m256i rnd8(rngwin *w, int64_t f) {
+    f += w->off; /* the window's indices are the whole parameter's */
     if (!w->valid || f < 8 * w->q0 || f + 8 > 8 * (w->q0 + 32)) {
         w->q0 = f >> 3;
         g_philox(w->seed, w->pid, w->step, w->q0, w->w);
@@ -120,13 +122,14 @@ AM_INLINE __m256i rnd8(rngwin *w, int64_t f) {
 
 /* The 32-bit wide-stream noise of element e. */
 static uint32_t wide_word(rngwin *w, int64_t e) {
-    return am_wide_word(&w->wide, g_philox, w->seed, w->pid, w->step, e);
+    return am_wide_word(&w->wide, g_philox, w->seed, w->pid, w->step, e + w->off);
 }
 
-static void rng_init(rngwin *w, uint64_t seed, uint32_t pid, int64_t step) {
+static void rng_init(rngwin *w, uint64_t seed, uint32_t pid, int64_t step, int64_t off) {
     w->seed = seed;
     w->pid = pid;
     w->step = step;
+    w->off = off;
     w->q0 = 0;
     w->valid = 0;
     am_widewin_init(&w->wide);
@@ -858,7 +861,7 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
                           int64_t R, int64_t C, int64_t r0, int64_t r1,
                           const float *rf, const float *cf, float inv,
                           float lr, const float *lrs, const am_consts *k, uint64_t seed,
-                          uint32_t param_id, int64_t step, uint8_t *pol_row) {
+                          uint32_t param_id, int64_t step, int64_t noff, uint8_t *pol_row) {
     const __m256 iv = _mm256_set1_ps(inv);
     __m256 lrv = _mm256_set1_ps(lr);
     const __m256 wdv = _mm256_set1_ps(k->wd);
@@ -869,7 +872,7 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
     bitw bw = {pol_row, 0, 0, 0};
     rngwin w;
     int64_t r, j;
-    rng_init(&w, seed, param_id, step);
+    rng_init(&w, seed, param_id, step, noff);
     if (lrs && (C == 8 || C == 16 || C == 32)) {
         apply_rows_short(p, pdt, g, gdt, R, C, r0, r1, rf, cf, iv, unscaled, lrs, wdv, has_wd,
                          pol_row, &w);
@@ -933,7 +936,7 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
 #undef AM_APPLY_VEC
         for (; j < C; j++) {
             int pos = am_apply_one(p, pdt, g, gdt, base + j, rf[r] * cfb[j], inv, lr,
-                                   k->wd, seed, param_id, step);
+                                   k->wd, seed, param_id, step, noff);
             if (pol_row) bw_put(&bw, (uint32_t)pos, 1);
         }
     }
@@ -944,7 +947,7 @@ AM_INLINE void apply_small(void *p, const int pdt, const void *g, const int gdt,
                            int64_t R, int64_t C, int64_t r0, int64_t r1,
                            const float *rf, const float *cf, float inv,
                            float lr, const am_consts *k, uint64_t seed,
-                           uint32_t param_id, int64_t step, uint8_t *pol_row) {
+                           uint32_t param_id, int64_t step, int64_t noff, uint8_t *pol_row) {
     /* one lr for rows [r0, r1): with lrs, AM_APPLY_CASE calls it row by row */
     const __m256 iv = _mm256_set1_ps(inv), lrv = _mm256_set1_ps(lr);
     const __m256 wdv = _mm256_set1_ps(k->wd);
@@ -956,7 +959,7 @@ AM_INLINE void apply_small(void *p, const int pdt, const void *g, const int gdt,
     rngwin w;
     int64_t f = r0 * C, fast = ff_init(&ff, rf, cf, R, C, r0, r1);
     const int64_t ffend = (r0 + fast) * C;
-    rng_init(&w, seed, param_id, step);
+    rng_init(&w, seed, param_id, step, noff);
     fw_init(&fw, rf, cf, R, C, r0 + fast, r1);
     for (; f + 8 <= f1; f += 8) {
         __m256 fac = f < ffend ? ff_next8(&ff) : fw_next8(&fw);
@@ -965,7 +968,7 @@ AM_INLINE void apply_small(void *p, const int pdt, const void *g, const int gdt,
     }
     for (; f < f1; f++) {
         int pos = am_apply_one(p, pdt, g, gdt, f, fw_next(&fw), inv, lr, k->wd, seed,
-                               param_id, step);
+                               param_id, step, noff);
         if (pol_row) bw_put(&bw, (uint32_t)pos, 1);
     }
     if (pol_row) bw_flush(&bw);
@@ -976,20 +979,20 @@ AM_INLINE void apply_small(void *p, const int pdt, const void *g, const int gdt,
         int64_t r_;                                                           \
         for (r_ = r0; r_ < r1; r_++)                                          \
             apply_small(p, PD, g, GD, R, C, r_, r_ + 1, rf, cf, inv,          \
-                        lrs[r_ - r0], k, seed, param_id, step,                \
+                        lrs[r_ - r0], k, seed, param_id, step, noff,          \
                         pol_row ? pol_row + (r_ - r0) * am_lrs_row_bytes(C) : NULL); \
     } else if (C < AM_SMALL_C && !lrs)                                        \
-        apply_small(p, PD, g, GD, R, C, r0, r1, rf, cf, inv, lr, k, seed,  \
-                    param_id, step, pol_row);                                 \
+        apply_small(p, PD, g, GD, R, C, r0, r1, rf, cf, inv, lr, k, seed,     \
+                    param_id, step, noff, pol_row);                           \
     else                                                                      \
         apply_body(p, PD, g, GD, R, C, r0, r1, rf, cf, inv, lr, lrs, k, seed, \
-                   param_id, step, pol_row)
+                   param_id, step, noff, pol_row)
 
 static void avx2_apply_rows(void *p, int pdt, const void *g, int gdt,
                             int64_t R, int64_t C, int64_t r0, int64_t r1,
                             const float *rf, const float *cf, float inv,
                             float lr, const float *lrs, const am_consts *k, uint64_t seed,
-                            uint32_t param_id, int64_t step, uint8_t *pol_row) {
+                            uint32_t param_id, int64_t step, int64_t noff, uint8_t *pol_row) {
     switch (pdt * 3 + gdt) {
     case 0: AM_APPLY_CASE(0, 0); break;
     case 1: AM_APPLY_CASE(0, 1); break;
@@ -1009,7 +1012,7 @@ AM_INLINE int64_t finish_flat_body(void *p, const int pdt, const void *g,
                                    uint8_t *pol, int64_t e0, int64_t e1,
                                    float scale, const am_consts *k,
                                    uint64_t seed, uint32_t param_id,
-                                   int64_t step) {
+                                   int64_t step, int64_t noff) {
     /* the SPEC's sign of u / scale as u >= tv; the apply's u * (1 / scale)
      * (as ref_finish_flat) */
     const __m256 tv = _mm256_set1_ps(am_pos_threshold(scale)), iv = _mm256_set1_ps(1.0f / scale);
@@ -1020,7 +1023,7 @@ AM_INLINE int64_t finish_flat_body(void *p, const int pdt, const void *g,
     const int has_wd = k->wd != 0.0f, unscaled = scale == 1.0f;
     int64_t e = e0, matches = 0;
     rngwin w;
-    rng_init(&w, seed, param_id, step);
+    rng_init(&w, seed, param_id, step, noff);
     /* e0 % 8 == 0: every full vector owns one whole polarity byte */
     for (; e + 8 <= e1; e += 8) {
         __m256 v, lrv;
@@ -1047,19 +1050,19 @@ AM_INLINE int64_t finish_flat_body(void *p, const int pdt, const void *g,
     if (e < e1) { /* the tail of the tensor: the reference's loop (SSE code) */
         _mm256_zeroupper();
         matches += am_kernels_ref.finish_flat(p, pdt, g, gdt, sq, lr, pol, e, e1, scale, k,
-                                              seed, param_id, step);
+                                              seed, param_id, step, noff);
     }
     return matches;
 }
 
 #define AM_FLAT_CASE(PD, GD)                                                  \
     AM_CLEAN_RETURN(int64_t, finish_flat_body(p, PD, g, GD, sq, lr, pol, e0, e1, scale, \
-                                     k, seed, param_id, step))
+                                     k, seed, param_id, step, noff))
 
 static int64_t avx2_finish_flat(void *p, int pdt, const void *g, int gdt,
                                 float *sq, float *lr, uint8_t *pol, int64_t e0,
                                 int64_t e1, float scale, const am_consts *k,
-                                uint64_t seed, uint32_t param_id, int64_t step) {
+                                uint64_t seed, uint32_t param_id, int64_t step, int64_t noff) {
     switch (pdt * 3 + gdt) {
     case 0: AM_FLAT_CASE(0, 0);
     case 1: AM_FLAT_CASE(0, 1);
@@ -1117,38 +1120,38 @@ static void avx512x_apply_rows(void *p, int pdt, const void *g, int gdt,
                                int64_t R, int64_t C, int64_t r0, int64_t r1,
                                const float *rf, const float *cf, float inv,
                                float lr, const float *lrs, const am_consts *k, uint64_t seed,
-                               uint32_t param_id, int64_t step, uint8_t *pol_row) {
+                               uint32_t param_id, int64_t step, int64_t noff, uint8_t *pol_row) {
     /* every callee returns with vzeroupper (AM_CLEAN_RETURN, simd.h) */
     if (lrs && (C == 8 || C == 4) && r1 - r0 >= 16 / C && r0 / R == (r1 - 1) / R) {
         /* rows of 8 or 4 with an lr each (e.g. LoRA's (1024, 8)), in one
          * matrix: two or four a vector in AVX-512, the last few here */
         const int64_t per = 16 / C, even = (r1 - r0) / per * per;
         g_apply16(p, pdt, g, gdt, R, C, r0, r0 + even, rf, cf, inv, lr, lrs, k, seed,
-                  param_id, step, pol_row);
+                  param_id, step, noff, pol_row);
         if (even < r1 - r0)
             avx2_apply_rows(p, pdt, g, gdt, R, C, r0 + even, r1, rf, cf, inv, lr, lrs + even,
-                            k, seed, param_id, step, pol_row ? pol_row + even : NULL);
+                            k, seed, param_id, step, noff, pol_row ? pol_row + even : NULL);
         return;
     }
     if (C >= AM_SMALL_C || lrs) {
         /* float32 too when software prefetch is off (am_sw_prefetch) */
         if (C >= AM_SMALL_C && (pdt != AM_DTYPE_FLOAT32 || !am_sw_prefetch()))
             g_apply16(p, pdt, g, gdt, R, C, r0, r1, rf, cf, inv, lr, lrs, k, seed, param_id,
-                      step, pol_row);
+                      step, noff, pol_row);
         else
             avx2_apply_rows(p, pdt, g, gdt, R, C, r0, r1, rf, cf, inv, lr, lrs, k, seed,
-                            param_id, step, pol_row);
+                            param_id, step, noff, pol_row);
         return;
     }
     { /* small matrices: runs of 16 in AVX-512, then the rest */
         const int64_t done = g_apply_mats(p, pdt, g, gdt, R, C, r0, r1, rf, cf, inv,
-                                          lr, k, seed, param_id, step, pol_row);
+                                          lr, k, seed, param_id, step, noff, pol_row);
         if (pol_row) pol_row += done * C / 8; /* done * C: a multiple of 16 */
         r0 += done;
     }
     if (r0 < r1)
         avx2_apply_rows(p, pdt, g, gdt, R, C, r0, r1, rf, cf, inv, lr, NULL, k, seed,
-                        param_id, step, pol_row);
+                        param_id, step, noff, pol_row);
 }
 
 /* The AVX-512 agreement sweep of small matrices (set with g_apply16). */
@@ -1174,9 +1177,9 @@ static am_flat_fn g_flat512;
 static int64_t avx512x_finish_flat(void *p, int pdt, const void *g, int gdt, float *sq,
                                    float *lr, uint8_t *pol, int64_t e0, int64_t e1,
                                    float scale, const am_consts *k, uint64_t seed,
-                                   uint32_t param_id, int64_t step) {
+                                   uint32_t param_id, int64_t step, int64_t noff) {
     /* returns with vzeroupper (AM_CLEAN_RETURN, simd.h) */
-    return g_flat512(p, pdt, g, gdt, sq, lr, pol, e0, e1, scale, k, seed, param_id, step);
+    return g_flat512(p, pdt, g, gdt, sq, lr, pol, e0, e1, scale, k, seed, param_id, step, noff);
 }
 
 /* The AVX-512 stats (set with g_apply16). */

@@ -50,15 +50,17 @@ typedef struct rng512 {
     uint64_t seed;
     uint32_t pid;
     int64_t step, q0, wend, span0;
+    int64_t off;                  /* element f's noise is f + off's (a shard's first) */
     uint64_t fixmask;             /* bit l: element span0 + l is in fv[l] */
     uint32_t w[4 * (32 + 8)];     /* up to 8 quads kept + 32 generated */
     am_widewin wide;
     float fv[64];
 } rng512;
 
-/* An empty window for the noise of (seed, param_id, step). */
-static void rng_init(rng512 *w, uint64_t seed, uint32_t param_id, int64_t step) {
+/* An empty window for the noise of (seed, param_id, step, noff). */
+static void rng_init(rng512 *w, uint64_t seed, uint32_t param_id, int64_t step, int64_t noff) {
     w->gen = am_philox32_avx512();
+    w->off = noff;
     w->seed = seed;
     w->pid = param_id;
     w->step = step;
@@ -86,6 +88,7 @@ static AM_NOINLINE void rng_refill(rng512 *w, int64_t f) {
 
 /* Makes the window hold elements [f, f + n), n <= 64. */
 AM_INLINE void rng_need(rng512 *w, int64_t f, int64_t n) {
+    f += w->off; /* the window's indices are the whole parameter's */
     if (f + n > w->wend) rng_refill(w, f);
 }
 
@@ -93,12 +96,12 @@ AM_INLINE void rng_need(rng512 *w, int64_t f, int64_t n) {
  * the window holds them (rng_need). */
 AM_INLINE __m512i rnd16(const rng512 *w, int64_t f) {
     return _mm512_cvtepu16_epi32(
-        _mm256_loadu_si256((const __m256i *)((const uint16_t *)w->w + (f - 8 * w->q0))));
+        _mm256_loadu_si256((const __m256i *)((const uint16_t *)w->w + (f + w->off - 8 * w->q0))));
 }
 
 /* The 32-bit wide-stream noise of element e (float16 half subnormals). */
 static uint32_t wide_word(rng512 *w, int64_t e) {
-    return am_wide_word(&w->wide, w->gen, w->seed, w->pid, w->step, e);
+    return am_wide_word(&w->wide, w->gen, w->seed, w->pid, w->step, e + w->off);
 }
 
 /* The scalar rule (am_sr_f16) for the float16 elements set aside in the
@@ -112,7 +115,7 @@ static AM_NOINLINE void f16_fixup(uint16_t *p, rng512 *w) {
         uint16_t h; /* the window's 16-bit noise of e, by memcpy (its words
                      * are uint32_t: no read through another type) */
         uint32_t rnd;
-        memcpy(&h, (const unsigned char *)w->w + 2 * (e - 8 * w->q0), 2);
+        memcpy(&h, (const unsigned char *)w->w + 2 * (e + w->off - 8 * w->q0), 2);
         rnd = am_f16_wide(v) ? wide_word(w, e) : h;
         p[e] = am_sr_f16(v, rnd);
         m &= m - 1;
@@ -706,7 +709,7 @@ AM_INLINE void apply_rows4(void *p, const int pdt, const void *g, const int gdt,
 AM_INLINE void apply_long4(float *p, const void *g, const int gdt, int64_t r, int64_t r0,
                            int64_t C, const float *rf, const float *cfb, float inv,
                            const float *lrs, const am_consts *k, uint64_t seed,
-                           uint32_t param_id, int64_t step, uint8_t *pol_row,
+                           uint32_t param_id, int64_t step, int64_t noff, uint8_t *pol_row,
                            const int scaled, const int wd, rng512 *w) {
     const int64_t n16 = C & ~(int64_t)15, n64 = C & ~(int64_t)63, rb = am_lrs_row_bytes(C);
     const __m512 iv = _mm512_set1_ps(inv), wdv = _mm512_set1_ps(k->wd);
@@ -745,7 +748,7 @@ AM_INLINE void apply_long4(float *p, const void *g, const int gdt, int64_t r, in
         for (; j < C; j++) {
             const int pos = am_apply_one(p, AM_DTYPE_FLOAT32, g, gdt, base + j,
                                          rf[r + q] * cfb[j], inv, lrs[r - r0 + q], k->wd,
-                                         seed, param_id, step);
+                                         seed, param_id, step, noff);
             if (pol_row) bw_put(&bw, (uint32_t)pos, 1);
         }
         if (pol_row) bw_flush(&bw);
@@ -767,7 +770,7 @@ AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
                           int64_t R, int64_t C, int64_t r0, int64_t r1,
                           const float *rf, const float *cf, float inv, float lr,
                           const float *lrs, const am_consts *k, uint64_t seed,
-                          uint32_t param_id, int64_t step, uint8_t *pol_row,
+                          uint32_t param_id, int64_t step, int64_t noff, uint8_t *pol_row,
                           const int scaled, const int wd, rng512 *w) {
     const int64_t n16 = C & ~(int64_t)15, n64 = C & ~(int64_t)63;
     const __m512 iv = _mm512_set1_ps(inv), wdv = _mm512_set1_ps(k->wd);
@@ -797,7 +800,7 @@ AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
     if (lrs && pdt == AM_DTYPE_FLOAT32 && C > AM_ONE_ROW_APPLY_MAX && (r1 - 1) / R == r0 / R)
         for (; r + 4 <= r1; r += 4) /* long float32 rows, four at a time */
             apply_long4((float *)p, g, gdt, r, r0, C, rf, cfb, inv, lrs, k, seed, param_id,
-                        step, pol_row, scaled, wd, w);
+                        step, noff, pol_row, scaled, wd, w);
     for (; r < r1; r++) {
         const __m512 rfv = _mm512_set1_ps(rf[r]);
         const int64_t base = r * C;
@@ -842,7 +845,7 @@ AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
 #undef AM_APPLY16
         for (; j < C; j++) {
             int pos = am_apply_one(p, pdt, g, gdt, base + j, rf[r] * cfb[j], inv, lr,
-                                   wdf, seed, param_id, step);
+                                   wdf, seed, param_id, step, noff);
             if (pol_row) bw_put(&bw, (uint32_t)pos, 1);
         }
         if (r + 1 == bend) { /* the next matrix's column factors */
@@ -857,19 +860,19 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
                           int64_t R, int64_t C, int64_t r0, int64_t r1,
                           const float *rf, const float *cf, float inv,
                           float lr, const float *lrs, const am_consts *k, uint64_t seed,
-                          uint32_t param_id, int64_t step, uint8_t *pol_row) {
+                          uint32_t param_id, int64_t step, int64_t noff, uint8_t *pol_row) {
     rng512 w;
-    rng_init(&w, seed, param_id, step);
+    rng_init(&w, seed, param_id, step, noff);
 #define AM_MODE(S, W)                                                         \
-    apply_mode(p, pdt, g, gdt, R, C, r0, r1, rf, cf, inv, lr, lrs, k, seed, \
-               param_id, step, pol_row, S, W, &w)
+    apply_mode(p, pdt, g, gdt, R, C, r0, r1, rf, cf, inv, lr, lrs, k, seed,   \
+               param_id, step, noff, pol_row, S, W, &w)
     AM_WITH_MODES(inv, k, AM_MODE);
 #undef AM_MODE
 }
 
 #define AM_512_CASE(PD, GD)                                                   \
-    apply_body(p, PD, g, GD, R, C, r0, r1, rf, cf, inv, lr, lrs, k, seed,  \
-               param_id, step, pol_row)
+    apply_body(p, PD, g, GD, R, C, r0, r1, rf, cf, inv, lr, lrs, k, seed,     \
+               param_id, step, noff, pol_row)
 
 /* C >= 16, any dtypes (kernels_avx2.c sends float32 parameters here only
  * when software prefetch is off: am_sw_prefetch, simd.h). */
@@ -877,7 +880,7 @@ static void avx512_apply_rows(void *p, int pdt, const void *g, int gdt,
                               int64_t R, int64_t C, int64_t r0, int64_t r1,
                               const float *rf, const float *cf, float inv,
                               float lr, const float *lrs, const am_consts *k, uint64_t seed,
-                              uint32_t param_id, int64_t step, uint8_t *pol_row) {
+                              uint32_t param_id, int64_t step, int64_t noff, uint8_t *pol_row) {
     switch (pdt * 3 + gdt) {
     case 0: AM_512_CASE(0, 0); break;
     case 1: AM_512_CASE(0, 1); break;
@@ -1111,9 +1114,9 @@ AM_INLINE int64_t mats_body(void *p, const int pdt, const void *g, const int gdt
                             int64_t R, int64_t C, int64_t r0, int64_t r1,
                             const float *rf, const float *cf, float inv, float lr,
                             const am_consts *k, uint64_t seed, uint32_t param_id,
-                            int64_t step, uint8_t *pol_row) {
+                            int64_t step, int64_t noff, uint8_t *pol_row) {
     rng512 w;
-    rng_init(&w, seed, param_id, step);
+    rng_init(&w, seed, param_id, step, noff);
     int64_t rows = 0;
 #define AM_MODE(S, W)                                                         \
     rows = mats_mode(p, pdt, g, gdt, R, C, r0, r1, rf, cf, inv, lr, k, pol_row, S, W, &w)
@@ -1124,13 +1127,13 @@ AM_INLINE int64_t mats_body(void *p, const int pdt, const void *g, const int gdt
 
 #define AM_MATS512_CASE(PD, GD)                                               \
     AM_CLEAN_RETURN(int64_t, mats_body(p, PD, g, GD, R, C, r0, r1, rf, cf, inv, lr, k, \
-                                       seed, param_id, step, pol_row))
+                                       seed, param_id, step, noff, pol_row))
 
 static int64_t avx512_apply_mats(void *p, int pdt, const void *g, int gdt, int64_t R,
                                  int64_t C, int64_t r0, int64_t r1, const float *rf,
                                  const float *cf, float inv, float lr,
                                  const am_consts *k, uint64_t seed, uint32_t param_id,
-                                 int64_t step, uint8_t *pol_row) {
+                                 int64_t step, int64_t noff, uint8_t *pol_row) {
     switch (pdt * 3 + gdt) {
     case 0: AM_MATS512_CASE(0, 0);
     case 1: AM_MATS512_CASE(0, 1);
@@ -1232,7 +1235,7 @@ am_count_pos_fn am_avx512_count_pos(void) { return avx512_count_pos; }
 AM_INLINE int64_t flat_mode(void *p, const int pdt, const void *g, const int gdt,
                             float *sq, float *lr, uint8_t *pol, int64_t e0,
                             int64_t e1, float scale, const am_consts *k, uint64_t seed,
-                            uint32_t param_id, int64_t step, const int scaled,
+                            uint32_t param_id, int64_t step, int64_t noff, const int scaled,
                             const int wd, rng512 *w) {
     /* the SPEC's sign of u / scale as u >= tv; the apply's u * (1 / scale)
      * (as ref_finish_flat) */
@@ -1283,7 +1286,7 @@ AM_INLINE int64_t flat_mode(void *p, const int pdt, const void *g, const int gdt
     if (e < e1) { /* the last 1..15 elements: the reference's loop (SSE code) */
         _mm256_zeroupper();
         matches += am_kernels_ref.finish_flat(p, pdt, g, gdt, sq, lr, pol, e, e1, scale,
-                                              k, seed, param_id, step);
+                                              k, seed, param_id, step, noff);
     }
     return matches;
 }
@@ -1291,13 +1294,13 @@ AM_INLINE int64_t flat_mode(void *p, const int pdt, const void *g, const int gdt
 AM_INLINE int64_t flat_body(void *p, const int pdt, const void *g, const int gdt,
                             float *sq, float *lr, uint8_t *pol, int64_t e0, int64_t e1,
                             float scale, const am_consts *k, uint64_t seed,
-                            uint32_t param_id, int64_t step) {
+                            uint32_t param_id, int64_t step, int64_t noff) {
     rng512 w;
-    rng_init(&w, seed, param_id, step);
+    rng_init(&w, seed, param_id, step, noff);
     int64_t matches = 0;
 #define AM_MODE(S, W)                                                         \
-    matches = flat_mode(p, pdt, g, gdt, sq, lr, pol, e0, e1, scale, k, seed, \
-                        param_id, step, S, W, &w)
+    matches = flat_mode(p, pdt, g, gdt, sq, lr, pol, e0, e1, scale, k, seed,  \
+                        param_id, step, noff, S, W, &w)
     AM_WITH_MODES(scale, k, AM_MODE);
 #undef AM_MODE
     return matches;
@@ -1305,13 +1308,13 @@ AM_INLINE int64_t flat_body(void *p, const int pdt, const void *g, const int gdt
 
 #define AM_FLAT512_CASE(PD, GD)                                               \
     AM_CLEAN_RETURN(int64_t, flat_body(p, PD, g, GD, sq, lr, pol, e0, e1, scale, k, \
-                                       seed, param_id, step))
+                                       seed, param_id, step, noff))
 
 /* Every pdt (float32 is stored unrounded). */
 static int64_t avx512_finish_flat(void *p, int pdt, const void *g, int gdt, float *sq,
                                   float *lr, uint8_t *pol, int64_t e0, int64_t e1,
                                   float scale, const am_consts *k, uint64_t seed,
-                                  uint32_t param_id, int64_t step) {
+                                  uint32_t param_id, int64_t step, int64_t noff) {
     switch (pdt * 3 + gdt) {
     case 0: AM_FLAT512_CASE(0, 0);
     case 1: AM_FLAT512_CASE(0, 1);

@@ -116,7 +116,7 @@ static void ref_apply_rows(void *p, int pdt, const void *g, int gdt,
                            int64_t R, int64_t C, int64_t r0, int64_t r1,
                            const float *rf, const float *cf, float inv,
                            float lr, const float *lrs, const am_consts *k, uint64_t seed,
-                           uint32_t param_id, int64_t step, uint8_t *pol_row) {
+                           uint32_t param_id, int64_t step, int64_t noff, uint8_t *pol_row) {
     int64_t r, j;
     for (r = r0; r < r1; r++) {
         const float *cfb = cf + (r / R) * C;
@@ -125,7 +125,7 @@ static void ref_apply_rows(void *p, int pdt, const void *g, int gdt,
         const int64_t q0 = lrs ? (r - r0) * am_lrs_row_bytes(C) * 8 : (r - r0) * C;
         for (j = 0; j < C; j++) {
             int pos = am_apply_one(p, pdt, g, gdt, r * C + j, rf[r] * cfb[j], inv, lr_r,
-                                   k->wd, seed, param_id, step);
+                                   k->wd, seed, param_id, step, noff);
             if (pol_row) put_bit(pol_row, q0 + j, pos);
         }
     }
@@ -134,7 +134,7 @@ static void ref_apply_rows(void *p, int pdt, const void *g, int gdt,
 static int64_t ref_finish_flat(void *p, int pdt, const void *g, int gdt,
                                float *sq, float *lr, uint8_t *pol, int64_t e0,
                                int64_t e1, float scale, const am_consts *k,
-                               uint64_t seed, uint32_t param_id, int64_t step) {
+                               uint64_t seed, uint32_t param_id, int64_t step, int64_t noff) {
     const float inv = 1.0f / scale;
     int64_t e, matches = 0;
     for (e = e0; e < e1; e++) {
@@ -152,7 +152,7 @@ static int64_t ref_finish_flat(void *p, int pdt, const void *g, int gdt,
         /* the clip as a multiplication, as am_apply_one */
         w = am_apply(am_load(p, pdt, e), u * inv, lr[e], k->wd);
         if (pdt != AM_DTYPE_FLOAT32)
-            rnd = am_sr_noise(seed, param_id, step, e, pdt, w);
+            rnd = am_sr_noise(seed, param_id, step, e + noff, pdt, w);
         am_store_sr(p, pdt, e, w, rnd);
     }
     return matches;

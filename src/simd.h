@@ -190,7 +190,7 @@ typedef void (*am_apply_fn)(void *p, int pdt, const void *g, int gdt, int64_t R,
                             int64_t C, int64_t r0, int64_t r1, const float *rf,
                             const float *cf, float inv, float lr, const float *lrs,
                             const am_consts *k, uint64_t seed, uint32_t param_id,
-                            int64_t step, uint8_t *pol_row);
+                            int64_t step, int64_t noff, uint8_t *pol_row);
 
 /* The AVX-512F/BW apply of bfloat16/float16 parameters (kernels_avx512.c), for
  * pdt != float32 and C >= 16 only; NULL when not built. Only valid to call
@@ -203,7 +203,7 @@ typedef int64_t (*am_apply_mats_fn)(void *p, int pdt, const void *g, int gdt,
                                     int64_t R, int64_t C, int64_t r0, int64_t r1,
                                     const float *rf, const float *cf, float inv,
                                     float lr, const am_consts *k, uint64_t seed,
-                                    uint32_t param_id, int64_t step, uint8_t *pol_row);
+                                    uint32_t param_id, int64_t step, int64_t noff, uint8_t *pol_row);
 
 /* The AVX-512F/BW apply of small matrices (R*C <= 64, e.g. 3x3 convolution
  * weights; kernels_avx512.c), any parameter dtype: the runs of 16 whole
@@ -235,7 +235,7 @@ am_count_pos_fn am_avx512_count_pos(void);
 typedef int64_t (*am_flat_fn)(void *p, int pdt, const void *g, int gdt, float *sq,
                               float *lr, uint8_t *pol, int64_t e0, int64_t e1,
                               float scale, const am_consts *k, uint64_t seed,
-                              uint32_t param_id, int64_t step);
+                              uint32_t param_id, int64_t step, int64_t noff);
 
 /* The AVX-512F/BW finish of unfactored parameters of every dtype
  * (kernels_avx512.c); NULL when not built. Only valid to call when

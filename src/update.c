@@ -44,6 +44,7 @@ typedef struct upd {
     float facmin;
     am_state *wstate; /* am_update's state (writable), for that */
     int64_t dim0_total; /* am_update_stats_shard's, for the header; else 0 */
+    int64_t noise_off;  /* its first element's index in the whole parameter */
 } upd;
 
 #define WS(u, off, T) ((T *)((u)->ws + (u)->g.off))
@@ -56,6 +57,7 @@ static void header_set_shape(upd *u) {
     u->h->ndim = s->ndim;
     for (d = 0; d < AM_MAX_DIMS; d++) u->h->dims[d] = d < s->ndim ? s->dims[d] : 0;
     u->h->dim0_total = u->dim0_total;
+    u->h->noise_off = u->noise_off;
     u->h->row_moment_sum = 0.0;
 }
 
@@ -756,7 +758,7 @@ static void finish_lr_row_task(void *ctx, int64_t kr) {
     u->kt->apply_rows(u->param->data, u->param->dtype, u->grad->data,
                       u->grad->dtype, g->R, g->C, r0, r0 + rows, rf, cf,
                       u->inv, f->state->lr[kr], NULL, &u->k, u->key.seed,
-                      u->key.param_id, f->state->step, wbits);
+                      u->key.param_id, f->state->step, u->h->noise_off, wbits);
     if (f->copies) { /* whole matrices b0..b1-1 (ndim >= 3) */
         const int64_t b0 = r0 / g->R, nb = rows / g->R;
         memcpy(f->state->row + b0 * g->R, WS(u, off_new_row, float) + b0 * g->R,
@@ -825,6 +827,7 @@ static void finish_short_rows_task(void *ctx, int64_t blk) {
     u->kt->apply_rows(u->param->data, u->param->dtype, u->grad->data, u->grad->dtype, g->R,
                       g->C, k0, k1, WS(u, off_rf, float), WS(u, off_cf, float), u->inv, 0.0f,
                       f->state->lr + k0, &u->k, u->key.seed, u->key.param_id, f->state->step,
+                      u->h->noise_off,
                       f->state->polarity + k0 * g->pol_row_bytes);
 }
 
@@ -877,7 +880,7 @@ static void split_apply_task(void *ctx, int64_t t) {
     u->kt->apply_rows(u->param->data, u->param->dtype, u->grad->data,
                       u->grad->dtype, g->R, g->C, r0, r1, WS(u, off_rf, float),
                       WS(u, off_cf, float), u->inv, sp->f->state->lr[kr], NULL, &u->k,
-                      u->key.seed, u->key.param_id, sp->f->state->step,
+                      u->key.seed, u->key.param_id, sp->f->state->step, u->h->noise_off,
                       sp->f->counted ? split_pol(sp, kr, r0) : NULL);
 }
 
@@ -926,7 +929,7 @@ static void finish_flat_task(void *ctx, int64_t t) {
     WS(u, off_tile_count, int64_t)[t] = u->kt->finish_flat(
         u->param->data, u->param->dtype, u->grad->data, u->grad->dtype,
         f->state->sq, f->state->lr, f->state->polarity, e0, e1, u->scale,
-        &u->k, u->key.seed, u->key.param_id, f->state->step);
+        &u->k, u->key.seed, u->key.param_id, f->state->step, u->h->noise_off);
 }
 
 /* The mean of v[0..n), n > 0, in double: four chains of adds (element t
@@ -1082,6 +1085,12 @@ static am_status update_stats_shard_impl(const am_tensor *param, const am_tensor
                  "am_update_stats_shard: shard.dim0_total = %lld is smaller than the "
                  "shard's dims[0] = %lld", (long long)shard->dim0_total,
                  (long long)param->shape.dims[0]);
+    AM_RETURN_IF(shard->dim0_offset < 0 ||
+                     shard->dim0_offset > shard->dim0_total - param->shape.dims[0],
+                 AM_ERR_INVALID_ARGUMENT,
+                 "am_update_stats_shard: shard.dim0_offset = %lld: the shard's %lld of "
+                 "dims[0] must lie within the whole's %lld", (long long)shard->dim0_offset,
+                 (long long)param->shape.dims[0], (long long)shard->dim0_total);
     for (d = 1; d < param->shape.ndim; d++) per *= param->shape.dims[d]; /* <= 2^56 */
     AM_RETURN_IF(shard->dim0_total > AM_MAX_NUMEL ||
                      (per > 0 && shard->dim0_total > AM_MAX_NUMEL / per),
@@ -1089,6 +1098,7 @@ static am_status update_stats_shard_impl(const am_tensor *param, const am_tensor
                  "am_update_stats_shard: the whole parameter (dims[0] = %lld) would hold "
                  "more than 2^56 elements", (long long)shard->dim0_total);
     u.dim0_total = shard->dim0_total;
+    u.noise_off = shard->dim0_offset * per;
     return run_stats(&u);
 }
 

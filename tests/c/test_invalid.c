@@ -269,7 +269,7 @@ static am_status call_phase(int which, const am_tensor *p, const am_tensor *g,
                             am_state *st, const am_hparams *hp, void *ws, size_t wsb,
                             am_report *rep) {
     am_rng_key key = {42, 0};
-    am_shard shard = {0};
+    am_shard shard = {0, 0};
     if (p && p->shape.ndim > 0) /* (bad shapes hold huge dims) */
         shard.dim0_total = p->shape.dims[0] <= INT64_MAX / 2 ? 2 * p->shape.dims[0] : INT64_MAX;
     switch (which) {
@@ -287,7 +287,7 @@ static void stats_shard_invalid(const am_shape *sh) {
     float *p = (float *)t_calloc(n * 4), *g = (float *)t_calloc(n * 4);
     am_hparams hp = am_hparams_default();
     am_tensor pt = t_tensor(p, AM_DTYPE_FLOAT32, sh), gt = t_tensor(g, AM_DTYPE_FLOAT32, sh);
-    am_shard shard;
+    am_shard shard = {0, 0};
     t_fix f;
     t_snap snap;
     t_fix_init(&f, sh, 1e-3);
@@ -315,6 +315,22 @@ static void stats_shard_invalid(const am_shape *sh) {
         shard.dim0_total = INT64_MAX;
         EXPECT_ERR(am_update_stats_shard(&pt, &gt, &f.st, &hp, &shard, f.ws, f.ws_bytes),
                    AM_ERR_INVALID_SHAPE);
+        /* the shard's rows must lie within the whole's */
+        shard.dim0_total = 3 * sh->dims[0];
+        shard.dim0_offset = -1;
+        EXPECT_ERR(am_update_stats_shard(&pt, &gt, &f.st, &hp, &shard, f.ws, f.ws_bytes),
+                   AM_ERR_INVALID_ARGUMENT);
+        if (!strstr(g_log.msg, "dim0_offset")) fail_msg("message '%s'", g_log.msg);
+        shard.dim0_offset = 2 * sh->dims[0] + 1;
+        EXPECT_ERR(am_update_stats_shard(&pt, &gt, &f.st, &hp, &shard, f.ws, f.ws_bytes),
+                   AM_ERR_INVALID_ARGUMENT);
+        shard.dim0_offset = INT64_MIN;
+        EXPECT_ERR(am_update_stats_shard(&pt, &gt, &f.st, &hp, &shard, f.ws, f.ws_bytes),
+                   AM_ERR_INVALID_ARGUMENT);
+        shard.dim0_offset = 2 * sh->dims[0]; /* the last rows */
+        assert_int_equal(am_update_stats_shard(&pt, &gt, &f.st, &hp, &shard, f.ws, f.ws_bytes),
+                         AM_OK);
+        shard.dim0_offset = 0;
         /* the largest whole parameter is accepted */
         shard.dim0_total = ((int64_t)1 << 56) / (n / sh->dims[0]);
         assert_int_equal(am_update_stats_shard(&pt, &gt, &f.st, &hp, &shard, f.ws, f.ws_bytes),

@@ -353,8 +353,8 @@ static int near_sums(float a, float b, int64_t n) {
 /* One step of am_update_stats_shard's protocol over K shards (dims[0]
  * split as rows[]), the reductions done here as an engine's all-reduce
  * would: col_sumsq, nonfinite, row_moment_sum after stats, u2_sum after
- * moments, each shard given the sum of all. Shard k's key has param_id
- * k + 1 (the header's advice for 16-bit parameters). Every phase runs on
+ * moments, each shard given the sum of all. Every shard passes the whole
+ * parameter's key (its noise is keyed by the whole's element index). Every phase runs on
  * every shard; stats must return want_stats[k] (NULL: AM_OK), moments and
  * finish want_later. */
 static void shard_step(const am_tensor *sp, const am_tensor *sg, t_fix *part, int K,
@@ -362,7 +362,7 @@ static void shard_step(const am_tensor *sp, const am_tensor *sg, t_fix *part, in
                        am_status want_later) {
     enum { KMAX = 4 };
     am_workspace_view v[KMAX];
-    const am_shard shard = {dim0_total};
+    am_shard shard = {dim0_total, 0};
     const int64_t C = sp[0].shape.ndim == 2 ? sp[0].shape.dims[1] : 0;
     double u2 = 0.0, rms = 0.0;
     int64_t nonfinite = 0, j;
@@ -373,6 +373,7 @@ static void shard_step(const am_tensor *sp, const am_tensor *sg, t_fix *part, in
         assert_int_equal(am_update_stats_shard(&sp[k], &sg[k], &part[k].st, hp, &shard,
                                                part[k].ws, part[k].ws_bytes),
                          want_stats ? want_stats[k] : AM_OK);
+        shard.dim0_offset += sp[k].shape.dims[0]; /* the next shard's */
         assert_int_equal(am_workspace_view_get(&sp[k].shape, part[k].ws, part[k].ws_bytes, &v[k]),
                          AM_OK);
         for (j = 0; j < C; j++) cs[j] += v[k].col_sumsq[j];
@@ -389,7 +390,7 @@ static void shard_step(const am_tensor *sp, const am_tensor *sg, t_fix *part, in
         u2 += *v[k].u2_sum;
     }
     for (k = 0; k < K; k++) {
-        const am_rng_key key = {5, (uint32_t)k + 1};
+        const am_rng_key key = {5, 0}; /* the whole parameter's */
         *v[k].u2_sum = u2;
         assert_int_equal(am_update_finish(&sp[k], &sg[k], &part[k].st, hp, key, part[k].ws,
                                           part[k].ws_bytes, NULL), want_later);
@@ -406,8 +407,11 @@ static void shard_step(const am_tensor *sp, const am_tensor *sg, t_fix *part, in
  * 2-D matrix of R rows, R * 2^-23 of the step's change: am_update sums the
  * R row moments in float32, the shards in double (the row mean, so every
  * row factor; where the clip binds the error is one factor of all and
- * cancels: clip 0.5, else clip off). 16-bit parameters, rounded with other
- * noise (each shard its own param_id), within one 16-bit ulp per step. An
+ * cancels: clip 0.5, else clip off). 16-bit parameters, rounded with the
+ * same noise (keyed by the element's index in the whole), within one
+ * 16-bit ulp, and in 1% of the elements at most (where the float32 value
+ * differs across a rounding threshold; independent noise differs in about
+ * half of those that round). An
  * empty shard keeps its state. */
 static void dim0_shard_case(const am_shape *sh, const int64_t *rows, int K, am_dtype pdt,
                             int clip) {
@@ -417,6 +421,7 @@ static void dim0_shard_case(const am_shape *sh, const int64_t *rows, int K, am_d
     char *p = (char *)t_calloc(n * (int64_t)es), *ps = (char *)t_calloc(n * (int64_t)es);
     char *pprev = (char *)t_calloc(n * (int64_t)es);
     const double rel = sh->ndim == 2 ? (double)sh->dims[0] * 0x1p-23 : 0.0;
+    int64_t ndiff;
     float *g = (float *)t_calloc(n * 4);
     am_shape ssh[KMAX];
     am_tensor sp[KMAX], sg[KMAX];
@@ -447,18 +452,24 @@ static void dim0_shard_case(const am_shape *sh, const int64_t *rows, int K, am_d
         assert_int_equal(am_update(&pt, &gt, &full.st, &hp, (am_rng_key){5, 0}, full.ws,
                                    full.ws_bytes, NULL), AM_OK);
         shard_step(sp, sg, part, K, &hp, sh->dims[0], NULL, AM_OK);
+        ndiff = 0;
         for (i = 0; i < n; i++) {
             const double a = t_load(p, pdt, i), b = t_load(ps, pdt, i);
             const double d = fabs(a - t_load(pprev, pdt, i));
             const double ulp = pdt == AM_DTYPE_FLOAT32
                                    ? 2.0 * (double)(nextafterf(fabsf((float)a), INFINITY) -
                                                     fabsf((float)a)) + rel * d
-                                   : (s + 1) * ldexp(1.0, ilogb(fmax(fabs(a), fabs(b))) -
+                                   : ldexp(1.0, ilogb(fmax(fabs(a), fabs(b))) -
                                                               (pdt == AM_DTYPE_BFLOAT16 ? 7 : 10));
             if (!(fabs(a - b) <= ulp))
                 fail_msg("%s dtype %d step %d: p[%lld] sharded %.9g, whole %.9g", t_shape_str(sh),
                          (int)pdt, s, (long long)i, b, a);
+            ndiff += a != b;
         }
+        if (pdt != AM_DTYPE_FLOAT32 && ndiff > n / 100)
+            fail_msg("%s dtype %d step %d: %lld of %lld 16-bit elements differ (the noise is "
+                     "not the whole's?)", t_shape_str(sh), (int)pdt, s, (long long)ndiff,
+                     (long long)n);
         for (k = 0, off = 0; k < K; off += rows[k], k++) {
             const t_fix *f = &part[k];
             const int64_t nr = f->sz.row_count, nc = f->sz.col_count;

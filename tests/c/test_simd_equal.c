@@ -82,8 +82,12 @@ static const int64_t SIZES[] = {0, 1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 31, 32, 33, 
 
 static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int gdt,
                         int pdt, uint64_t *s) {
-    /* R = 7 rows: the 4-row blocks of the SIMD kernels and their remainder */
+    /* R = 7 rows: the 4-row blocks of the SIMD kernels and their remainder.
+     * noff: the noise of a shard's elements is keyed by their index in the
+     * whole parameter (am_update_stats_shard); 0, or an offset that is not a
+     * multiple of 8 (the noise windows start mid-quad) or is one, by C */
     const int64_t R = 7, j0 = C > 9 ? 5 : 0, n = R * C;
+    const int64_t noff = C % 3 == 0 ? 0 : C % 3 == 1 ? 1000003 : 8 * C;
     const size_t gs = am_dtype_size((am_dtype)gdt), ps = am_dtype_size((am_dtype)pdt);
     void *g = xmalloc((size_t)n * gs), *p1 = xmalloc((size_t)n * ps), *p2 = xmalloc((size_t)n * ps);
     float *rp1 = xmalloc(4 * R), *rp2 = xmalloc(4 * R);
@@ -238,15 +242,15 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
         m2 = b->agree_rows(g, gdt, R, C, 1, R, rf, cf, 1.5f, pol2);
         assert_int_equal(m1, m2);
         assert_memory_equal(pol1, pol2, (size_t)n / 8 + 2);
-        a->apply_rows(p1, pdt, g, gdt, R, C, 1, R, rf, cf, 1.5f, 3e-3f, NULL, &k, 99, 7, 5, NULL);
-        b->apply_rows(p2, pdt, g, gdt, R, C, 1, R, rf, cf, 1.5f, 3e-3f, NULL, &k, 99, 7, 5, NULL);
+        a->apply_rows(p1, pdt, g, gdt, R, C, 1, R, rf, cf, 1.5f, 3e-3f, NULL, &k, 99, 7, 5, noff, NULL);
+        b->apply_rows(p2, pdt, g, gdt, R, C, 1, R, rf, cf, 1.5f, 3e-3f, NULL, &k, 99, 7, 5, noff, NULL);
         assert_memory_equal(p1, p2, (size_t)n * ps);
         /* writing the polarity: the bits agree_rows wrote, and nothing
          * past the rows */
         memset(pa, 0x5a, (size_t)n / 8 + 2);
         memset(pb, 0xa5, (size_t)n / 8 + 2);
-        a->apply_rows(p1, pdt, g, gdt, R, C, 1, R, rf, cf, 1.5f, 3e-3f, NULL, &k, 99, 7, 7, pa);
-        b->apply_rows(p2, pdt, g, gdt, R, C, 1, R, rf, cf, 1.5f, 3e-3f, NULL, &k, 99, 7, 7, pb);
+        a->apply_rows(p1, pdt, g, gdt, R, C, 1, R, rf, cf, 1.5f, 3e-3f, NULL, &k, 99, 7, 7, noff, pa);
+        b->apply_rows(p2, pdt, g, gdt, R, C, 1, R, rf, cf, 1.5f, 3e-3f, NULL, &k, 99, 7, 7, noff, pb);
         assert_memory_equal(p1, p2, (size_t)n * ps);
         assert_memory_equal(pa, pol1, (size_t)((R - 1) * C / 8));
         assert_memory_equal(pb, pol1, (size_t)((R - 1) * C / 8));
@@ -260,8 +264,8 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
             assert_int_equal(pb[q], 0xa5);
         }
         /* scale 1: the SIMD path skips the division */
-        a->apply_rows(p1, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 3e-3f, NULL, &k, 99, 7, 6, NULL);
-        b->apply_rows(p2, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 3e-3f, NULL, &k, 99, 7, 6, NULL);
+        a->apply_rows(p1, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 3e-3f, NULL, &k, 99, 7, 6, noff, NULL);
+        b->apply_rows(p2, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 3e-3f, NULL, &k, 99, 7, 6, noff, NULL);
         assert_memory_equal(p1, p2, (size_t)n * ps);
         { /* each matrix row an lr-row of its own (lrs): the bits of one
            * call per row, its bits from byte r * ((C + 7) / 8) on */
@@ -277,11 +281,11 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
             memset(q1, 0x5a, (size_t)(R * rb) + 1);
             memset(q2, 0x5a, (size_t)(R * rb) + 1);
             memset(q3, 0x5a, (size_t)(R * rb) + 1);
-            a->apply_rows(p1, pdt, g, gdt, R, C, 0, R, rf, cf, 1.5f, 0.5f, lrs, &k, 99, 7, 10, q1);
-            b->apply_rows(p2, pdt, g, gdt, R, C, 0, R, rf, cf, 1.5f, 0.5f, lrs, &k, 99, 7, 10, q2);
+            a->apply_rows(p1, pdt, g, gdt, R, C, 0, R, rf, cf, 1.5f, 0.5f, lrs, &k, 99, 7, 10, noff, q1);
+            b->apply_rows(p2, pdt, g, gdt, R, C, 0, R, rf, cf, 1.5f, 0.5f, lrs, &k, 99, 7, 10, noff, q2);
             for (r = 0; r < R; r++)
                 a->apply_rows(p3, pdt, g, gdt, R, C, r, r + 1, rf, cf, 1.5f, lrs[r], NULL, &k,
-                              99, 7, 10, q3 + r * rb);
+                              99, 7, 10, noff, q3 + r * rb);
             assert_memory_equal(p1, p2, (size_t)n * ps);
             assert_memory_equal(p1, p3, (size_t)n * ps);
             assert_memory_equal(q1, q3, (size_t)(R * rb) + 1);
@@ -295,8 +299,8 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
                 if (i % 3 != 2)
                     ((uint16_t *)p1)[i] = ((uint16_t *)p2)[i] =
                         (uint16_t)((i % 3 ? 0x8000u : 0u) | (uint16_t)(i % 5 ? 7 * i % 1024 : 0));
-            a->apply_rows(p1, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 1e-12f, NULL, &k, 99, 7, 8, NULL);
-            b->apply_rows(p2, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 1e-12f, NULL, &k, 99, 7, 8, NULL);
+            a->apply_rows(p1, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 1e-12f, NULL, &k, 99, 7, 8, noff, NULL);
+            b->apply_rows(p2, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 1e-12f, NULL, &k, 99, 7, 8, noff, NULL);
             assert_memory_equal(p1, p2, (size_t)n * ps);
             /* sparse ones (every 97th: the scalar quad of am_wide_word)
              * among runs of 10 (its window), the rest 1.0 */
@@ -304,8 +308,8 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
                 ((uint16_t *)p1)[i] = ((uint16_t *)p2)[i] =
                     i % 97 == 5 || i % 200 / 10 == 5 ? (uint16_t)(i % 4 ? 3 * i % 1024 : 0)
                                                     : (uint16_t)0x3c00u;
-            a->apply_rows(p1, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 1e-12f, NULL, &k, 99, 7, 8, NULL);
-            b->apply_rows(p2, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 1e-12f, NULL, &k, 99, 7, 8, NULL);
+            a->apply_rows(p1, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 1e-12f, NULL, &k, 99, 7, 8, noff, NULL);
+            b->apply_rows(p2, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 1e-12f, NULL, &k, 99, 7, 8, noff, NULL);
             assert_memory_equal(p1, p2, (size_t)n * ps);
             { /* the largest half moved outward (p = -65504 * sign(g)): the
                * rounding overflows to inf in some elements (no weight
@@ -320,8 +324,8 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
                 for (i = 0; i < n; i++)
                     ((uint16_t *)p1)[i] = ((uint16_t *)p2)[i] =
                         am_load(g, gdt, i) > 0.0f ? 0xfbffu : 0x7bffu;
-                a->apply_rows(p1, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 0.5f, NULL, &k0, 99, 7, 9, NULL);
-                b->apply_rows(p2, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 0.5f, NULL, &k0, 99, 7, 9, NULL);
+                a->apply_rows(p1, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 0.5f, NULL, &k0, 99, 7, 9, noff, NULL);
+                b->apply_rows(p2, pdt, g, gdt, R, C, 0, R, rf, cf, 1.0f, 0.5f, NULL, &k0, 99, 7, 9, noff, NULL);
                 assert_memory_equal(p1, p2, (size_t)n * ps);
                 for (i = 0; i < n; i++) ninf += (((uint16_t *)p1)[i] & 0x7fffu) == 0x7c00u;
                 if (n >= 64) assert_true(ninf > 0);
@@ -332,8 +336,8 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
         int64_t step;
         for (step = 0; step < 2; step++) {
             const float sc = step ? 1.0f : 1.25f; /* 1: no division */
-            m1 = a->finish_flat(p1, pdt, g, gdt, sq1, lr1, pol1, 8, n, sc, &k, 42, 3, step);
-            m2 = b->finish_flat(p2, pdt, g, gdt, sq2, lr2, pol2, 8, n, sc, &k, 42, 3, step);
+            m1 = a->finish_flat(p1, pdt, g, gdt, sq1, lr1, pol1, 8, n, sc, &k, 42, 3, step, noff);
+            m2 = b->finish_flat(p2, pdt, g, gdt, sq2, lr2, pol2, 8, n, sc, &k, 42, 3, step, noff);
             assert_int_equal(m1, m2);
             assert_memory_equal(p1, p2, (size_t)n * ps);
             assert_memory_equal(sq1, sq2, 4 * (size_t)n);
@@ -669,9 +673,9 @@ static void test_rows4_apply(void **unused) {
                 memset(q1, 0x5a, sizeof q1);
                 memset(q2, 0x5a, sizeof q2);
                 a->apply_rows(p1, pdt, g, gdt, R, C, 1, NR, rf, cf, 1.5f, 0.5f, lrs + 1, &k, 99,
-                              7, 10, q1);
+                              7, 10, 5, q1);
                 b->apply_rows(p2, pdt, g, gdt, R, C, 1, NR, rf, cf, 1.5f, 0.5f, lrs + 1, &k, 99,
-                              7, 10, q2);
+                              7, 10, 5, q2);
                 assert_memory_equal(p1, p2, N * ps);
                 assert_memory_equal(q1, q2, sizeof q1);
                 free(g);
@@ -814,7 +818,7 @@ static void test_flat_underflow(void **unused) {
                 }
                 memset(pol[v], 0x55, sizeof pol[v]);
                 m[v] = kt->finish_flat(p[v], dts[d % 3], g, AM_DTYPE_FLOAT32, sq[v], lr[v],
-                                       pol[v], 0, N, scales[si], &k, 11, 2, 1);
+                                       pol[v], 0, N, scales[si], &k, 11, 2, 1, 0);
             }
             assert_int_equal(m[0], m[1]);
             assert_memory_equal(pol[0], pol[1], sizeof pol[0]);
@@ -870,7 +874,7 @@ static void test_flat_lr_at_zero(void **unused) {
              * disagrees (its factor is 0) */
             memset(pol[v], 0xff, sizeof pol[v]);
             m[v] = kt->finish_flat(p[v], dts[d % 3], g, AM_DTYPE_FLOAT32, sq[v], lr[v], pol[v],
-                                   0, N, 1.0f, &k, 11, 2, 1);
+                                   0, N, 1.0f, &k, 11, 2, 1, 0);
         }
         assert_int_equal(m[0], m[1]);
         assert_memory_equal(lr[0], lr[1], sizeof lr[0]);
