@@ -441,8 +441,12 @@ typedef struct am_shard {
  * in float32, the shards in double, and each column's R squares in
  * another order: 20-400 ulp of a parameter on 1e5-1e6 rows where the
  * clip does not bind; where it binds the row mean's error is one factor
- * of the whole update and cancels; within 2 ulp on the tested shapes);
- * ndim >= 3 and 1-D shards the same bits (tested). The rounding noise of
+ * of the whole update and cancels; within 2 ulp on the tested shapes).
+ * ndim >= 3 and 1-D shards: the same bits, but for the clip scale where
+ * the clip binds, which may differ in its last bit (u2_sum is added in
+ * another order: seen on 1-D shards whose bounds cut the whole's tiles of
+ * 16384 elements, a few hundred of 100,003 float32 elements 1 ulp apart;
+ * tested bit-identical on one tile). The rounding noise of
  * bfloat16/float16 parameters is keyed by the element's index in the whole
  * parameter (SPEC 5: dim0_offset places it), so every shard passes the
  * whole parameter's key and the noise does not depend on the split.
