@@ -514,7 +514,7 @@ static void test_dim0_shards(void **unused) {
         int32_t ndim;
         int64_t d[4];
         int K;
-        int64_t rows[3];
+        int64_t rows[4];
         am_dtype pdt;
         int clip;
     } sc;
@@ -534,6 +534,11 @@ static void test_dim0_shards(void **unused) {
         {2, {20000, 4}, 2, {7000, 13000}, AM_DTYPE_FLOAT32, 0}, /* many rows */
         {2, {20000, 4}, 2, {7000, 13000}, AM_DTYPE_FLOAT32, 1},
         {1, {100}, 2, {37, 63}, AM_DTYPE_FLOAT32, 0},
+        /* bounds cutting the 16384-element tiles at offsets off the 8-element
+         * noise quads: the clip scale's last bit may differ (the header) */
+        {1, {100003}, 4, {12345, 3, 50001, 37654}, AM_DTYPE_FLOAT32, 1},
+        {1, {100003}, 4, {12345, 3, 50001, 37654}, AM_DTYPE_BFLOAT16, 1},
+        {1, {100003}, 4, {12345, 3, 50001, 37654}, AM_DTYPE_FLOAT16, 0},
     };
     size_t c;
     (void)unused;
