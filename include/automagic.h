@@ -434,6 +434,17 @@ typedef struct am_shard {
  * nothing, its step and column moments stay as they were; it still takes
  * part in the reductions, with zeros).
  *
+ * Checkpoints and resharding: the whole parameter's state (am_state of the
+ * whole shape, what am_update would hold) is the shards' states put end
+ * to end in dims[0] order: lr, row moments, and for ndim >= 2 the
+ * polarity bytes (each lr-row starts on a byte); sq and the polarity bits
+ * of a 1-D shard starting at element e0 are elements and bits e0.. of the
+ * whole's; col (2-D: a copy per shard; ndim >= 3: each shard's own
+ * matrices, end to end) and step from any non-empty shard. A state so
+ * gathered can be split again along other bounds (tested: after every
+ * step the shards' states are those slices of am_update's state on the
+ * whole, but for the 2-D column moments' summation error, above).
+ *
  * The result is am_update's on the whole parameter within float32
  * summation error: lrs and polarity bits the same, row moments (2-D) the
  * same bits; column moments, the row mean and so the update within about
