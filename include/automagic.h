@@ -443,7 +443,8 @@ typedef struct am_shard {
  * matrices, end to end) and step from any non-empty shard. A state so
  * gathered can be split again along other bounds (tested: after every
  * step the shards' states are those slices of am_update's state on the
- * whole, but for the 2-D column moments' summation error, above).
+ * whole, but for the 2-D column moments' summation error, above; and a
+ * matrix gathered from 2 shards and split into 3 trains on as the whole).
  *
  * The result is am_update's on the whole parameter within float32
  * summation error: lrs and polarity bits the same, row moments (2-D) the

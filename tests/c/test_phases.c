@@ -548,6 +548,87 @@ static void test_dim0_shards(void **unused) {
     }
 }
 
+/* Resharding a 2-D parameter: two steps on shards {10, 27}, their states
+ * gathered into the whole's (lr, polarity bytes and row moments end to
+ * end, col and step from a non-empty shard: the header's rule), split
+ * again as {20, 0, 17} for two more steps: lrs and polarity as am_update's
+ * on the whole throughout, float32 parameters within 2 ulp. */
+static void test_dim0_reshard(void **unused) {
+    const int64_t d[2] = {37, 50}, split[2][3] = {{10, 27, 0}, {20, 0, 17}};
+    const int K[2] = {2, 3}, C = 50;
+    am_shape sh = t_shape(2, d);
+    const int64_t n = t_numel(&sh), prb = (C + 7) / 8;
+    float *p = (float *)t_calloc(n * 4), *ps = (float *)t_calloc(n * 4);
+    float *g = (float *)t_calloc(n * 4);
+    am_hparams hp = am_hparams_default();
+    uint64_t rs = t_seed() ^ 0x2e5au;
+    t_fix full, whole; /* am_update's; the gathered state */
+    int phase, s, k;
+    int64_t i;
+    (void)unused;
+    t_fix_init(&full, &sh, 1e-3);
+    t_fix_init(&whole, &sh, 1e-3);
+    for (i = 0; i < n; i++) t_store_random(p, AM_DTYPE_FLOAT32, i, &rs, -2, 1);
+    memcpy(ps, p, (size_t)n * 4);
+    hp.clip_threshold = 0.5;
+    for (phase = 0; phase < 2; phase++) {
+        t_fix part[3];
+        am_shape ssh[3];
+        am_tensor sp[3], sg[3];
+        int64_t off;
+        for (k = 0, off = 0; k < K[phase]; off += split[phase][k], k++) {
+            const int64_t r = split[phase][k];
+            ssh[k] = sh;
+            ssh[k].dims[0] = r;
+            t_fix_init(&part[k], &ssh[k], 1e-3);
+            sp[k] = t_tensor(ps + off * C, AM_DTYPE_FLOAT32, &ssh[k]);
+            sg[k] = t_tensor(g + off * C, AM_DTYPE_FLOAT32, &ssh[k]);
+            /* split the gathered state (phase 1; phase 0 starts fresh) */
+            if (phase) {
+                memcpy(part[k].st.lr, whole.st.lr + off, (size_t)r * 4);
+                memcpy(part[k].st.row, whole.st.row + off, (size_t)r * 4);
+                memcpy(part[k].st.polarity, whole.st.polarity + off * prb, (size_t)(r * prb));
+                memcpy(part[k].st.col, whole.st.col, (size_t)C * 4);
+                part[k].st.step = whole.st.step;
+            }
+        }
+        for (s = 0; s < 2; s++) {
+            am_tensor pt = t_tensor(p, AM_DTYPE_FLOAT32, &sh), gt = t_tensor(g, AM_DTYPE_FLOAT32, &sh);
+            for (i = 0; i < n; i++) t_store_random(g, AM_DTYPE_FLOAT32, i, &rs, -6, 1);
+            assert_int_equal(am_update(&pt, &gt, &full.st, &hp, (am_rng_key){5, 0}, full.ws,
+                                       full.ws_bytes, NULL), AM_OK);
+            shard_step(sp, sg, part, K[phase], &hp, d[0], NULL, AM_OK);
+            for (i = 0; i < n; i++) {
+                const float ulp = nextafterf(fabsf(p[i]), INFINITY) - fabsf(p[i]);
+                if (!(fabsf(p[i] - ps[i]) <= 2.0f * ulp))
+                    fail_msg("phase %d step %d: p[%lld] sharded %.9g, whole %.9g", phase, s,
+                             (long long)i, (double)ps[i], (double)p[i]);
+            }
+        }
+        /* gather: the whole parameter's state from the shards' */
+        for (k = 0, off = 0; k < K[phase]; off += split[phase][k], k++) {
+            const int64_t r = split[phase][k];
+            memcpy(whole.st.lr + off, part[k].st.lr, (size_t)r * 4);
+            memcpy(whole.st.row + off, part[k].st.row, (size_t)r * 4);
+            memcpy(whole.st.polarity + off * prb, part[k].st.polarity, (size_t)(r * prb));
+            if (r) {
+                memcpy(whole.st.col, part[k].st.col, (size_t)C * 4);
+                whole.st.step = part[k].st.step;
+            }
+        }
+        assert_memory_equal(whole.st.lr, full.st.lr, (size_t)d[0] * 4);
+        assert_memory_equal(whole.st.polarity, full.st.polarity, (size_t)full.sz.polarity_bytes);
+        assert_memory_equal(whole.st.row, full.st.row, (size_t)d[0] * 4);
+        assert_int_equal(whole.st.step, full.st.step);
+        for (k = 0; k < K[phase]; k++) t_fix_free(&part[k]);
+    }
+    t_fix_free(&full);
+    t_fix_free(&whole);
+    free(p);
+    free(ps);
+    free(g);
+}
+
 /* A gradient non-finite in one shard: that shard's stats reports it, and
  * once the count is reduced every shard's moments and finish do (finish
  * returned a phase-order error, AM_ERR_INVALID_ARGUMENT, found by a review,
@@ -672,6 +753,7 @@ int main(void) {
         cmocka_unit_test(test_sharded_protocol),
         cmocka_unit_test(test_dim0_shards),
         cmocka_unit_test(test_dim0_shard_skips),
+        cmocka_unit_test(test_dim0_reshard),
         cmocka_unit_test(test_zero_element_sums),
         cmocka_unit_test(test_rows_changed_between_phases),
         cmocka_unit_test(test_lr_bump_table),
