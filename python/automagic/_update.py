@@ -251,12 +251,18 @@ class _UpdateMixin:
                 if not state:
                     state = self._init_state(p, group)
                     created.append(p)
-                if not grad.is_contiguous():
-                    grad = grad.contiguous()
+                # Memory the C update cannot take as it is goes through a
+                # contiguous copy: strided tensors, and those whose address is
+                # not a multiple of the element size (torch.frombuffer at an
+                # odd offset: the C update refuses them, and step() raised
+                # until the twenty-sixth session).
+                if not grad.is_contiguous() or grad.data_ptr() % grad.element_size():
+                    grad = grad.clone(memory_format=torch.contiguous_format)
                 # scale 0: the state advances but the parameter must not move, so
                 # the update is written to a copy that is then dropped.
                 # (one copy: contiguous() of a channels_last p is one already)
                 target = (p if scale != 0.0 and p.is_contiguous()
+                          and p.data_ptr() % p.element_size() == 0
                           else p.clone(memory_format=torch.contiguous_format))
                 index = index_of.get(p)
                 if index is None:

@@ -184,6 +184,39 @@ def test_noncontiguous_parameter_and_gradient():
             assert o_t.state[p_t][k] == v, k
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_misaligned_parameter_and_gradient(fused, dtype):
+    # Tensors whose address is not a multiple of their element size
+    # (torch.frombuffer at an odd offset): the C update refuses such
+    # memory, so they go through a contiguous copy, as strided ones do
+    # (step() raised AutomagicError until the twenty-sixth session).
+    es = torch.tensor([], dtype=dtype).element_size()
+    buf = bytearray(es * 36 + 1)
+    p_m = torch.nn.Parameter(torch.frombuffer(buf, dtype=dtype, offset=1, count=35).view(5, 7))
+    assert p_m.data_ptr() % es != 0
+    p_m.data.copy_(_param(5, 7, seed=5).to(dtype))
+    p_a = torch.nn.Parameter(p_m.detach().clone())
+    o_m = automagic.Automagic3([p_m], fused=fused, lr=1e-3)
+    o_a = automagic.Automagic3([p_a], fused=fused, lr=1e-3)
+    g = torch.Generator().manual_seed(6)
+    gbuf = bytearray(es * 36 + 1)
+    for _ in range(4):
+        x = torch.randn(3, 5, generator=g).to(dtype)
+        if fused:
+            (x @ p_m).float().square().sum().backward()
+            (x @ p_a).float().square().sum().backward()
+        else:
+            grad = torch.randn(5, 7, generator=g).to(dtype)
+            gm = torch.frombuffer(gbuf, dtype=dtype, offset=1, count=35).view(5, 7)
+            gm.copy_(grad)
+            p_m.grad, p_a.grad = gm, grad.clone()
+            o_m.step()
+            o_a.step()
+    assert torch.equal(p_m, p_a) and p_m.data_ptr() % es != 0
+    assert torch.equal(o_m.state[p_m]["lr"], o_a.state[p_a]["lr"])
+
+
 def test_channels_last_conv_fused_equals_contiguous():
     data = batches(3, seed=41)
     m1 = make()
