@@ -279,8 +279,9 @@ def _refuse_subclass(p: torch.Tensor, where: str, error) -> None:
         return
     if "DTensor" in [c.__name__ for c in type(p).__mro__]:
         raise error("%s is a DTensor (FSDP2's fully_shard or tensor parallelism): sharded "
-                    "parameters are not supported (README, Known limits); use "
-                    "DistributedDataParallel with fused=False" % where)
+                    "parameters are not supported; use DistributedDataParallel, or "
+                    "ZeroRedundancyOptimizer to shard the optimizer, with fused=False "
+                    "(docs/PYTORCH.md)" % where)
     raise error("%s is a %s whose elements have no memory address of their own (a tensor "
                 "subclass); only plain tensors can be updated" % (where, type(p).__name__))
 
