@@ -430,6 +430,18 @@ static void u2_task(void *ctx, int64_t t) {
         WS(u, off_rf, float) + b * g->R, WS(u, off_cf, float) + b * g->C);
 }
 
+#if defined(__SSE2__)
+/* The largest of the four lanes of v (no NaN among them). */
+static float hmax4(__m128 v) {
+    float t[4], m;
+    _mm_storeu_ps(t, v);
+    m = t[0] > t[1] ? t[0] : t[1];
+    if (t[2] > m) m = t[2];
+    if (t[3] > m) m = t[3];
+    return m;
+}
+#endif
+
 /* The largest magnitude in v[0..n) (factors and moment means, >= 0; +0
  * when n is 0), NaN when one is NaN (SSE2: four at a time, no branch per
  * value; a scalar loop was 2% of a (1024, 16) update). The CUDA plan's
@@ -440,17 +452,13 @@ static float max_of(const float *v, int64_t n) {
 #if defined(__SSE2__)
     const __m128 sign = _mm_set1_ps(-0.0f);
     __m128 mv = _mm_setzero_ps(), nan = _mm_setzero_ps();
-    float t[4];
     for (; i + 4 <= n; i += 4) {
         const __m128 x = _mm_andnot_ps(sign, _mm_loadu_ps(v + i));
         nan = _mm_or_ps(nan, _mm_cmpunord_ps(x, x));
         mv = _mm_max_ps(mv, x);
     }
     if (_mm_movemask_ps(nan)) return NAN;
-    _mm_storeu_ps(t, mv);
-    m = t[0] > t[1] ? t[0] : t[1];
-    if (t[2] > m) m = t[2];
-    if (t[3] > m) m = t[3];
+    m = hmax4(mv);
 #endif
     for (; i < n; i++) {
         if (v[i] != v[i]) return NAN;
@@ -472,7 +480,6 @@ static int factor_maxima(const float *v, const float *sums, int64_t n, float *al
     const __m128 sign = _mm_set1_ps(-0.0f), z = _mm_setzero_ps();
     __m128 va = _mm_setzero_ps(), vn = _mm_setzero_ps(), nan = _mm_setzero_ps();
     __m128 zs = _mm_setzero_ps();
-    float t[4], u[4];
     for (; i + 4 <= n; i += 4) {
         const __m128 x = _mm_andnot_ps(sign, _mm_loadu_ps(v + i));
         const __m128 sz = _mm_cmpeq_ps(_mm_loadu_ps(sums + i), z);
@@ -486,14 +493,8 @@ static int factor_maxima(const float *v, const float *sums, int64_t n, float *al
         return 1;
     }
     zero = _mm_movemask_ps(zs) != 0;
-    _mm_storeu_ps(t, va);
-    _mm_storeu_ps(u, vn);
-    ma = t[0] > t[1] ? t[0] : t[1];
-    if (t[2] > ma) ma = t[2];
-    if (t[3] > ma) ma = t[3];
-    mn = u[0] > u[1] ? u[0] : u[1];
-    if (u[2] > mn) mn = u[2];
-    if (u[3] > mn) mn = u[3];
+    ma = hmax4(va);
+    mn = hmax4(vn);
 #endif
     for (; i < n; i++) {
         const float x = fabsf(v[i]);
