@@ -509,7 +509,9 @@ AM_API am_status am_workspace_view_get(const am_shape *shape, void *workspace,
 AM_API am_status am_set_num_threads(int n);
 /* The current thread count (>= 1). */
 AM_API int am_get_num_threads(void);
-/* The name of the CPU kernel set in use: "scalar", "avx2", ... Static. */
+/* The name of the CPU kernel set in use: "scalar" (the reference),
+ * "portable" (vector code for any CPU: non-x86 ones, x86 without AVX2),
+ * "avx2" or "avx2+avx512". Static. */
 AM_API const char *am_kernel_name(void);
 
 /* A host's thread pool that runs the library's parallel work instead of the

@@ -110,6 +110,7 @@ static atomic_int g_debug_pending;  /* 1 until ensure_chosen logs it */
 
 static void choose(void) {
     const char *force = getenv("AUTOMAGIC_FORCE_SCALAR");
+    const char *fport = getenv("AUTOMAGIC_FORCE_PORTABLE");
     const char *dbg = getenv("AUTOMAGIC_DEBUG");
     const char *pmb = getenv("AUTOMAGIC_PAR_MIN_BYTES");
     const char *pf = getenv("AUTOMAGIC_PREFETCH");
@@ -118,9 +119,16 @@ static void choose(void) {
     pthread_once(&g_cpu_once, detect);
     if (pmb && pmb[0]) g_par_min_bytes = atof(pmb);
     atomic_store(&g_sw_prefetch, pf && (pf[0] == '0' || pf[0] == '1') ? pf[0] == '1' : !g_is_amd);
-    g_best = &am_kernels_ref;
-    if (am_kernels_avx2() == NULL) why = "library built without AVX2 kernels";
-    else if (g_has_avx2) {
+    g_best = am_kernels_portable() ? am_kernels_portable() : &am_kernels_ref;
+    if (am_kernels_avx2() == NULL)
+        why = am_kernels_portable() ? "no x86 AVX2 kernels in this build: the portable vector "
+                                      "kernels"
+                                    : "library built without AVX2 or portable vector kernels";
+    else if (!g_has_avx2)
+        why = am_kernels_portable() ? "CPU or OS without AVX2, FMA, F16C: the portable vector "
+                                      "kernels"
+                                    : "CPU or OS without AVX2, FMA, F16C";
+    else {
         g_best = am_kernels_avx2();
         why = g_best != am_kernels_avx2_plain()
                   ? "CPU and OS support AVX2, FMA, F16C; AVX-512F/BW random numbers and "
@@ -133,6 +141,10 @@ static void choose(void) {
                                  : "CPU and OS support AVX2, FMA, F16C";
     }
     atomic_store(&g_current, g_best);
+    if (fport && fport[0] == '1' && am_kernels_portable()) {
+        atomic_store(&g_current, am_kernels_portable());
+        why = "AUTOMAGIC_FORCE_PORTABLE=1";
+    }
     if (force && force[0] == '1') {
         atomic_store(&g_current, &am_kernels_ref);
         why = "AUTOMAGIC_FORCE_SCALAR=1";
@@ -171,9 +183,13 @@ const am_kernels *am_kernels_get(void) {
     return atomic_load(&g_current);
 }
 
-void am_kernels_select(int force_scalar) {
+void am_kernels_select(int which) {
+    const am_kernels *portable = am_kernels_portable();
     ensure_chosen();
-    atomic_store(&g_current, force_scalar ? &am_kernels_ref : g_best);
+    atomic_store(&g_current, which == 1                ? &am_kernels_ref
+                             : which == 2 && portable ? portable
+                             : which == 2             ? &am_kernels_ref
+                                                      : g_best);
 }
 
 const char *am_kernel_name(void) { return am_kernels_get()->name; }

@@ -295,10 +295,17 @@ int am_sw_prefetch(void);
  * respect to updates running at the same time). */
 void am_set_sw_prefetch(int on);
 
-/* For tests and benchmarks: 1 selects the scalar reference, 0 the best set
- * the CPU supports (the default, unless AUTOMAGIC_FORCE_SCALAR=1). Not
- * thread-safe with respect to updates running at the same time. */
-void am_kernels_select(int force_scalar);
+/* For tests and benchmarks: 1 selects the scalar reference, 2 the portable
+ * vector set (am_kernels_portable; the reference where the compiler has
+ * none), 0 the best set the CPU supports (the default, unless
+ * AUTOMAGIC_FORCE_SCALAR=1 or AUTOMAGIC_FORCE_PORTABLE=1). Not thread-safe
+ * with respect to updates running at the same time. */
+void am_kernels_select(int which);
+
+/* The portable vector set (kernels_vec.c: GCC/Clang vector extensions, no
+ * processor-specific code), the best set where the AVX2 one cannot run
+ * (every non-x86 CPU); NULL when the compiler lacks the extensions. */
+const am_kernels *am_kernels_portable(void);
 
 /* Returns the value of expr (of type T) from a SIMD kernel entry point with
  * the upper halves of the vector registers zeroed (vzeroupper). Every

@@ -350,6 +350,22 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
     free(pa); free(pb); free(polr);
 }
 
+/* The portable vector set (kernels_vec.c, what CPUs without AVX2 run: every
+ * ARM CPU) against the reference, slot by slot, on every CPU. */
+static void test_portable_slots(void **unused) {
+    const am_kernels *vec = am_kernels_portable();
+    uint64_t s = g_seed;
+    int si, gdt, pdt;
+    (void)unused;
+    if (!vec) {
+        print_message("SKIPPED: this compiler built no portable vector kernels\n");
+        skip();
+    }
+    for (si = 0; si < NSIZES; si++)
+        for (gdt = 0; gdt < 3; gdt++)
+            for (pdt = 0; pdt < 3; pdt++) check_slots(&am_kernels_ref, vec, SIZES[si], gdt, pdt, &s);
+}
+
 static void test_slots(void **unused) {
     const am_kernels *simd = am_kernels_avx2();
     uint64_t s = g_seed;
@@ -1143,14 +1159,18 @@ static int same(const run_out *a, const run_out *b, int pdt) {
 
 /* all_pairs 0: only gdt == pdt (3 of the 9 pairs), for big shapes. */
 static void check_shape_pairs(const am_shape *sh, double wd, int all_pairs, int *failures) {
-    static const struct { int scalar, threads; } variants[] = {{0, 1}, {0, 2}, {0, 3}, {1, 3}};
+    /* scalar: 0 the best set, 1 the reference, 2 the portable vector set */
+    static const struct { int scalar, threads; } variants[] = {{0, 1}, {0, 2}, {0, 3}, {1, 3},
+                                                               {2, 1}, {2, 3}};
+    static const char *const names[] = {"best", "scalar", "portable"};
+    const int nv = (int)(sizeof variants / sizeof variants[0]);
     int pdt, gdt, v;
     for (pdt = 0; pdt < 3; pdt++)
         for (gdt = 0; gdt < 3; gdt++) {
             if (!all_pairs && gdt != pdt) continue;
             run_out base;
             run_updates(sh, pdt, gdt, wd, 1, 1, &base);
-            for (v = 0; v < 4; v++) {
+            for (v = 0; v < nv; v++) {
                 run_out o;
                 run_updates(sh, pdt, gdt, wd, variants[v].scalar, variants[v].threads, &o);
                 if (!same(&base, &o, pdt)) {
@@ -1160,8 +1180,7 @@ static void check_shape_pairs(const am_shape *sh, double wd, int all_pairs, int 
                     for (d = 0; d < sh->ndim; d++)
                         fprintf(stderr, "%lld,", (long long)sh->dims[d]);
                     fprintf(stderr, ") pdt=%d gdt=%d wd=%g %s threads=%d vs scalar x1\n", pdt,
-                            gdt, wd, variants[v].scalar ? "scalar" : am_kernels_avx2() ? "best" : "scalar",
-                            variants[v].threads);
+                            gdt, wd, names[variants[v].scalar], variants[v].threads);
                 }
                 free_out(&o);
             }
@@ -1378,6 +1397,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_philox),
         cmocka_unit_test(test_slots),
+        cmocka_unit_test(test_portable_slots),
         cmocka_unit_test(test_narrow_stats),
         cmocka_unit_test(test_rows4_apply),
         cmocka_unit_test(test_mats_slots),

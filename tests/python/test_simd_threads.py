@@ -1,5 +1,6 @@
 """The front end follows torch.get_num_threads() and the bits do not depend
-on it; AUTOMAGIC_FORCE_SCALAR / AUTOMAGIC_DEBUG behave as documented."""
+on it; AUTOMAGIC_FORCE_SCALAR / AUTOMAGIC_FORCE_PORTABLE / AUTOMAGIC_DEBUG
+behave as documented."""
 import os
 import subprocess
 import sys
@@ -56,6 +57,49 @@ def test_force_scalar_and_debug_log():
                        check=True)
     assert r.stdout.strip() == "scalar"
     assert "using scalar kernels" in r.stderr and "AUTOMAGIC_FORCE_SCALAR=1" in r.stderr
+
+
+_KERNELS_SCRIPT = """
+import hashlib, torch, automagic
+torch.set_num_threads(2)
+g = torch.Generator().manual_seed(8)
+specs = [((300, 1029), torch.float32), ((257, 96), torch.bfloat16), ((96, 131), torch.float16),
+         ((1024, 16), torch.float32), ((5, 3, 3), torch.bfloat16), ((4099,), torch.float16)]
+ps = [torch.nn.Parameter((torch.randn(s, generator=g) * 0.1).to(dt)) for s, dt in specs]
+ps[2].data[0, :40] = 0  # float16 zeros and subnormals: the scalar rule's lanes
+ps[2].data[1, :40] = 3e-6
+o = automagic.Automagic3(ps, lr=1e-3, weight_decay=0.1, fused=False, seed=3)
+for _ in range(3):
+    for p in ps:
+        p.grad = (torch.randn(p.shape, generator=g) * 1e-3).to(p.dtype)
+    o.step()
+h = hashlib.sha256()
+for p in ps:
+    h.update(p.detach().view(torch.uint8).numpy().tobytes())
+    for k, v in sorted(o.state[p].items()):
+        if isinstance(v, torch.Tensor):
+            h.update(v.numpy().tobytes())
+print(h.hexdigest(), automagic._lib.kernel_name())
+"""
+
+
+def test_portable_kernels_same_bits():
+    """AUTOMAGIC_FORCE_PORTABLE=1 runs the portable vector set (what CPUs
+    without AVX2, ARM ones among them, run): the bits of the scalar
+    reference and of the default set, through the front end."""
+    def run(**env):
+        r = subprocess.run([sys.executable, "-c", _KERNELS_SCRIPT],
+                           env=dict(os.environ, AUTOMAGIC_DEBUG="1", **env),
+                           capture_output=True, text=True, check=True)
+        digest, name = r.stdout.split()
+        return digest, name, r.stderr
+
+    d_port, n_port, err = run(AUTOMAGIC_FORCE_PORTABLE="1")
+    assert n_port == "portable" and "AUTOMAGIC_FORCE_PORTABLE=1" in err
+    d_ref, n_ref, _ = run(AUTOMAGIC_FORCE_SCALAR="1")
+    assert n_ref == "scalar"
+    d_best, _, _ = run()
+    assert d_port == d_ref == d_best
 
 
 _RUNNER_SCRIPT = """
