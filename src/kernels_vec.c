@@ -14,12 +14,20 @@
  * -ffp-contract=off), conversions are exact (float16 widened with integer
  * operations and one exact scaling of its subnormals), and the stochastic
  * rounding noise is am_sr_noise's, generated a quad at a time in a loop the
- * compiler vectorises. The other slots (1-D tensors, batched small
- * matrices, the fallback agreement sweep) are the reference's.
+ * compiler vectorises. 1-D tensors (u2_flat, finish_flat) too; the batched
+ * small matrices (3x3 convolutions) and the fallback agreement sweep keep
+ * the reference's slots.
  */
 #include "simd.h"
 
+#include <math.h>
 #include <string.h>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
 
 #if defined(__GNUC__) /* GCC and Clang: vector extensions and convertvector */ && \
     (defined(__clang__) || __GNUC__ >= 9)
@@ -304,9 +312,44 @@ static void vwin_fill(vwin *w, uint64_t seed, uint32_t pid, int64_t step, int64_
     w->end = 8 * (q0 + AM_VQ);
 }
 
-/* Makes the window hold the noise of elements (noise indices) e..e+7. */
-AM_VI void vwin_need(vwin *w, uint64_t seed, uint32_t pid, int64_t step, int64_t e) {
-    if (e + 8 > w->end || e < 8 * w->q0) vwin_fill(w, seed, pid, step, e >> 3);
+/* Makes the window hold the noise of elements (noise indices) e..e+n-1,
+ * n <= 8. */
+AM_VI void vwin_need(vwin *w, uint64_t seed, uint32_t pid, int64_t step, int64_t e, int n) {
+    if (e + n > w->end || e < 8 * w->q0) vwin_fill(w, seed, pid, step, e >> 3);
+}
+
+AM_VI void vwin_init(vwin *w) {
+    w->q0 = 0;
+    w->end = INT64_MIN;
+}
+
+/* Stores v into element f, rounded as am_store_sr with am_sr_noise (noise
+ * index f + noff): the window's 16 bits, or the wide stream for a float16
+ * half subnormal (am_f16_wide). */
+AM_VI void st1_sr(void *p, const int pdt, int64_t f, float v, vwin *w, uint64_t seed,
+                  uint32_t pid, int64_t step, int64_t noff) {
+    const int64_t e = f + noff;
+    uint32_t rnd;
+    if (pdt == AM_DTYPE_FLOAT32) {
+        ((float *)p)[f] = v;
+        return;
+    }
+    if (pdt == AM_DTYPE_FLOAT16 && am_f16_wide(v)) {
+        rnd = am_sr_noise(seed, pid, step, e, pdt, v);
+    } else {
+        vwin_need(w, seed, pid, step, e, 1);
+        rnd = w->h[e - 8 * w->q0];
+    }
+    am_store_sr(p, pdt, f, v, rnd);
+}
+
+/* am_apply_one with the window's noise. */
+AM_VI int apply1(void *p, const int pdt, const void *g, const int gdt, int64_t f, float fac,
+                 float inv, float lr, float wd, vwin *w, uint64_t seed, uint32_t pid,
+                 int64_t step, int64_t noff) {
+    const float u = (fac * am_load(g, gdt, f)) * inv;
+    st1_sr(p, pdt, f, am_apply(am_load(p, pdt, f), u, lr, wd), w, seed, pid, step, noff);
+    return u > 0.0f;
 }
 
 /* The noise of element e..e+3 (in the window), as 32-bit lanes. */
@@ -361,6 +404,47 @@ AM_VI v4i apply4(void *p, const int pdt, const void *g, const int gdt, int64_t f
     return (v4i)(u > splatf(0.0f));
 }
 
+/* apply_body for rows shorter than 8 sharing one lr (not lrs mode): the
+ * rows [r0, r1) are one stream of elements, 8 at a time, each with its
+ * factor rf[r] * cf[b, j] (made in scalar code: the same product), its bit
+ * at its place in the stream. */
+AM_VI void apply_narrow(void *p, const int pdt, const void *g, const int gdt, int64_t R,
+                        int64_t C, int64_t r0, int64_t r1, const float *rf, const float *cf,
+                        float inv, float lr, const am_consts *k, uint64_t seed, uint32_t pid,
+                        int64_t step, int64_t noff, uint8_t *pol_row, const int wd) {
+    const v4f iv = splatf(inv), wdv = splatf(k->wd), lrv = splatf(lr);
+    const int64_t f0 = r0 * C, f1 = r1 * C, n8 = f0 + ((f1 - f0) & ~(int64_t)7);
+    int64_t f, r = r0, j = 0; /* the row and column of element f */
+    vwin w;
+    vwin_init(&w);
+    for (f = f0; f < n8; f += 8) {
+        float fac[8];
+        v4i lo, hi;
+        int l;
+        for (l = 0; l < 8; l++) {
+            fac[l] = rf[r] * cf[(r / R) * C + j];
+            if (++j == C) {
+                j = 0;
+                r++;
+            }
+        }
+        if (pdt != AM_DTYPE_FLOAT32) vwin_need(&w, seed, pid, step, f + noff, 8);
+        lo = apply4(p, pdt, g, gdt, f, ldf(fac), iv, lrv, wdv, wd, &w, seed, pid, step, noff);
+        hi = apply4(p, pdt, g, gdt, f + 4, ldf(fac + 4), iv, lrv, wdv, wd, &w, seed, pid, step,
+                    noff);
+        if (pol_row) put8(pol_row, f - f0, mask8(lo, hi));
+    }
+    for (; f < f1; f++) {
+        const int pos = apply1(p, pdt, g, gdt, f, rf[r] * cf[(r / R) * C + j], inv, lr, k->wd,
+                               &w, seed, pid, step, noff);
+        if (pol_row) put_bit(pol_row, f - f0, pos);
+        if (++j == C) {
+            j = 0;
+            r++;
+        }
+    }
+}
+
 /* apply_rows with the dtypes and the decay test fixed. */
 AM_VI void apply_body(void *p, const int pdt, const void *g, const int gdt, int64_t R,
                       int64_t C, int64_t r0, int64_t r1, const float *rf, const float *cf,
@@ -371,8 +455,12 @@ AM_VI void apply_body(void *p, const int pdt, const void *g, const int gdt, int6
     const v4f iv = splatf(inv), wdv = splatf(k->wd);
     vwin w;
     int64_t r, j;
-    w.q0 = 0;
-    w.end = INT64_MIN;
+    if (C < 8 && !lrs) {
+        apply_narrow(p, pdt, g, gdt, R, C, r0, r1, rf, cf, inv, lr, k, seed, pid, step, noff,
+                     pol_row, wd);
+        return;
+    }
+    vwin_init(&w);
     for (r = r0; r < r1; r++) {
         const float *cfb = cf + (r / R) * C;
         const float lr_r = lrs ? lrs[r - r0] : lr;
@@ -381,7 +469,7 @@ AM_VI void apply_body(void *p, const int pdt, const void *g, const int gdt, int6
         const v4f rfv = splatf(rf[r]), lrv = splatf(lr_r);
         for (j = 0; j < C8; j += 8) {
             v4i lo, hi;
-            if (pdt != AM_DTYPE_FLOAT32) vwin_need(&w, seed, pid, step, f0 + j + noff);
+            if (pdt != AM_DTYPE_FLOAT32) vwin_need(&w, seed, pid, step, f0 + j + noff, 8);
             lo = apply4(p, pdt, g, gdt, f0 + j, rfv * ldf(cfb + j), iv, lrv, wdv, wd, &w, seed,
                         pid, step, noff);
             hi = apply4(p, pdt, g, gdt, f0 + j + 4, rfv * ldf(cfb + j + 4), iv, lrv, wdv, wd,
@@ -389,8 +477,8 @@ AM_VI void apply_body(void *p, const int pdt, const void *g, const int gdt, int6
             if (pol_row) put8(pol_row, q0 + j, mask8(lo, hi));
         }
         for (; j < C; j++) {
-            const int pos = am_apply_one(p, pdt, g, gdt, f0 + j, rf[r] * cfb[j], inv, lr_r,
-                                         k->wd, seed, pid, step, noff);
+            const int pos = apply1(p, pdt, g, gdt, f0 + j, rf[r] * cfb[j], inv, lr_r, k->wd, &w,
+                                   seed, pid, step, noff);
             if (pol_row) put_bit(pol_row, q0 + j, pos);
         }
     }
@@ -425,12 +513,126 @@ static void vec_apply_rows(void *p, int pdt, const void *g, int gdt, int64_t R, 
 }
 #undef AM_VEC_APPLY
 
-/* ------------------------------------------ the reference's other slots */
+/* ------------------------------------------------- 1-D tensors ---- */
+
+/* IEEE square roots of four lanes (correctly rounded, as sqrtf). */
+AM_VI v4f vsqrt(v4f x) {
+#if defined(__SSE2__)
+    return (v4f)_mm_sqrt_ps((__m128)x);
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+    return (v4f)vsqrtq_f32((float32x4_t)x);
+#else
+    return (v4f){sqrtf(x[0]), sqrtf(x[1]), sqrtf(x[2]), sqrtf(x[3])};
+#endif
+}
+
+/* am_ema(sq, x * x) of four lanes. */
+AM_VI v4f ema4(v4f sq, v4f x, const am_consts *k) {
+    return sq * splatf(k->beta2) + (x * x) * splatf(k->one_m_beta2);
+}
+
+/* Lanes whose bits are not those of a finite float, as -1. */
+AM_VI v4i nonfinite4(v4f v) {
+    return (v4i)(((v4u)v & 0x7f800000u) == splatu(0x7f800000u));
+}
 
 static double vec_u2_flat(const void *g, int gdt, const float *sq, int64_t e0, int64_t e1,
                           const am_consts *k) {
-    return am_kernels_ref.u2_flat(g, gdt, sq, e0, e1, k);
+    const int64_t n8 = e0 + ((e1 - e0) & ~(int64_t)7);
+    const v4f epsv = splatf(k->eps);
+    v4f alo = splatf(0.0f), ahi = alo;
+    v4i bad = {0, 0, 0, 0};
+    float a[AM_LANES];
+    int32_t b[4];
+    int64_t e;
+    int overflow = 0;
+    for (e = e0; e < n8; e += 8) {
+        const v4f xl = ld4(g, gdt, e), xh = ld4(g, gdt, e + 4);
+        const v4f vl = ema4(ldf(sq + e), xl, k), vh = ema4(ldf(sq + e + 4), xh, k);
+        bad |= nonfinite4(vl) | nonfinite4(vh);
+        alo += xl * (xl / (vl + epsv)); /* am_flat_u2 */
+        ahi += xh * (xh / (vh + epsv));
+    }
+    memcpy(a, &alo, sizeof alo);
+    memcpy(a + 4, &ahi, sizeof ahi);
+    memcpy(b, &bad, sizeof b);
+    overflow = (b[0] | b[1] | b[2] | b[3]) != 0;
+    for (; e < e1; e++) {
+        const float x = am_load(g, gdt, e), v = am_ema(sq[e], x * x, k);
+        overflow |= !am_isfinite_f32(v);
+        a[(e - e0) & 7] += am_flat_u2(x, v, k->eps);
+    }
+    return overflow ? (double)NAN : (double)am_lanesum_finish(a);
 }
+
+/* Four elements from e of the 1-D finish (ref_finish_flat): the new sq,
+ * lr (bumped by the agreement of the sign with the old bit, lane mask
+ * old), parameter; returns the new bits (u / scale > 0) as -1 / 0. */
+AM_VI v4i flat4(void *p, const int pdt, const void *g, const int gdt, float *sq, float *lr,
+                int64_t e, v4i old, float scale, float inv, const am_consts *k, int64_t step,
+                const vwin *w, uint64_t seed, uint32_t pid, int64_t noff, v4i *match) {
+    const v4f x = ld4(g, gdt, e), v = ema4(ldf(sq + e), x, k);
+    const v4f u = (splatf(1.0f) / vsqrt(v + splatf(k->eps))) * x; /* am_rsqrt(v + eps) * x */
+    const v4i pol = (v4i)(u / splatf(scale) > splatf(0.0f));
+    const v4i same = (v4i)(pol == old);
+    const v4f pv = ld4(p, pdt, e);
+    v4f lv = ldf(lr + e), t;
+    stf(sq + e, v);
+    *match += same;
+    if (step > 0) { /* am_lr_scale(lr, match ? up : down) */
+        lv = lv * self(same, splatf(k->bump_up), splatf(k->bump_down));
+        lv = self((v4i)(lv >= splatf(k->min_lr)), lv, splatf(k->min_lr));
+        lv = self((v4i)(lv > splatf(k->max_lr)), splatf(k->max_lr), lv);
+        stf(lr + e, lv);
+    }
+    t = u * splatf(inv); /* am_apply(p, u * inv, lr, wd) */
+    if (k->wd != 0.0f) t = t + splatf(k->wd) * pv;
+    t = pv - lv * t;
+    if (pdt == AM_DTYPE_FLOAT32) stf((float *)p + e, t);
+    else st4_sr(p, pdt, e, t, w, seed, pid, step, noff);
+    return pol;
+}
+
+static int64_t vec_finish_flat(void *p, int pdt, const void *g, int gdt, float *sq, float *lr,
+                               uint8_t *pol, int64_t e0, int64_t e1, float scale,
+                               const am_consts *k, uint64_t seed, uint32_t param_id,
+                               int64_t step, int64_t noff) {
+    const float inv = 1.0f / scale;
+    const int64_t n8 = e0 + ((e1 - e0) & ~(int64_t)7);
+    const v4u blo = {1, 2, 4, 8}, bhi = {16, 32, 64, 128}, z = splatu(0);
+    v4i mc = {0, 0, 0, 0};
+    int32_t c[4];
+    int64_t e, matches = 0;
+    vwin w;
+    vwin_init(&w);
+    for (e = e0; e < n8; e += 8) { /* e0 % 8 == 0: whole bytes of bits */
+        const v4u b8 = splatu(pol[e >> 3]);
+        v4i lo, hi;
+        if (pdt != AM_DTYPE_FLOAT32) vwin_need(&w, seed, param_id, step, e + noff, 8);
+        lo = flat4(p, pdt, g, gdt, sq, lr, e, (v4i)((b8 & blo) != z), scale, inv, k, step, &w,
+                   seed, param_id, noff, &mc);
+        hi = flat4(p, pdt, g, gdt, sq, lr, e + 4, (v4i)((b8 & bhi) != z), scale, inv, k, step,
+                   &w, seed, param_id, noff, &mc);
+        pol[e >> 3] = (uint8_t)mask8(lo, hi);
+    }
+    memcpy(c, &mc, sizeof c);
+    matches -= (int64_t)c[0] + c[1] + c[2] + c[3];
+    for (; e < e1; e++) { /* ref_finish_flat's element */
+        const float x = am_load(g, gdt, e), v = am_ema(sq[e], x * x, k);
+        const float u = am_rsqrt(v + k->eps) * x;
+        const int polv = u / scale > 0.0f;
+        const int match = polv == ((pol[e >> 3] >> (e & 7)) & 1);
+        sq[e] = v;
+        matches += match;
+        put_bit(pol, e, polv);
+        if (step > 0) lr[e] = am_lr_scale(lr[e], match ? k->bump_up : k->bump_down, k);
+        st1_sr(p, pdt, e, am_apply(am_load(p, pdt, e), u * inv, lr[e], k->wd), &w, seed,
+               param_id, step, noff);
+    }
+    return matches;
+}
+
+/* ------------------------------------------ the reference's other slots */
 
 static int64_t vec_agree_rows(const void *g, int gdt, int64_t R, int64_t C, int64_t r0,
                               int64_t r1, const float *rf, const float *cf, float scale,
@@ -438,13 +640,6 @@ static int64_t vec_agree_rows(const void *g, int gdt, int64_t R, int64_t C, int6
     return am_kernels_ref.agree_rows(g, gdt, R, C, r0, r1, rf, cf, scale, pol_row);
 }
 
-static int64_t vec_finish_flat(void *p, int pdt, const void *g, int gdt, float *sq, float *lr,
-                               uint8_t *pol, int64_t e0, int64_t e1, float scale,
-                               const am_consts *k, uint64_t seed, uint32_t param_id,
-                               int64_t step, int64_t noff) {
-    return am_kernels_ref.finish_flat(p, pdt, g, gdt, sq, lr, pol, e0, e1, scale, k, seed,
-                                      param_id, step, noff);
-}
 
 static void vec_stats_mats(const void *g, int gdt, int64_t R, int64_t C, int64_t b0,
                            int64_t b1, float *rowsum, float *colsum) {

@@ -756,10 +756,28 @@ static void test_philox(void **unused) {
     }
 }
 
+/* The sets the edge tests below compare with the reference: the set in use
+ * and, on an AVX-512 CPU, the plain AVX2 one (where the CPU has AVX2), and
+ * the portable vector set; skips the test when there is none. */
+static int sets_to_check(const am_kernels *sets[3]) {
+    const am_kernels *simd = am_kernels_avx2();
+    int n = 0;
+    if (simd && am_cpu_has_avx2()) {
+        sets[n++] = simd;
+        if (simd != am_kernels_avx2_plain()) sets[n++] = am_kernels_avx2_plain();
+    }
+    if (am_kernels_portable()) sets[n++] = am_kernels_portable();
+    if (!n) {
+        print_message("SKIPPED: no vector kernels on this build/CPU; nothing to compare\n");
+        skip();
+    }
+    return n;
+}
+
 /* Polarity where u / scale underflows to zero: the SIMD sign test compares
  * u against a threshold instead of dividing; it must match at the edge. */
 static void test_agree_underflow(void **unused) {
-    const am_kernels *simd = am_kernels_avx2();
+    const am_kernels *sets[3];
     static const float scales[] = {1.0f, 1.5f, 2.0f, 2.9999998f, 3.0f, 7.25f, 1e30f, 3.4e38f,
                                    INFINITY};
     enum { C = 200 };
@@ -768,18 +786,16 @@ static void test_agree_underflow(void **unused) {
     /* the same elements as one row, and as 200 small matrices 1x1, 1x2
      * and 2x1 (the runs of 16 matrices of the AVX-512 set, then the rest) */
     static const int64_t shapes[][3] = {{1, C, 1}, {1, 1, C}, {1, 2, C / 2}, {2, 1, C}};
-    int si, j, sh;
+    int si, j, sh, x;
+    const int nsets = sets_to_check(sets);
     (void)unused;
-    if (!simd || !am_cpu_has_avx2()) {
-        print_message("SKIPPED: no AVX2 kernels on this build/CPU; nothing to compare\n");
-        skip();
-    }
     for (j = 0; j < C; j++) {
         /* k * 2^-149 for small k, both signs, then values near 2^-126 */
         float v = j < 120 ? (float)(j / 2) * 1.40129846e-45f : (float)(j - 119) * 1.1754944e-38f;
         g[j] = (j & 1) ? -v : v;
         cf[j] = rf[j] = 1.0f;
     }
+    for (x = 0; x < nsets; x++)
     for (sh = 0; sh < 4; sh++)
         for (si = 0; si < (int)(sizeof scales / sizeof scales[0]); si++) {
             const int64_t R = shapes[sh][0], Cm = shapes[sh][1], rows = shapes[sh][2];
@@ -788,7 +804,8 @@ static void test_agree_underflow(void **unused) {
             memset(pb, 0x55, sizeof pb);
             ma = am_kernels_ref.agree_rows(g, AM_DTYPE_FLOAT32, R, Cm, 0, rows, rf, cf,
                                            scales[si], pa);
-            mb = simd->agree_rows(g, AM_DTYPE_FLOAT32, R, Cm, 0, rows, rf, cf, scales[si], pb);
+            mb = sets[x]->agree_rows(g, AM_DTYPE_FLOAT32, R, Cm, 0, rows, rf, cf, scales[si],
+                                     pb);
             assert_int_equal(ma, mb);
             assert_memory_equal(pa, pb, sizeof pa);
         }
@@ -799,7 +816,7 @@ static void test_agree_underflow(void **unused) {
  * u / scale underflows to 0 for some positive u and not for others; the
  * SIMD finish tests u against a threshold and multiplies by 1 / scale. */
 static void test_flat_underflow(void **unused) {
-    const am_kernels *simd = am_kernels_avx2();
+    const am_kernels *sets[3];
     static const float scales[] = {1.0f, 1.5f, 2.9999998f, 7.25f, 1e15f, 3.4e38f, INFINITY};
     static const int dts[] = {AM_DTYPE_FLOAT32, AM_DTYPE_BFLOAT16, AM_DTYPE_FLOAT16};
     enum { N = 200 };
@@ -808,11 +825,8 @@ static void test_flat_underflow(void **unused) {
     float g[N], sq[2][N], lr[2][N], p[2][N];
     uint8_t pol[2][N / 8];
     int si, j, d, v, positive = 0, flushed = 0;
+    const int nsets = sets_to_check(sets);
     (void)unused;
-    if (!simd || !am_cpu_has_avx2()) {
-        print_message("SKIPPED: no AVX2 kernels on this build/CPU; nothing to compare\n");
-        skip();
-    }
     k = am_consts_from(&hp);
     for (j = 0; j < N; j++) {
         /* k * 1e-31 for small k (u near 2^-149 and below), then values
@@ -820,10 +834,9 @@ static void test_flat_underflow(void **unused) {
         float x = j < 120 ? (float)(j / 2) * 1e-31f : (float)(j - 119) * 0.02f;
         g[j] = (j & 1) ? -x : x;
     }
-    /* the set in use and, on a CPU with AVX-512, the plain AVX2 one */
-    for (d = 0; d < 6; d++)
+    for (d = 0; d < 3 * nsets; d++)
         for (si = 0; si < (int)(sizeof scales / sizeof scales[0]); si++) {
-            const am_kernels *best = d < 3 ? simd : am_kernels_avx2_plain();
+            const am_kernels *best = sets[d / 3];
             int64_t m[2];
             for (v = 0; v < 2; v++) {
                 const am_kernels *kt = v ? best : &am_kernels_ref;
@@ -856,9 +869,10 @@ static void test_flat_underflow(void **unused) {
  * exp(200) is inf, exp(-200) rounds to 0): 0 * inf is NaN, which passed
  * the clamp and turned lr and parameter NaN (found by a review, twenty-
  * fifth session). Every finish must clamp it to min_lr, with the same bits:
- * the scalar reference, the set in use and the plain AVX2 set. */
+ * the scalar reference, the set in use, the plain AVX2 set and the portable
+ * one. */
 static void test_flat_lr_at_zero(void **unused) {
-    const am_kernels *simd = am_kernels_avx2();
+    const am_kernels *sets[3];
     static const int dts[] = {AM_DTYPE_FLOAT32, AM_DTYPE_BFLOAT16, AM_DTYPE_FLOAT16};
     enum { N = 77 };
     am_hparams hp = am_hparams_default();
@@ -866,18 +880,15 @@ static void test_flat_lr_at_zero(void **unused) {
     float g[N], sq[2][N], lr[2][N], p[2][N];
     uint8_t pol[2][(N + 7) / 8];
     int j, d, v;
+    const int nsets = sets_to_check(sets);
     (void)unused;
-    if (!simd || !am_cpu_has_avx2()) {
-        print_message("SKIPPED: no AVX2 kernels on this build/CPU; nothing to compare\n");
-        skip();
-    }
     hp.min_lr = 0;
     hp.lr_bump_rate = 200;
     k = am_consts_from(&hp);
     assert_true(isinf(k.bump_up) && k.bump_down == 0.0f);
     for (j = 0; j < N; j++) g[j] = (j % 3 ? 0.5f : -0.25f) * (float)(1 + j % 5);
-    for (d = 0; d < 6; d++) {
-        const am_kernels *best = d < 3 ? simd : am_kernels_avx2_plain();
+    for (d = 0; d < 3 * nsets; d++) {
+        const am_kernels *best = sets[d / 3];
         int64_t m[2];
         for (v = 0; v < 2; v++) {
             const am_kernels *kt = v ? best : &am_kernels_ref;
