@@ -56,11 +56,11 @@ AM_VI v4f self(v4i mask, v4f a, v4f b) { return (v4f)(((v4i)a & mask) | ((v4i)b 
 AM_VI v4u selu(v4i mask, v4u a, v4u b) { return (a & (v4u)mask) | (b & ~(v4u)mask); }
 
 /* Elements i..i+3 of a float32/bfloat16/float16 buffer as float32, exactly
- * as am_load (am_f16_to_f32 for float16: its magnitude bits moved into
- * float32's place read as a float32 (a normal one for half normals, a
- * subnormal one for half subnormals) times 2^112, an exact product either
- * way (update entry points clear flush-to-zero and denormals-are-zero,
- * fpenv.h); inf and NaN by moving the bits). */
+ * as am_load (am_f16_to_f32 for float16: normals, inf and NaN by moving the
+ * bits; a subnormal m * 2^-24 as (1 + m / 1024) * 2^-14 - 2^-14, exact,
+ * with no float32 subnormal on the way: a product of one by 2^112, tried
+ * first, took 5.8 instead of 4.8 ns an element of a 4096x4096 update whose
+ * gradient held 6% half subnormals, on this Zen 5 through SSE2). */
 AM_VI v4f ld4(const void *base, const int dt, int64_t i) {
     v4h h;
     v4u w;
@@ -70,8 +70,10 @@ AM_VI v4f ld4(const void *base, const int dt, int64_t i) {
     if (dt == AM_DTYPE_BFLOAT16) return (v4f)(w << 16);
     {
         const v4u em = (w & 0x7fffu) << 13, sign = (w & 0x8000u) << 16;
-        const v4u mag = (v4u)((v4f)em * splatf(0x1p112f));
-        return (v4f)(sign | selu((v4i)(em >= splatu(0x7c00u << 13)), em | 0x7f800000u, mag));
+        const v4u sub = (v4u)((v4f)(em + (113u << 23)) - splatf(0x1p-14f));
+        const v4u o = selu((v4i)(em >= splatu(0x7c00u << 13)), em | 0x7f800000u,
+                           em + (112u << 23));
+        return (v4f)(sign | selu((v4i)(em < splatu(0x400u << 13)), sub, o));
     }
 }
 
