@@ -14,9 +14,10 @@
  * -ffp-contract=off), conversions are exact (float16 widened with integer
  * operations and one exact scaling of its subnormals), and the stochastic
  * rounding noise is am_sr_noise's, generated a quad at a time in a loop the
- * compiler vectorises. 1-D tensors (u2_flat, finish_flat) too; the batched
- * small matrices (3x3 convolutions) and the fallback agreement sweep keep
- * the reference's slots.
+ * compiler vectorises. 1-D tensors (u2_flat, finish_flat) and the sign
+ * count (count_pos) too; the batched small matrices' sums and moments (3x3
+ * convolutions) and the fallback agreement sweep keep the reference's
+ * slots.
  */
 #include "simd.h"
 
@@ -669,10 +670,44 @@ static void vec_stats_u2_mats(const void *g, int gdt, int64_t R, int64_t C, int6
                                  rmean, out, fmin, orow, ocol);
 }
 
+/* am_count_pos_tail from element 0 (bits from bit 0): the agreement of
+ * g > 0 with the bits and the smallest g > 0, 8 elements (a byte of bits)
+ * at a time. */
+#define AM_VEC_COUNT(GDT)                                                     \
+    for (e = 0; e < n8; e += 8) {                                             \
+        const v4u b8 = splatu(bits[e >> 3]);                                  \
+        const v4f xl = ld4(g, GDT, e), xh = ld4(g, GDT, e + 4);               \
+        const v4i gl = (v4i)(xl > zero), gh = (v4i)(xh > zero);               \
+        mc += (v4i)(gl == (v4i)((b8 & blo) != z));                            \
+        mc += (v4i)(gh == (v4i)((b8 & bhi) != z));                            \
+        mv = self(gl & (v4i)(xl < mv), xl, mv);                               \
+        mv = self(gh & (v4i)(xh < mv), xh, mv);                               \
+    }
+
 static int64_t vec_count_pos(const void *g, int gdt, int64_t n, const uint8_t *bits,
                              float *minpos) {
-    return am_kernels_ref.count_pos(g, gdt, n, bits, minpos);
+    const int64_t n8 = n & ~(int64_t)7;
+    const v4u blo = {1, 2, 4, 8}, bhi = {16, 32, 64, 128}, z = splatu(0);
+    const v4f zero = splatf(0.0f);
+    v4f mv = splatf(INFINITY);
+    v4i mc = {0, 0, 0, 0};
+    float mins[4], mp = INFINITY;
+    int32_t c[4];
+    int64_t e;
+    int l;
+    switch (gdt) { /* the dtype a constant in each loop */
+    case AM_DTYPE_FLOAT32: AM_VEC_COUNT(AM_DTYPE_FLOAT32); break;
+    case AM_DTYPE_BFLOAT16: AM_VEC_COUNT(AM_DTYPE_BFLOAT16); break;
+    default: AM_VEC_COUNT(AM_DTYPE_FLOAT16); break;
+    }
+    memcpy(c, &mc, sizeof c);
+    memcpy(mins, &mv, sizeof mins);
+    for (l = 0; l < 4; l++) /* the minimum is exact in any order */
+        if (mins[l] < mp) mp = mins[l];
+    return am_count_pos_tail(g, gdt, e, n, bits, -((int64_t)c[0] + c[1] + c[2] + c[3]), mp,
+                             minpos);
 }
+#undef AM_VEC_COUNT
 
 static const am_kernels vec_table = {
     "portable",       vec_stats_tile, vec_u2_tile,      vec_u2_flat,

@@ -350,6 +350,8 @@ static void check_slots(const am_kernels *a, const am_kernels *b, int64_t C, int
     free(pa); free(pb); free(polr);
 }
 
+static void check_count_pos(const am_kernels *a, const am_kernels *b, uint64_t *s);
+
 /* The portable vector set (kernels_vec.c, what CPUs without AVX2 run: every
  * ARM CPU) against the reference, slot by slot, on every CPU. */
 static void test_portable_slots(void **unused) {
@@ -364,6 +366,7 @@ static void test_portable_slots(void **unused) {
     for (si = 0; si < NSIZES; si++)
         for (gdt = 0; gdt < 3; gdt++)
             for (pdt = 0; pdt < 3; pdt++) check_slots(&am_kernels_ref, vec, SIZES[si], gdt, pdt, &s);
+    check_count_pos(&am_kernels_ref, vec, &s);
 }
 
 static void test_slots(void **unused) {
