@@ -59,6 +59,16 @@ def test_force_scalar_and_debug_log():
     assert "using scalar kernels" in r.stderr and "AUTOMAGIC_FORCE_SCALAR=1" in r.stderr
 
 
+def _run_script(script, **env):
+    """script run in a new Python with AUTOMAGIC_DEBUG=1 and env: the two
+    words it prints, and its stderr (the library's debug log)."""
+    r = subprocess.run([sys.executable, "-c", script],
+                       env=dict(os.environ, AUTOMAGIC_DEBUG="1", **env),
+                       capture_output=True, text=True, check=True)
+    first, second = r.stdout.split()
+    return first, second, r.stderr
+
+
 _KERNELS_SCRIPT = """
 import hashlib, torch, automagic
 torch.set_num_threads(2)
@@ -88,11 +98,7 @@ def test_portable_kernels_same_bits():
     without AVX2, ARM ones among them, run): the bits of the scalar
     reference and of the default set, through the front end."""
     def run(**env):
-        r = subprocess.run([sys.executable, "-c", _KERNELS_SCRIPT],
-                           env=dict(os.environ, AUTOMAGIC_DEBUG="1", **env),
-                           capture_output=True, text=True, check=True)
-        digest, name = r.stdout.split()
-        return digest, name, r.stderr
+        return _run_script(_KERNELS_SCRIPT, **env)
 
     d_port, n_port, err = run(AUTOMAGIC_FORCE_PORTABLE="1")
     assert n_port == "portable" and "AUTOMAGIC_FORCE_PORTABLE=1" in err
@@ -128,11 +134,7 @@ def test_torch_openmp_runner_same_bits():
     (python/automagic/_threads.py); AUTOMAGIC_TORCH_THREADS=0 keeps the
     library's own pool. Both give the same bits; the debug log says which."""
     def run(**env):
-        r = subprocess.run([sys.executable, "-c", _RUNNER_SCRIPT],
-                           env=dict(os.environ, AUTOMAGIC_DEBUG="1", **env),
-                           capture_output=True, text=True, check=True)
-        digest, runtime = r.stdout.split()
-        return digest, runtime, r.stderr
+        return _run_script(_RUNNER_SCRIPT, **env)
 
     d_own, rt_own, err_own = run(AUTOMAGIC_TORCH_THREADS="0")
     d_omp, rt_omp, err_omp = run()
