@@ -12,7 +12,7 @@
  * (element j0 + j of a row in lane j % 8), every operation is the
  * reference's IEEE float operation on one element (no contraction:
  * -ffp-contract=off), conversions are exact (float16 widened with integer
- * operations and one exact scaling of its subnormals), and the stochastic
+ * operations and, for its subnormals, one exact subtraction), and the stochastic
  * rounding noise is am_sr_noise's, generated a quad at a time in a loop the
  * compiler vectorises. 1-D tensors (u2_flat, finish_flat) and the sign
  * count (count_pos) too; the batched small matrices' sums and moments (3x3
@@ -364,8 +364,8 @@ AM_VI v4u vwin_get(const vwin *w, int64_t e) {
 
 /* Stores v into 16-bit elements f..f+3 rounded as am_store_sr with
  * am_sr_noise (noise index f + noff, in the window). float16 lanes outside
- * the half normal range below 65504 (subnormals, zeros, larger values, inf,
- * NaN) take the scalar rule, with the wide stream where it applies. */
+ * [2^-14, 65504] in magnitude (subnormals, zeros, larger values, inf, NaN)
+ * take the scalar rule, with the wide stream where it applies. */
 AM_VI void st4_sr(void *p, const int pdt, int64_t f, v4f v, const vwin *w, uint64_t seed,
                   uint32_t pid, int64_t step, int64_t noff) {
     const v4u b = (v4u)v, ab = b & 0x7fffffffu, rnd = vwin_get(w, f + noff);
@@ -672,9 +672,12 @@ static void vec_stats_u2_mats(const void *g, int gdt, int64_t R, int64_t C, int6
 
 /* am_count_pos_tail from element 0 (bits from bit 0): the agreement of
  * g > 0 with the bits and the smallest g > 0, 8 elements (a byte of bits)
- * at a time. */
+ * at a time. The int32 lanes hold at most AM_COUNT_CHUNK / 4 matches, then
+ * go into the int64 count (an lr-row of 2^33 + 8 elements wrapped them: a
+ * review, twenty-seventh session). */
+#define AM_COUNT_CHUNK ((int64_t)1 << 28)
 #define AM_VEC_COUNT(GDT)                                                     \
-    for (e = 0; e < n8; e += 8) {                                             \
+    for (e = e0; e < e1; e += 8) {                                            \
         const v4u b8 = splatu(bits[e >> 3]);                                  \
         const v4f xl = ld4(g, GDT, e), xh = ld4(g, GDT, e + 4);               \
         const v4i gl = (v4i)(xl > zero), gh = (v4i)(xh > zero);               \
@@ -690,24 +693,28 @@ static int64_t vec_count_pos(const void *g, int gdt, int64_t n, const uint8_t *b
     const v4u blo = {1, 2, 4, 8}, bhi = {16, 32, 64, 128}, z = splatu(0);
     const v4f zero = splatf(0.0f);
     v4f mv = splatf(INFINITY);
-    v4i mc = {0, 0, 0, 0};
     float mins[4], mp = INFINITY;
     int32_t c[4];
-    int64_t e;
+    int64_t e = 0, e0, e1, matches = 0;
     int l;
-    switch (gdt) { /* the dtype a constant in each loop */
-    case AM_DTYPE_FLOAT32: AM_VEC_COUNT(AM_DTYPE_FLOAT32); break;
-    case AM_DTYPE_BFLOAT16: AM_VEC_COUNT(AM_DTYPE_BFLOAT16); break;
-    default: AM_VEC_COUNT(AM_DTYPE_FLOAT16); break;
+    for (e0 = 0; e0 < n8; e0 = e1) {
+        v4i mc = {0, 0, 0, 0};
+        e1 = n8 - e0 > AM_COUNT_CHUNK ? e0 + AM_COUNT_CHUNK : n8;
+        switch (gdt) { /* the dtype a constant in each loop */
+        case AM_DTYPE_FLOAT32: AM_VEC_COUNT(AM_DTYPE_FLOAT32); break;
+        case AM_DTYPE_BFLOAT16: AM_VEC_COUNT(AM_DTYPE_BFLOAT16); break;
+        default: AM_VEC_COUNT(AM_DTYPE_FLOAT16); break;
+        }
+        memcpy(c, &mc, sizeof c);
+        matches -= (int64_t)c[0] + c[1] + c[2] + c[3];
     }
-    memcpy(c, &mc, sizeof c);
     memcpy(mins, &mv, sizeof mins);
     for (l = 0; l < 4; l++) /* the minimum is exact in any order */
         if (mins[l] < mp) mp = mins[l];
-    return am_count_pos_tail(g, gdt, e, n, bits, -((int64_t)c[0] + c[1] + c[2] + c[3]), mp,
-                             minpos);
+    return am_count_pos_tail(g, gdt, e, n, bits, matches, mp, minpos);
 }
 #undef AM_VEC_COUNT
+#undef AM_COUNT_CHUNK
 
 static const am_kernels vec_table = {
     "portable",       vec_stats_tile, vec_u2_tile,      vec_u2_flat,
