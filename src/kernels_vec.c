@@ -1,23 +1,22 @@
 /*
- * kernels_vec.c — the portable vector kernels: the passes over large
- * matrices (stats_tile, u2_tile, apply_rows) written with the GCC/Clang
- * vector extensions (8 float lanes, which the compiler lowers to the
- * target's own vectors: two NEON registers on aarch64, two SSE2 registers
- * on x86-64 without AVX2) and no processor-specific code. They run where
- * the AVX2 set cannot (every non-x86 CPU, x86 CPUs without AVX2): before,
- * those ran the scalar reference, which reads and widens one element at a
- * time and computes a Philox quad per 16-bit element.
+ * kernels_vec.c — the portable vector kernels ("portable"): the passes over
+ * matrices (stats_tile, u2_tile, apply_rows), over 1-D tensors (u2_flat,
+ * finish_flat) and the sign count (count_pos), written with the GCC/Clang
+ * vector extensions in 16-byte vectors (NEON registers on aarch64, SSE2 on
+ * x86-64) and no processor-specific code but an IEEE square root. They run
+ * where the AVX2 set cannot (every non-x86 CPU, x86 CPUs without AVX2):
+ * before, those ran the scalar reference, which reads and widens one
+ * element at a time and computes a Philox quad per 16-bit element.
  *
- * Same bits as kernels_ref.c: 8 lanes are exactly the reference's AM_LANES
- * (element j0 + j of a row in lane j % 8), every operation is the
+ * Same bits as kernels_ref.c: the reference's AM_LANES = 8 lanes are two
+ * vectors (element j0 + j of a row in lane j % 8), every operation is the
  * reference's IEEE float operation on one element (no contraction:
  * -ffp-contract=off), conversions are exact (float16 widened with integer
- * operations and, for its subnormals, one exact subtraction), and the stochastic
- * rounding noise is am_sr_noise's, generated a quad at a time in a loop the
- * compiler vectorises. 1-D tensors (u2_flat, finish_flat) and the sign
- * count (count_pos) too; the batched small matrices' sums and moments (3x3
- * convolutions) and the fallback agreement sweep keep the reference's
- * slots.
+ * operations and, for its subnormals, one exact subtraction), and the
+ * stochastic rounding noise is am_sr_noise's, generated a quad at a time in
+ * a loop the compiler vectorises. The batched small matrices' sums and
+ * moments (3x3 convolutions) and the fallback agreement sweep keep the
+ * reference's slots.
  */
 #include "simd.h"
 
