@@ -186,10 +186,9 @@ const am_kernels *am_kernels_get(void) {
 void am_kernels_select(int which) {
     const am_kernels *portable = am_kernels_portable();
     ensure_chosen();
-    atomic_store(&g_current, which == 1                ? &am_kernels_ref
-                             : which == 2 && portable ? portable
-                             : which == 2             ? &am_kernels_ref
-                                                      : g_best);
+    atomic_store(&g_current, which == 1   ? &am_kernels_ref
+                             : which == 2 ? (portable ? portable : &am_kernels_ref)
+                                          : g_best);
 }
 
 const char *am_kernel_name(void) { return am_kernels_get()->name; }
