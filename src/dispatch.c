@@ -7,7 +7,9 @@
  * scalar reference otherwise. AUTOMAGIC_FORCE_SCALAR=1 keeps the reference;
  * AUTOMAGIC_DEBUG=1 logs the chosen set (and why) through the log callback.
  * Software prefetch in the streaming kernels (am_sw_prefetch, simd.h): off
- * on AMD CPUs, on elsewhere; AUTOMAGIC_PREFETCH=0|1 overrides.
+ * on AMD CPUs, on elsewhere; AUTOMAGIC_PREFETCH=0|1 overrides. The AVX-512
+ * kernels' tuning (am_tuning_zen4, simd.h): Zen 4's on AMD family 25, Zen
+ * 5's elsewhere; AUTOMAGIC_TUNING=zen4|zen5 overrides.
  * FMA is required only as the marker of the Haswell-class feature set the
  * kernels are tuned for; the kernels themselves never fuse (SPEC 5).
  *
@@ -21,6 +23,7 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -73,9 +76,10 @@ static int detect_avx2(void) { return 0; }
 static int detect_avx512(void) { return 0; }
 #endif
 
-static int g_has_avx2, g_has_avx512, g_is_amd;
+static int g_has_avx2, g_has_avx512, g_is_amd, g_family;
 static pthread_once_t g_cpu_once = PTHREAD_ONCE_INIT;
 static atomic_int g_sw_prefetch = 1; /* set by choose() */
+static atomic_int g_zen4;            /* set by choose() */
 
 #if defined(__x86_64__) || defined(__i386__)
 static int detect_amd(void) {
@@ -83,17 +87,31 @@ static int detect_amd(void) {
     if (!__get_cpuid(0, &a, &b, &c, &d)) return 0;
     return b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u; /* "AuthenticAMD" */
 }
+
+/* The CPU family as cpuid leaf 1 gives it (base family, plus the extended
+ * family when the base is 15: AMD Zen 4 25, Zen 5 26); 0 when unknown. */
+static int detect_family(void) {
+    unsigned a, b, c, d, base;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    base = (a >> 8) & 0xfu;
+    return (int)(base == 0xfu ? base + ((a >> 20) & 0xffu) : base);
+}
 #else
 static int detect_amd(void) { return 0; }
+static int detect_family(void) { return 0; }
 #endif
 
 static void detect(void) {
     g_has_avx2 = detect_avx2();
     g_has_avx512 = detect_avx512();
     g_is_amd = detect_amd();
+    g_family = detect_family();
 }
 
 int am_sw_prefetch(void) { return atomic_load_explicit(&g_sw_prefetch, memory_order_relaxed); }
+
+/* (no ensure_chosen: am_kernels_avx2 reads it inside choose's pthread_once) */
+int am_tuning_zen4(void) { return atomic_load_explicit(&g_zen4, memory_order_relaxed); }
 
 void am_set_sw_prefetch(int on) {
     ensure_chosen();
@@ -115,10 +133,14 @@ static void choose(void) {
     const char *pmb = getenv("AUTOMAGIC_PAR_MIN_BYTES");
     const char *pf = getenv("AUTOMAGIC_PREFETCH");
     const char *no512 = getenv("AUTOMAGIC_NO_AVX512"); /* (for the message below) */
+    const char *tun = getenv("AUTOMAGIC_TUNING");
+    const int tun_set = tun && (!strcmp(tun, "zen4") || !strcmp(tun, "zen5"));
     const char *why = "no optimised kernels for this CPU";
     pthread_once(&g_cpu_once, detect);
     if (pmb && pmb[0]) g_par_min_bytes = atof(pmb);
     atomic_store(&g_sw_prefetch, pf && (pf[0] == '0' || pf[0] == '1') ? pf[0] == '1' : !g_is_amd);
+    /* before am_kernels_avx2(), which reads it */
+    atomic_store(&g_zen4, tun_set ? !strcmp(tun, "zen4") : g_is_amd && g_family == 25);
     g_best = am_kernels_portable() ? am_kernels_portable() : &am_kernels_ref;
     if (am_kernels_avx2() == NULL)
         why = am_kernels_portable() ? "no x86 AVX2 kernels in this build: the portable vector "
@@ -153,13 +175,23 @@ static void choose(void) {
         /* logged by ensure_chosen, after pthread_once returns: a log
          * callback calling into the library from here waited forever on
          * this very pthread_once */
+        /* (the AVX-512 kernels' tuning: said only where that set runs) */
+        const int a512 = !strcmp(atomic_load(&g_current)->name, "avx2+avx512");
         snprintf(g_debug_msg, sizeof g_debug_msg,
-                 "automagic: using %s kernels (%s); software prefetch %s (%s)",
+                 "automagic: using %s kernels (%s); software prefetch %s (%s)%s%s%s",
                  atomic_load(&g_current)->name, why,
                  atomic_load(&g_sw_prefetch) ? "on" : "off",
                  pf && (pf[0] == '0' || pf[0] == '1') ? "AUTOMAGIC_PREFETCH"
                  : g_is_amd                           ? "AMD CPU"
-                                                      : "not an AMD CPU");
+                                                      : "not an AMD CPU",
+                 !a512                        ? ""
+                 : atomic_load(&g_zen4)       ? "; AVX-512 tuning zen4 ("
+                                              : "; AVX-512 tuning zen5 (",
+                 !a512                        ? ""
+                 : tun_set                    ? "AUTOMAGIC_TUNING"
+                 : g_is_amd && g_family == 25 ? "AMD family 25"
+                                              : "not AMD family 25",
+                 a512 ? ")" : "");
         atomic_store(&g_debug_pending, 1);
     }
 }

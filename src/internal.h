@@ -307,8 +307,8 @@ static inline int64_t am_lrs_row_bytes(int64_t C) { return (C + 7) / 8; }
 /* float32 matrices whose rows are at least this long reach the apply_rows
  * slot in blocks of rows with an lr each (lrs mode; update.c,
  * finish_short_rows_task), which the AVX-512 apply runs four rows at a
- * time when they are longer than 4096 (AM_ONE_ROW_APPLY_MAX,
- * kernels_avx512.c): each column factor loaded once for four rows
+ * time (all of them on Zen 4, those longer than 4096 on Zen 5:
+ * one_row_apply_max, kernels_avx512.c): each column factor loaded once for four rows
  * (docs/PERFORMANCE_HISTORY.md, seventeenth and twentieth sessions). */
 #define AM_LONG_ROW_MIN 3072
 

@@ -1247,7 +1247,7 @@ const am_kernels *am_kernels_avx2(void) {
     g_flat512 = am_avx512_flat();
     g_apply_mats = am_avx512_apply_mats();
     g_agree_mats = am_avx512_agree_mats();
-    g_stats512 = am_avx512_stats();
+    g_stats512 = am_avx512_stats(am_tuning_zen4());
     g_count512 = am_avx512_count_pos();
     g_su512 = am_avx512_stats_u2_mats();
     if (!g_apply16 || !g_flat512 || !g_apply_mats || !g_agree_mats || !g_stats512 ||

@@ -28,7 +28,8 @@
 #define AM_PREFETCH 512 /* elements ahead, as in kernels_avx2.c */
 /* stats_rows' prefetch distance (Zen 5, 4096x4096 float32 stats at 1
  * thread: 1 KiB 3.87 ms, 4 KiB 2.66, 8 KiB 2.28-2.31, 16 and 32 KiB
- * 2.29-2.32) */
+ * 2.29-2.32; Zen 4 with the prefetch into L2: 4 KiB 4.8-5.2 ms, 8 KiB
+ * 3.8-4.3, 16 KiB 4.8-5.0) */
 #define AM_STATS_PREFETCH_BYTES 8192
 
 /* Word w < 16 taken from word 2w + 1: the high halves of 16 32-bit lanes. */
@@ -331,16 +332,26 @@ AM_INLINE uint32_t pos_mask16(const void *g, const int gdt, int64_t idx, __m512i
     }
 }
 
+/* The gradient's prefetch at pf: into L2 (l2) or L1 (am_tuning_zen4). */
+AM_INLINE void stats_prefetch(const char *pf, const int gdt, const int l2) {
+    if (l2) {
+        _mm_prefetch(pf, _MM_HINT_T1);
+        if (gdt == AM_DTYPE_FLOAT32) _mm_prefetch(pf + 64, _MM_HINT_T1);
+    } else {
+        _mm_prefetch(pf, _MM_HINT_T0);
+        if (gdt == AM_DTYPE_FLOAT32) _mm_prefetch(pf + 64, _MM_HINT_T0);
+    }
+}
+
 /* One 32-column step of stats_rows at tile column j (row element base +
- * j), its gradient prefetched at pf. */
-AM_INLINE void stats_step32(const void *g, const int gdt, const int cnt, int64_t base,
-                            int64_t j, const char *pf, const uint8_t *bits, int64_t q,
-                            const int al, __m256 *acc, int64_t *mism, __m512i *mn,
+ * j), its gradient prefetched at pf (into L2 with l2). */
+AM_INLINE void stats_step32(const void *g, const int gdt, const int cnt, const int l2,
+                            int64_t base, int64_t j, const char *pf, const uint8_t *bits,
+                            int64_t q, const int al, __m256 *acc, int64_t *mism, __m512i *mn,
                             float *colpart) {
     __m512 lo, hi;
     __m512i raw;
-    _mm_prefetch(pf, _MM_HINT_T0);
-    if (gdt == AM_DTYPE_FLOAT32) _mm_prefetch(pf + 64, _MM_HINT_T0);
+    stats_prefetch(pf, gdt, l2);
     ld32(g, gdt, base + j, &lo, &hi, &raw);
     if (cnt) {
         const uint32_t pos =
@@ -361,8 +372,8 @@ AM_INLINE void stats_step32(const void *g, const int gdt, const int cnt, int64_t
 
 /* Steps j..je-1 (multiples of 32) of stats_rows, the prefetch of step j at
  * pfb + j * es; with wsum (a constant) the W sums of pend at each. */
-AM_INLINE void stats_span(const void *g, const int gdt, const int cnt, int64_t C, int64_t j0,
-                          int64_t base, int64_t j, int64_t je, uintptr_t pfb,
+AM_INLINE void stats_span(const void *g, const int gdt, const int cnt, const int l2, int64_t C,
+                          int64_t j0, int64_t base, int64_t j, int64_t je, uintptr_t pfb,
                           const uint8_t *bits, int64_t q0, __m256 *acc, int64_t *mism,
                           __m512i *mn, float *colpart, const int wsum, const int al,
                           const wgroup *pend) {
@@ -371,8 +382,8 @@ AM_INLINE void stats_span(const void *g, const int gdt, const int cnt, int64_t C
     __m512i m = *mn;
     int64_t mm = 0;
     for (; j < je; j += 32) {
-        stats_step32(g, gdt, cnt, base, j, (const char *)(pfb + (uintptr_t)j * es), bits,
-                     q0 + j, al, &a, &mm, &m, colpart);
+        stats_step32(g, gdt, cnt, l2, base, j, (const char *)(pfb + (uintptr_t)j * es),
+                     bits, q0 + j, al, &a, &mm, &m, colpart);
         if (wsum) wsum32(g, gdt, C, j0, j, 4, pend);
     }
     *acc = a;
@@ -389,7 +400,8 @@ AM_INLINE void stats_span(const void *g, const int gdt, const int cnt, int64_t C
  * When pend is not NULL, the W sums of that group of 4 rows are added over
  * the steps at tile columns [wa, wb) (and the columns past the last whole
  * step when wtail), so that memory never idles during them. The gradient
- * is prefetched AM_STATS_PREFETCH_BYTES ahead, past the row's end into the
+ * is prefetched AM_STATS_PREFETCH_BYTES ahead (into L2 with l2: Zen 4's
+ * tuning, am_tuning_zen4 in simd.h; into L1 otherwise), past the row's end into the
  * tile's next row (where tiles are whole rows, as for every matrix up to
  * AM_COL_BLOCK columns, that is the next bytes: one stream). One row at a
  * time with that prefetch replaced four rows interleaved with the next four
@@ -399,8 +411,8 @@ AM_INLINE void stats_span(const void *g, const int gdt, const int cnt, int64_t C
  * threads 1.64 -> 1.50-1.51 ms; tiles narrower than their matrix,
  * 1024x28672 float32 4.37 -> 3.91 ms, bfloat16 2.52 -> 2.53; docs/
  * PERFORMANCE_HISTORY.md). */
-AM_INLINE void stats_rows(const void *g, const int gdt, const int cnt, int64_t C, int64_t i,
-                          int64_t j0, int64_t n, float *rowpart, float *colpart,
+AM_INLINE void stats_rows(const void *g, const int gdt, const int cnt, const int l2, int64_t C,
+                          int64_t i, int64_t j0, int64_t n, float *rowpart, float *colpart,
                           const am_polmap *pm, int32_t *rowmatch, __m512i *mn, float *mp,
                           const wgroup *pend, int64_t wa, int64_t wb, const int wtail) {
     const int64_t n32 = n & ~(int64_t)31, base = i * C + j0;
@@ -432,8 +444,8 @@ AM_INLINE void stats_rows(const void *g, const int gdt, const int cnt, int64_t C
             if (pend && j < wa && wa < e) e = wa;
             if (pend && j < wb && wb < e) e = wb;
 #define AM_SPAN(W, AL)                                                                    \
-    stats_span(g, gdt, cnt, C, j0, base, j, e, pfb, bits, q0, &acc, &mism, mn, colpart, W, \
-               AL, pend)
+    stats_span(g, gdt, cnt, l2, C, j0, base, j, e, pfb, bits, q0, &acc, &mism, mn, colpart, \
+               W, AL, pend)
             if (!cnt || (q0 & 7) == 0) {
                 if (w) AM_SPAN(1, 1);
                 else AM_SPAN(0, 1);
@@ -450,8 +462,8 @@ AM_INLINE void stats_rows(const void *g, const int gdt, const int cnt, int64_t C
         for (j = 0; j < n32; j += 32) {
             uintptr_t off = (uintptr_t)j * es + AM_STATS_PREFETCH_BYTES;
             if (off >= rowb) off += gap;
-            stats_step32(g, gdt, cnt, base, j, (const char *)(g0 + off), bits, q0 + j, 0,
-                         &acc, &mism, mn, colpart);
+            stats_step32(g, gdt, cnt, l2, base, j, (const char *)(g0 + off), bits, q0 + j,
+                         0, &acc, &mism, mn, colpart);
             if (pend && j >= wa && j < wb) wsum32(g, gdt, C, j0, j, 4, pend);
         }
     }
@@ -499,8 +511,9 @@ static float minpos_of(__m512i mn, int gdt) {
 }
 
 /* The stats_tile slot (internal.h), any gradient dtype. */
-AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C, int64_t i0,
-                          int64_t i1, int64_t j0, int64_t j1, float *rowpart, float *colpart,
+AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, const int l2, int64_t C,
+                          int64_t i0, int64_t i1, int64_t j0, int64_t j1, float *rowpart,
+                          float *colpart,
                           const am_polmap *pm, int32_t *rowmatch, float *minpos,
                           const am_wsum *ws) {
     const int64_t n = j1 - j0;
@@ -519,7 +532,7 @@ AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C
     }
     for (i = i0; i + 4 <= i1; i += 4) {
         for (q = 0; q < 4; q++)
-            stats_rows(g, gdt, cnt, C, i + q, j0, n, rowpart + (i + q - i0), colpart, pm,
+            stats_rows(g, gdt, cnt, l2, C, i + q, j0, n, rowpart + (i + q - i0), colpart, pm,
                        cnt ? rowmatch + (i + q - i0) : NULL, &mn, &mp, pending ? &wg : NULL,
                        q * wq, q == 3 ? n32 : (q + 1) * wq, q == 3);
         if (ws) {
@@ -533,7 +546,7 @@ AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C
     }
     if (pending) wsum_rows(g, gdt, C, 4, j0, n, &wg);
     for (; i < i1; i++) {
-        stats_rows(g, gdt, cnt, C, i, j0, n, rowpart + (i - i0), colpart, pm,
+        stats_rows(g, gdt, cnt, l2, C, i, j0, n, rowpart + (i - i0), colpart, pm,
                    cnt ? rowmatch + (i - i0) : NULL, &mn, &mp, NULL, 0, 0, 0);
         if (ws) {
             wg.w[0] = am_wsum_weight(ws, i, rowpart[i - i0]);
@@ -548,27 +561,34 @@ AM_INLINE void stats_body(const void *g, const int gdt, const int cnt, int64_t C
     }
 }
 
-#define AM_STATS_CASE(GD)                                                     \
-    do {                                                                      \
-        if (pm)                                                               \
-            stats_body(g, GD, 1, C, i0, i1, j0, j1, rowpart, colpart, pm, rowmatch, minpos, ws); \
-        else stats_body(g, GD, 0, C, i0, i1, j0, j1, rowpart, colpart, NULL, NULL, NULL, ws); \
+#define AM_STATS_CASE(GD, L2)                                                              \
+    do {                                                                                   \
+        if (pm)                                                                            \
+            stats_body(g, GD, 1, L2, C, i0, i1, j0, j1, rowpart, colpart, pm, rowmatch,    \
+                       minpos, ws);                                                        \
+        else                                                                               \
+            stats_body(g, GD, 0, L2, C, i0, i1, j0, j1, rowpart, colpart, NULL, NULL, NULL, \
+                       ws);                                                                \
     } while (0)
 
-static void avx512_stats(const void *g, int gdt, int64_t C, int64_t i0, int64_t i1,
-                         int64_t j0, int64_t j1, float *rowpart, float *colpart,
-                         const am_polmap *pm, int32_t *rowmatch, float *minpos,
-                         const am_wsum *ws) {
-    switch (gdt) {
-    case AM_DTYPE_FLOAT32: AM_STATS_CASE(0); break;
-    case AM_DTYPE_BFLOAT16: AM_STATS_CASE(1); break;
-    default: AM_STATS_CASE(2); break;
+/* The slot twice: its gradient prefetched into L1 and into L2. */
+#define AM_STATS_FN(NAME, L2)                                                              \
+    static void NAME(const void *g, int gdt, int64_t C, int64_t i0, int64_t i1, int64_t j0, \
+                     int64_t j1, float *rowpart, float *colpart, const am_polmap *pm,      \
+                     int32_t *rowmatch, float *minpos, const am_wsum *ws) {                \
+        switch (gdt) {                                                                     \
+        case AM_DTYPE_FLOAT32: AM_STATS_CASE(0, L2); break;                                \
+        case AM_DTYPE_BFLOAT16: AM_STATS_CASE(1, L2); break;                               \
+        default: AM_STATS_CASE(2, L2); break;                                              \
+        }                                                                                  \
+        _mm256_zeroupper(); /* see AM_CLEAN_RETURN (simd.h) */                             \
     }
-    _mm256_zeroupper(); /* see AM_CLEAN_RETURN (simd.h) */
-}
+AM_STATS_FN(avx512_stats_l1, 0)
+AM_STATS_FN(avx512_stats_l2, 1)
+#undef AM_STATS_FN
 #undef AM_STATS_CASE
 
-am_stats_fn am_avx512_stats(void) { return avx512_stats; }
+am_stats_fn am_avx512_stats(int l2) { return l2 ? avx512_stats_l2 : avx512_stats_l1; }
 
 /* Runs MODE(scaled, wd) with the two flags as constants: scaled when the
  * clip scale is not 1, wd when the decay is not 0 (see apply_mode). */
@@ -701,7 +721,7 @@ AM_INLINE void apply_rows4(void *p, const int pdt, const void *g, const int gdt,
 }
 
 /* apply_mode's lrs mode for four rows r..r+3 of a float32 parameter in one
- * matrix (C > AM_ONE_ROW_APPLY_MAX): 64 columns of each row in
+ * matrix (C > one_row_apply_max()): 64 columns of each row in
  * turn, the four vectors of column factors loaded once for the four rows
  * (one row at a time re-read them from L2 for every row); each row's bits
  * start on a byte (am_lrs_row_bytes), 8 bytes per 64 columns, then its
@@ -760,8 +780,12 @@ AM_INLINE void apply_long4(float *p, const void *g, const int gdt, int64_t r, in
  * streams, while four rows interleaved are eight short streams (Zen 5,
  * twentieth session, runs alternated in one session: the finish of
  * 4096x4096 float32 at 1 thread 4.6 -> 3.9 ms, 11008x4096 12.8 -> 10.9 ms;
- * 4096x11008 stays with apply_long4, 10.4 against 11.3 ms one at a time). */
-#define AM_ONE_ROW_APPLY_MAX 4096
+ * 4096x11008 stays with apply_long4, 10.4 against 11.3 ms one at a time).
+ * On Zen 4 (am_tuning_zen4) rows of 3072 or more go four at a time, as
+ * the seventeenth session chose there (twenty-eighth session, alternated
+ * builds, 1 thread: the finish of 4096x4096 6.2-7.8 -> 6.1-6.5 ms,
+ * 11008x4096 16.5-18.1 -> 15.6-16.1, 768x3072 0.74-0.79 -> 0.67-0.68). */
+AM_INLINE int64_t one_row_apply_max(void) { return am_tuning_zen4() ? 3071 : 4096; }
 
 /* ref_apply_rows for a 16-bit parameter, rows of C >= 16 elements, with the
  * clip multiplication (scaled) and the decay (wd) fixed: the loop holds no test
@@ -797,7 +821,7 @@ AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
         return;
     }
     r = r0;
-    if (lrs && pdt == AM_DTYPE_FLOAT32 && C > AM_ONE_ROW_APPLY_MAX && (r1 - 1) / R == r0 / R)
+    if (lrs && pdt == AM_DTYPE_FLOAT32 && C > one_row_apply_max() && (r1 - 1) / R == r0 / R)
         for (; r + 4 <= r1; r += 4) /* long float32 rows, four at a time */
             apply_long4((float *)p, g, gdt, r, r0, C, rf, cfb, inv, lrs, k, seed, param_id,
                         step, noff, pol_row, scaled, wd, w);
@@ -1333,7 +1357,10 @@ am_flat_fn am_avx512_flat(void) { return avx512_finish_flat; }
 #else
 
 am_apply_fn am_avx512_apply16(void) { return NULL; }
-am_stats_fn am_avx512_stats(void) { return NULL; }
+am_stats_fn am_avx512_stats(int l2) {
+    (void)l2;
+    return NULL;
+}
 am_apply_mats_fn am_avx512_apply_mats(void) { return NULL; }
 am_agree_mats_fn am_avx512_agree_mats(void) { return NULL; }
 am_count_pos_fn am_avx512_count_pos(void) { return NULL; }

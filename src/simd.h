@@ -249,9 +249,11 @@ typedef void (*am_stats_fn)(const void *g_mat, int gdt, int64_t C, int64_t i0, i
                             const am_wsum *ws);
 
 /* The AVX-512F/BW stats_tile (kernels_avx512.c; the agreement counted on
- * the raw bits), any gradient dtype; NULL when not built. Only valid to
- * call when am_cpu_has_avx512() is true. */
-am_stats_fn am_avx512_stats(void);
+ * the raw bits), any gradient dtype, its gradient prefetched 8 KiB ahead
+ * into L2 with l2, else into L1 (am_tuning_zen4; the same bits);
+ * NULL when not built. Only valid to call when am_cpu_has_avx512() is
+ * true. */
+am_stats_fn am_avx512_stats(int l2);
 
 /* The stats_u2_mats slot's signature (internal.h) and its AVX-512F/BW
  * version (kernels_avx512_mats.c: runs of 16 3x3 or 1x1 matrices, the
@@ -286,10 +288,28 @@ int am_cpu_has_avx2(void);
  * is 0 (other AMD families follow Zen 4 unmeasured). Where it is 0, the
  * AVX2 stats prefetch the next group of rows into L2 instead, and the
  * 16-bit apply of large matrices AM_L2_PREFETCH_BYTES ahead into L2. The
- * AVX-512 stats pass does not look at it: it always prefetches 8 KiB
- * ahead into L1 (kernels_avx512.c, stats_rows). AUTOMAGIC_PREFETCH=0 or 1
- * overrides the default. Either way, the same bits. */
+ * AVX-512 stats pass does not look at it (am_tuning_zen4).
+ * AUTOMAGIC_PREFETCH=0 or 1 overrides the default. Either way, the same
+ * bits. */
 int am_sw_prefetch(void);
+
+/* 1 when the AVX-512 kernels run Zen 4's tuning, 0 Zen 5's (the process's
+ * choice, made with the kernel set; the same bits either way). The two
+ * differ where those machines measured differently:
+ * - the stats pass prefetches the gradient 8 KiB ahead into L2 (Zen 4)
+ *   or into L1 (Zen 5) (kernels_avx512.c, stats_rows; Zen 4, 4096x4096
+ *   float32 stats at 1 thread 5.7-6.2 -> 3.8-4.3 ms into L2, 4096x11008
+ *   14.6-15.0 -> 8.9-9.3 ms, twenty-eighth session; Zen 5: L1,
+ *   twentieth session);
+ * - the float32 apply takes rows of 3072 columns or more four at a time
+ *   (Zen 4, seventeenth session; re-measured in the twenty-eighth: 4096
+ *   columns one at a time were 5-15% slower at 1 thread) or only rows
+ *   over 4096 (Zen 5, twentieth session) (kernels_avx512.c,
+ *   one_row_apply_max).
+ * Zen 4's on AMD family 25, Zen 5's elsewhere (Intel unmeasured);
+ * AUTOMAGIC_TUNING=zen4 or zen5 overrides. Read by am_kernels_avx2 while
+ * the kernels are chosen (0 before). */
+int am_tuning_zen4(void);
 
 /* For tests and benchmarks: sets am_sw_prefetch() (not thread-safe with
  * respect to updates running at the same time). */

@@ -780,10 +780,10 @@ static void finish_lr_row_task(void *ctx, int64_t kr) {
 
 /* Long lr-rows of float32 matrices (C >= AM_LONG_ROW_MIN, internal.h): a
  * task and an apply_rows call per AM_LONG_BLOCK_ROWS of them, which the
- * AVX-512 apply runs together when they are longer than 4096 (where it
- * gets float32: CPUs with AVX-512 and software prefetch off, i.e. AMD;
- * rows of 3072-4096 it runs one at a time since the twentieth session,
- * AM_ONE_ROW_APPLY_MAX in kernels_avx512.c; the other kernel sets run the
+ * AVX-512 apply runs together (where it gets float32: CPUs with AVX-512
+ * and software prefetch off, i.e. AMD): all of them with Zen 4's tuning,
+ * those longer than 4096 with Zen 5's (one_row_apply_max in
+ * kernels_avx512.c, am_tuning_zen4 in simd.h); the other kernel sets run the
  * rows of a block one at a time, as before; not measured there). From memory,
  * one row at a time re-read the column factors from L2 for each row (C * 4
  * bytes, more than L1 keeps while the row streams pass): 4096x11008

@@ -412,6 +412,27 @@ static void test_slots(void **unused) {
     }
 }
 
+/* The AVX-512 stats pass prefetches into L1 or into L2 (am_tuning_zen4: by
+ * CPU family), and test_slots checks the one this CPU runs: both
+ * against the reference here, alone in a copy of the reference set (every
+ * tile width: the AVX-512 set sends some to the AVX2 stats). */
+static void test_avx512_stats_levels(void **unused) {
+    uint64_t s = g_seed;
+    int si, gdt, l2;
+    (void)unused;
+    if (!am_cpu_has_avx512() || !am_avx512_stats(0)) {
+        print_message("SKIPPED: no AVX-512 stats on this build/CPU\n");
+        skip();
+    }
+    for (l2 = 0; l2 < 2; l2++) {
+        am_kernels t = am_kernels_ref;
+        t.stats_tile = am_avx512_stats(l2);
+        assert_non_null(t.stats_tile);
+        for (si = 0; si < NSIZES; si++)
+            for (gdt = 0; gdt < 3; gdt++) check_slots(&am_kernels_ref, &t, SIZES[si], gdt, gdt, &s);
+    }
+}
+
 /* The batched small-matrix slots (stats_mats, u2_mats, moments_mats) give
  * the reference's bits: matrix shapes inside and outside the vector path's
  * limits, batch lengths around multiples of 8, a start offset, an inf in the
@@ -1343,9 +1364,11 @@ static void test_updates(void **unused) {
     for (x = 0; x < nextra; x++) check_shape(&extra[x], x & 1 ? 0.1 : 0.0, &failures);
     {   /* long float32 rows in blocks of 4 lr-rows (update.c, long_row_blocks):
          * tails of 16 and of single columns and a last block of 3 rows, then
-         * whole vectors only; rows of up to 4096 (a, b) the AVX-512 apply
-         * takes one at a time, longer ones (c) four at a time (apply_long4,
-         * AM_ONE_ROW_APPLY_MAX); with and without software prefetch (an
+         * whole vectors only; rows of 3072 to 4096 (a, b) the AVX-512 apply
+         * takes one at a time with Zen 5's tuning and four at a time with
+         * Zen 4's (am_tuning_zen4; a's last block of 3 rows one at a time
+         * under both), longer ones (c, d) four at a time (apply_long4);
+         * with and without software prefetch (an
          * AVX-512 CPU runs the float32 apply in AVX-512 only without it:
          * avx512x_apply_rows) */
         const int pf0 = am_sw_prefetch();
@@ -1412,6 +1435,7 @@ int main(void) {
         cmocka_unit_test(test_philox),
         cmocka_unit_test(test_slots),
         cmocka_unit_test(test_portable_slots),
+        cmocka_unit_test(test_avx512_stats_levels),
         cmocka_unit_test(test_narrow_stats),
         cmocka_unit_test(test_rows4_apply),
         cmocka_unit_test(test_mats_slots),
