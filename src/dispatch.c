@@ -79,7 +79,10 @@ static int detect_avx512(void) { return 0; }
 static int g_has_avx2, g_has_avx512, g_is_amd, g_family;
 static pthread_once_t g_cpu_once = PTHREAD_ONCE_INIT;
 static atomic_int g_sw_prefetch = 1; /* set by choose() */
-static atomic_int g_zen4;            /* set by choose() */
+static atomic_int g_zen4;            /* set by detect() */
+/* AUTOMAGIC_TUNING as detect() found it: 0 unset, 1 zen4 or zen5, -1 any
+ * other value (ignored, and warned of by ensure_chosen) */
+static int g_tuning_env;
 
 #if defined(__x86_64__) || defined(__i386__)
 static int detect_amd(void) {
@@ -102,16 +105,28 @@ static int detect_family(void) { return 0; }
 #endif
 
 static void detect(void) {
+    const char *tun = getenv("AUTOMAGIC_TUNING");
     g_has_avx2 = detect_avx2();
     g_has_avx512 = detect_avx512();
     g_is_amd = detect_amd();
     g_family = detect_family();
+    g_tuning_env = !tun || !tun[0] ? 0 : !strcmp(tun, "zen4") || !strcmp(tun, "zen5") ? 1 : -1;
+    atomic_store(&g_zen4, g_tuning_env == 1 ? !strcmp(tun, "zen4") : g_is_amd && g_family == 25);
 }
 
 int am_sw_prefetch(void) { return atomic_load_explicit(&g_sw_prefetch, memory_order_relaxed); }
 
-/* (no ensure_chosen: am_kernels_avx2 reads it inside choose's pthread_once) */
-int am_tuning_zen4(void) { return atomic_load_explicit(&g_zen4, memory_order_relaxed); }
+/* (the CPU's detection only, not ensure_chosen: am_kernels_avx2 reads it
+ * inside choose's pthread_once) */
+int am_tuning_zen4(void) {
+    pthread_once(&g_cpu_once, detect);
+    return atomic_load_explicit(&g_zen4, memory_order_relaxed);
+}
+
+void am_set_tuning_zen4(int on) {
+    ensure_chosen();
+    atomic_store(&g_zen4, on != 0);
+}
 
 void am_set_sw_prefetch(int on) {
     ensure_chosen();
@@ -125,6 +140,8 @@ int am_cpu_has_avx512(void) {
 
 static char g_debug_msg[512];       /* AUTOMAGIC_DEBUG's message (choose) */
 static atomic_int g_debug_pending;  /* 1 until ensure_chosen logs it */
+static char g_warn_msg[160];        /* a bad AUTOMAGIC_TUNING (choose) */
+static atomic_int g_warn_pending;   /* 1 until ensure_chosen logs it */
 
 static void choose(void) {
     const char *force = getenv("AUTOMAGIC_FORCE_SCALAR");
@@ -133,14 +150,18 @@ static void choose(void) {
     const char *pmb = getenv("AUTOMAGIC_PAR_MIN_BYTES");
     const char *pf = getenv("AUTOMAGIC_PREFETCH");
     const char *no512 = getenv("AUTOMAGIC_NO_AVX512"); /* (for the message below) */
-    const char *tun = getenv("AUTOMAGIC_TUNING");
-    const int tun_set = tun && (!strcmp(tun, "zen4") || !strcmp(tun, "zen5"));
+    const char *tun = getenv("AUTOMAGIC_TUNING"); /* (for the messages below) */
     const char *why = "no optimised kernels for this CPU";
     pthread_once(&g_cpu_once, detect);
     if (pmb && pmb[0]) g_par_min_bytes = atof(pmb);
     atomic_store(&g_sw_prefetch, pf && (pf[0] == '0' || pf[0] == '1') ? pf[0] == '1' : !g_is_amd);
-    /* before am_kernels_avx2(), which reads it */
-    atomic_store(&g_zen4, tun_set ? !strcmp(tun, "zen4") : g_is_amd && g_family == 25);
+    if (g_tuning_env < 0) {
+        snprintf(g_warn_msg, sizeof g_warn_msg,
+                 "automagic: AUTOMAGIC_TUNING='%.40s' is not zen4 or zen5: ignored (the "
+                 "CPU's default, %s, is used)",
+                 tun ? tun : "", atomic_load(&g_zen4) ? "zen4" : "zen5");
+        atomic_store(&g_warn_pending, 1);
+    }
     g_best = am_kernels_portable() ? am_kernels_portable() : &am_kernels_ref;
     if (am_kernels_avx2() == NULL)
         why = am_kernels_portable() ? "no x86 AVX2 kernels in this build: the portable vector "
@@ -188,7 +209,7 @@ static void choose(void) {
                  : atomic_load(&g_zen4)       ? "; AVX-512 tuning zen4 ("
                                               : "; AVX-512 tuning zen5 (",
                  !a512                        ? ""
-                 : tun_set                    ? "AUTOMAGIC_TUNING"
+                 : g_tuning_env == 1          ? "AUTOMAGIC_TUNING"
                  : g_is_amd && g_family == 25 ? "AMD family 25"
                                               : "not AMD family 25",
                  a512 ? ")" : "");
@@ -196,10 +217,14 @@ static void choose(void) {
     }
 }
 
-/* The kernels chosen (once), then the debug message, if any, logged by the
- * first caller to see it pending (outside pthread_once: see choose). */
+/* The kernels chosen (once), then the warning and the debug message, if
+ * any, logged by the first caller to see them pending (outside
+ * pthread_once: see choose). */
 static void ensure_chosen(void) {
     pthread_once(&g_once, choose);
+    if (atomic_load_explicit(&g_warn_pending, memory_order_relaxed) &&
+        atomic_exchange(&g_warn_pending, 0))
+        am_log(AM_LOG_WARNING, "%s", g_warn_msg);
     if (atomic_load_explicit(&g_debug_pending, memory_order_relaxed) &&
         atomic_exchange(&g_debug_pending, 0))
         am_log(AM_LOG_INFO, "%s", g_debug_msg);

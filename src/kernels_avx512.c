@@ -29,7 +29,7 @@
 /* stats_rows' prefetch distance (Zen 5, 4096x4096 float32 stats at 1
  * thread: 1 KiB 3.87 ms, 4 KiB 2.66, 8 KiB 2.28-2.31, 16 and 32 KiB
  * 2.29-2.32; Zen 4 with the prefetch into L2: 4 KiB 4.8-5.2 ms, 8 KiB
- * 3.8-4.3, 16 KiB 4.8-5.0) */
+ * 3.8-4.8, 16 KiB 4.8-5.0) */
 #define AM_STATS_PREFETCH_BYTES 8192
 
 /* Word w < 16 taken from word 2w + 1: the high halves of 16 32-bit lanes. */
@@ -332,7 +332,8 @@ AM_INLINE uint32_t pos_mask16(const void *g, const int gdt, int64_t idx, __m512i
     }
 }
 
-/* The gradient's prefetch at pf: into L2 (l2) or L1 (am_tuning_zen4). */
+/* The gradient's prefetch at pf: into L2 with l2 (Zen 4's tuning,
+ * am_tuning_zen4 in simd.h), else into L1. */
 AM_INLINE void stats_prefetch(const char *pf, const int gdt, const int l2) {
     if (l2) {
         _mm_prefetch(pf, _MM_HINT_T1);

@@ -294,22 +294,28 @@ int am_cpu_has_avx2(void);
 int am_sw_prefetch(void);
 
 /* 1 when the AVX-512 kernels run Zen 4's tuning, 0 Zen 5's (the process's
- * choice, made with the kernel set; the same bits either way). The two
- * differ where those machines measured differently:
+ * choice, made once with the CPU's detection; the same bits either way).
+ * The two differ where those machines measured differently:
  * - the stats pass prefetches the gradient 8 KiB ahead into L2 (Zen 4)
  *   or into L1 (Zen 5) (kernels_avx512.c, stats_rows; Zen 4, 4096x4096
- *   float32 stats at 1 thread 5.7-6.2 -> 3.8-4.3 ms into L2, 4096x11008
+ *   float32 stats at 1 thread 5.7-6.1 -> 3.8-4.8 ms into L2, 4096x11008
  *   14.6-15.0 -> 8.9-9.3 ms, twenty-eighth session; Zen 5: L1,
- *   twentieth session);
+ *   twentieth session); am_kernels_avx2 picks the stats kernel by it;
  * - the float32 apply takes rows of 3072 columns or more four at a time
- *   (Zen 4, seventeenth session; re-measured in the twenty-eighth: 4096
- *   columns one at a time were 5-15% slower at 1 thread) or only rows
- *   over 4096 (Zen 5, twentieth session) (kernels_avx512.c,
- *   one_row_apply_max).
+ *   (Zen 4, seventeenth session; re-measured in the twenty-eighth: the
+ *   finish of 4096x4096 at 1 thread 6.2-7.8 ms one row at a time against
+ *   6.1-6.5, 768x3072 0.74-0.79 against 0.67-0.68) or only rows over
+ *   4096 (Zen 5, twentieth session) (kernels_avx512.c,
+ *   one_row_apply_max, which reads it at every call).
  * Zen 4's on AMD family 25, Zen 5's elsewhere (Intel unmeasured);
- * AUTOMAGIC_TUNING=zen4 or zen5 overrides. Read by am_kernels_avx2 while
- * the kernels are chosen (0 before). */
+ * AUTOMAGIC_TUNING=zen4 or zen5 overrides (any other value is ignored
+ * with a warning through the log callback). */
 int am_tuning_zen4(void);
+
+/* For tests: sets am_tuning_zen4(), which the float32 apply's threshold
+ * follows at once; the stats kernel chosen with the kernel set stays (not
+ * thread-safe with respect to updates running at the same time). */
+void am_set_tuning_zen4(int on);
 
 /* For tests and benchmarks: sets am_sw_prefetch() (not thread-safe with
  * respect to updates running at the same time). */

@@ -7,7 +7,9 @@
  *   - with AUTOMAGIC_DEBUG=1 the first update logs which kernels run, and a
  *     log callback that calls back into the library (am_kernel_name) must
  *     not deadlock: the message was logged inside the pthread_once that
- *     chooses the kernels, which the callback's call waited on forever.
+ *     chooses the kernels, which the callback's call waited on forever;
+ *     the same for the warning of an unrecognised AUTOMAGIC_TUNING, logged
+ *     once.
  * An alarm fails the test instead of hanging. The library's path comes
  * from CMake (AM_SHARED_LIBRARY). */
 #define _POSIX_C_SOURCE 200809L
@@ -96,12 +98,15 @@ static void updates(const api *a) {
 }
 
 static api g_api;
-static int g_logged;
+static int g_logged, g_warned;
 static char g_name[64];
 
 static void reentrant_log(am_log_level lvl, const char *msg, void *user) {
-    (void)lvl;
     (void)user;
+    if (lvl == AM_LOG_WARNING && strstr(msg, "AUTOMAGIC_TUNING='bogus' is not zen4 or zen5")) {
+        g_warned++; /* the bad value's warning, also outside pthread_once */
+        strncpy(g_name, g_api.kernel_name(), sizeof g_name - 1);
+    }
     if (strstr(msg, "using")) {
         /* back into the library from the callback */
         strncpy(g_name, g_api.kernel_name(), sizeof g_name - 1);
@@ -112,12 +117,14 @@ static void reentrant_log(am_log_level lvl, const char *msg, void *user) {
 static void test_debug_log_callback_may_call_the_library(void **unused) {
     (void)unused;
     setenv("AUTOMAGIC_DEBUG", "1", 1); /* before the library's first use */
+    setenv("AUTOMAGIC_TUNING", "bogus", 1); /* warned of once, then ignored */
     load(&g_api);
     assert_int_equal(g_api.set_log_callback(reentrant_log, NULL), AM_OK);
     alarm(120);
     updates(&g_api);
     alarm(0);
     assert_int_equal(g_logged, 1);
+    assert_int_equal(g_warned, 1);
     assert_string_equal(g_name, g_api.kernel_name());
     assert_int_equal(g_api.set_log_callback(NULL, NULL), AM_OK);
     assert_int_equal(dlclose(g_api.h), 0);

@@ -424,6 +424,7 @@ static void test_avx512_stats_levels(void **unused) {
         print_message("SKIPPED: no AVX-512 stats on this build/CPU\n");
         skip();
     }
+    assert_ptr_not_equal(am_avx512_stats(0), am_avx512_stats(1));
     for (l2 = 0; l2 < 2; l2++) {
         am_kernels t = am_kernels_ref;
         t.stats_tile = am_avx512_stats(l2);
@@ -1366,23 +1367,27 @@ static void test_updates(void **unused) {
          * tails of 16 and of single columns and a last block of 3 rows, then
          * whole vectors only; rows of 3072 to 4096 (a, b) the AVX-512 apply
          * takes one at a time with Zen 5's tuning and four at a time with
-         * Zen 4's (am_tuning_zen4; a's last block of 3 rows one at a time
-         * under both), longer ones (c, d) four at a time (apply_long4);
-         * with and without software prefetch (an
-         * AVX-512 CPU runs the float32 apply in AVX-512 only without it:
-         * avx512x_apply_rows) */
-        const int pf0 = am_sw_prefetch();
-        int pf;
-        for (pf = 0; pf <= 1; pf++) {
-            am_shape a = mk(2, 67, 3100, 0, 0), b = mk(2, 64, 4096, 0, 0);
-            am_shape c = mk(2, 67, 4113, 0, 0), d = mk(2, 64, 4160, 0, 0);
-            am_set_sw_prefetch(pf);
-            check_shape(&a, pf ? 0.0 : 0.1, &failures);
-            check_shape(&b, pf ? 0.1 : 0.0, &failures);
-            check_shape(&c, pf ? 0.0 : 0.1, &failures);
-            check_shape(&d, pf ? 0.1 : 0.0, &failures);
-        }
+         * Zen 4's (am_tuning_zen4: both run here, whatever the CPU; a's
+         * last block of 3 rows one at a time under both), longer ones (c,
+         * d) four at a time (apply_long4); with and without software
+         * prefetch (an AVX-512 CPU runs the float32 apply in AVX-512 only
+         * without it: avx512x_apply_rows) */
+        const int pf0 = am_sw_prefetch(), zen0 = am_tuning_zen4();
+        int pf, zen;
+        for (zen = 0; zen <= 1; zen++)
+            for (pf = 0; pf <= 1; pf++) {
+                am_shape a = mk(2, 67, 3100, 0, 0), b = mk(2, 64, 4096, 0, 0);
+                am_shape c = mk(2, 67, 4113, 0, 0), d = mk(2, 64, 4160, 0, 0);
+                am_set_tuning_zen4(zen);
+                am_set_sw_prefetch(pf);
+                check_shape(&a, pf ? 0.0 : 0.1, &failures);
+                check_shape(&b, pf ? 0.1 : 0.0, &failures);
+                if (zen) continue; /* (c and d take the same path under both) */
+                check_shape(&c, pf ? 0.0 : 0.1, &failures);
+                check_shape(&d, pf ? 0.1 : 0.0, &failures);
+            }
         am_set_sw_prefetch(pf0);
+        am_set_tuning_zen4(zen0);
     }
     {   /* 65536 3x3 matrices: big enough that every pass engages threads */
         am_shape big = mk(4, 256, 256, 3, 3);
