@@ -79,5 +79,27 @@ c=$("$tmp/qs_shared_pc" | tail -n 1)
 d=$("$tmp/consumer2/b/qs_shared" | tail -n 1)
 [ "$a" = "$c" ] && [ "$a" = "$d" ] ||
   { echo "install: shared-only consumers differ: '$a', '$c', '$d'"; exit 1; }
+# A cJSON in a prefix of its own (not in the linker's default path): the
+# .pc file's Libs.private must carry its -L, or `pkg-config --static`
+# users could not link (configured only: the .pc is written at configure
+# time; linking could not tell, the system's cJSON being found anyway).
+cjdir=$(pkg-config --variable=libdir libcjson)
+mkdir -p "$tmp/cjson/lib/pkgconfig"
+ln -s "$cjdir"/libcjson.so* "$tmp/cjson/lib/"
+cat > "$tmp/cjson/lib/pkgconfig/libcjson.pc" <<PC
+libdir=$tmp/cjson/lib
+Name: libcjson
+Description: cJSON in a prefix of its own (check_install.sh)
+Version: $(pkg-config --modversion libcjson)
+Libs: -L\${libdir} -lcjson
+Cflags: $(pkg-config --cflags libcjson)
+PC
+PKG_CONFIG_PATH="$tmp/cjson/lib/pkgconfig" cmake -S "$root" -B "$tmp/build_cj" \
+  -DAM_BUILD_TESTS=OFF -DAM_BUILD_EXAMPLES=OFF -DAM_BUILD_DEMO=OFF -DAM_CUDA=OFF >/dev/null
+grep -qx "Libs.private: -L$tmp/cjson/lib -lcjson -lz -lm -pthread" "$tmp/build_cj/automagic.pc" ||
+  { grep Libs "$tmp/build_cj/automagic.pc"; echo "install: cJSON's -L missing from Libs.private"; exit 1; }
+grep -qx "Libs.private: -lcjson -lz -lm -pthread" "$tmp/prefix/lib/pkgconfig/automagic.pc" ||
+  { grep Libs "$tmp/prefix/lib/pkgconfig/automagic.pc"; echo "install: Libs.private changed"; exit 1; }
 echo "install: pkg-config and CMake consumers built and ran: $a"
 echo "install: shared-only consumers without libcjson's pkg-config file built and ran"
+echo "install: a cJSON in its own prefix is named in automagic.pc's Libs.private"
