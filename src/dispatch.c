@@ -81,8 +81,10 @@ static pthread_once_t g_cpu_once = PTHREAD_ONCE_INIT;
 static atomic_int g_sw_prefetch = 1; /* set by choose() */
 static atomic_int g_zen4;            /* set by detect() */
 /* AUTOMAGIC_TUNING as detect() found it: 0 unset, 1 zen4 or zen5, -1 any
- * other value (ignored, and warned of by ensure_chosen) */
+ * other value (ignored, and warned of by ensure_chosen), that value in
+ * g_tuning_bad */
 static int g_tuning_env;
+static const char *g_tuning_bad;
 
 #if defined(__x86_64__) || defined(__i386__)
 static int detect_amd(void) {
@@ -111,6 +113,7 @@ static void detect(void) {
     g_is_amd = detect_amd();
     g_family = detect_family();
     g_tuning_env = !tun || !tun[0] ? 0 : !strcmp(tun, "zen4") || !strcmp(tun, "zen5") ? 1 : -1;
+    g_tuning_bad = g_tuning_env < 0 ? tun : NULL;
     atomic_store(&g_zen4, g_tuning_env == 1 ? !strcmp(tun, "zen4") : g_is_amd && g_family == 25);
 }
 
@@ -150,7 +153,6 @@ static void choose(void) {
     const char *pmb = getenv("AUTOMAGIC_PAR_MIN_BYTES");
     const char *pf = getenv("AUTOMAGIC_PREFETCH");
     const char *no512 = getenv("AUTOMAGIC_NO_AVX512"); /* (for the message below) */
-    const char *tun = getenv("AUTOMAGIC_TUNING"); /* (for the messages below) */
     const char *why = "no optimised kernels for this CPU";
     pthread_once(&g_cpu_once, detect);
     if (pmb && pmb[0]) g_par_min_bytes = atof(pmb);
@@ -159,7 +161,7 @@ static void choose(void) {
         snprintf(g_warn_msg, sizeof g_warn_msg,
                  "automagic: AUTOMAGIC_TUNING='%.40s' is not zen4 or zen5: ignored (the "
                  "CPU's default, %s, is used)",
-                 tun ? tun : "", atomic_load(&g_zen4) ? "zen4" : "zen5");
+                 g_tuning_bad, atomic_load(&g_zen4) ? "zen4" : "zen5");
         atomic_store(&g_warn_pending, 1);
     }
     g_best = am_kernels_portable() ? am_kernels_portable() : &am_kernels_ref;
