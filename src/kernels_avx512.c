@@ -1067,8 +1067,19 @@ AM_INLINE __m512 fac3(const __m512 *r, const __m512 *c, const int v) {
  * runs ahead gained less, 8 no more. Addresses as integers: past the end
  * of the arrays near the last runs (a prefetch never faults). */
 #define AM_APPLY3_AHEAD 4
+/* With far (Zen 4's tuning, float32 parameters): the parameter also
+ * AM_APPLY3_FAR runs (18 KiB) ahead into L2, where the prefetch into L1
+ * above (2.3 KiB ahead) is too close to hide the memory's latency. Zen 4,
+ * 1 thread, from cold caches, ns an element (two libraries alternated,
+ * three rounds): 256x256x3x3 float32 1.14-1.27 -> 0.98-1.06,
+ * 1280x1280x3x3 1.26-1.31 -> 1.22-1.25; 16 runs ahead 0.97-1.05 and
+ * 1.21-1.27, 64 runs 1.00-1.09; the gradient prefetched too (it comes
+ * from the L3, read by the sweep just before) no better. 16-bit
+ * parameters: no gain (bfloat16 1.05-1.26 -> 1.07-1.13, float16
+ * 1.14-1.19 -> 1.17-1.22), not taken. */
+#define AM_APPLY3_FAR 32
 AM_INLINE void mats3_prefetch(const void *p, const int pdt, int64_t f, const float *rb,
-                              const float *cb) {
+                              const float *cb, const int far) {
     const uintptr_t pe = pdt == AM_DTYPE_FLOAT32 ? 4 : 2, ahead = AM_APPLY3_AHEAD;
     const uintptr_t pp = (uintptr_t)p + ((uintptr_t)f + 144 * ahead) * pe;
     const uintptr_t rp = (uintptr_t)rb + 192 * ahead, cp = (uintptr_t)cb + 192 * ahead;
@@ -1077,6 +1088,10 @@ AM_INLINE void mats3_prefetch(const void *p, const int pdt, int64_t f, const flo
     for (o = 0; o < 192; o += 64) {
         _mm_prefetch((const char *)(rp + o), _MM_HINT_T0);
         _mm_prefetch((const char *)(cp + o), _MM_HINT_T0);
+    }
+    if (far) {
+        const uintptr_t fp = (uintptr_t)p + ((uintptr_t)f + 144 * AM_APPLY3_FAR) * pe;
+        for (o = 0; o < 144 * pe; o += 64) _mm_prefetch((const char *)(fp + o), _MM_HINT_T1);
     }
 }
 
@@ -1109,8 +1124,9 @@ AM_INLINE int64_t mats_mode(void *p, const int pdt, const void *g, const int gdt
     } while (0)
     if (R == 3 && C == 3) { /* runs of 16 matrices: 144 elements, 48 rf and cf */
         const float *rb = rf + r0, *cb = cf + r0; /* cf of matrix r0 / 3: (r0 / 3) * 3 */
+        const int far = pdt == AM_DTYPE_FLOAT32 && am_tuning_zen4();
         for (f = f0; f < f1; f += 144, rb += 48, cb += 48) {
-            mats3_prefetch(p, pdt, f, rb, cb);
+            mats3_prefetch(p, pdt, f, rb, cb, far);
             const __m512 r[3] = {_mm512_loadu_ps(rb), _mm512_loadu_ps(rb + 16),
                                  _mm512_loadu_ps(rb + 32)};
             const __m512 c[3] = {_mm512_loadu_ps(cb), _mm512_loadu_ps(cb + 16),

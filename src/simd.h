@@ -306,7 +306,11 @@ int am_sw_prefetch(void);
  *   finish of 4096x4096 at 1 thread 6.2-7.8 ms one row at a time against
  *   6.1-6.5, 768x3072 0.74-0.79 against 0.67-0.68) or only rows over
  *   4096 (Zen 5, twentieth session) (kernels_avx512.c,
- *   one_row_apply_max, which reads it at every call).
+ *   one_row_apply_max, which reads it at every call);
+ * - the float32 apply of 3x3 matrices also prefetches the parameter
+ *   18 KiB ahead into L2 (Zen 4, twenty-ninth session: 256x256x3x3 from
+ *   cold caches at 1 thread 7-15% faster; Zen 5 unmeasured, left as it
+ *   was) (kernels_avx512.c, mats3_prefetch, read at every call).
  * Zen 4's on AMD family 25, Zen 5's elsewhere (Intel unmeasured);
  * AUTOMAGIC_TUNING=zen4 or zen5 overrides (any other value is ignored
  * with a warning through the log callback). */
