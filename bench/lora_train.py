@@ -8,7 +8,17 @@ Each step builds a cheap forward (each adapter times a fixed tensor,
 summed), evicts the caches (untimed, as a real model's forward would), then
 times backward plus the optimizer. "bare" is the same backward with no
 optimizer; each optimizer's cost is its time minus bare's. Kinds run
-round-robin; the minimum of each is kept."""
+round-robin, two steps of a kind in a row with the second timed; the
+minimum of each is kept.
+
+Why two: every kind's backward allocates its own 12 MB of gradients, and
+one kind's frees can leave the top of the C heap free, which glibc then
+gives back to the system, so the next kind's gradients page-fault back in.
+With one step of each in turn, step mode (after fused mode, which frees
+each gradient inside backward) took about 1900 page faults a step, 3-4 ms
+of its time, that a training loop running one optimizer never sees
+(twenty-ninth session: 0 faults from its second step on). The first step
+of each pair brings the heap to that kind's steady state."""
 import time
 
 
@@ -55,6 +65,7 @@ def lora_train_bench(torch, automagic, make_params, evict, shapes, threads, reps
         one(k)  # warm-up: state allocation
     for _ in range(reps):
         for k in runs:
+            one(k)  # (untimed: the heap as this kind leaves it, see above)
             times[k].append(one(k))
     for k, (_, _, opt) in runs.items():
         if k.startswith("ours"):
