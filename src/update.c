@@ -730,19 +730,16 @@ static int counts_valid(const upd *u) {
     return m / u->scale > 0.0f && m * u->inv > 0.0f;
 }
 
-/* Lr-row kr of finish_lr_rows_task; with bumped, its agreement and lr are
- * done (the stats pass counted them). */
-static inline __attribute__((always_inline)) void finish_lr_row(fin *f, int64_t kr,
-                                                               const int bumped) {
+/* Lr-row kr of finish_lr_rows_task: its agreement and lr bump where the
+ * stats pass did not count them (else the task did both), its apply. */
+static inline __attribute__((always_inline)) void finish_lr_row(fin *f, int64_t kr) {
     upd *u = f->u;
     const am_geom *g = &u->g;
     int64_t rows = g->m / g->C, r0 = kr * rows, matches = 0;
     const float *rf = WS(u, off_rf, float), *cf = WS(u, off_cf, float);
     uint8_t *pol = f->state->polarity + kr * g->pol_row_bytes;
     uint8_t *wbits = f->counted ? pol : NULL; /* the apply writes the new bits */
-    if (f->counted) {
-        if (!bumped) agree_and_bump(f, kr, counted_matches(u, kr));
-    } else {
+    if (!f->counted) {
         int by_sign = 0;
         if (u->mats_sweep) { /* (g > 0) against the old bits, then the bound */
             const size_t es = am_dtype_size(u->grad->dtype);
@@ -795,12 +792,9 @@ static void finish_lr_rows_task(void *ctx, int64_t blk) {
     const int64_t k0 = blk * f->per,
                   k1 = k0 + f->per < f->u->g.lr_rows ? k0 + f->per : f->u->g.lr_rows;
     int64_t kr;
-    if (f->counted) {
+    if (f->counted)
         for (kr = k0; kr < k1; kr++) agree_and_bump(f, kr, counted_matches(f->u, kr));
-        for (kr = k0; kr < k1; kr++) finish_lr_row(f, kr, 1);
-    } else {
-        for (kr = k0; kr < k1; kr++) finish_lr_row(f, kr, 0);
-    }
+    for (kr = k0; kr < k1; kr++) finish_lr_row(f, kr);
 }
 
 /* Many short lr-rows, each one matrix row (m == C <= AM_SHORT_ROW, e.g.
@@ -1032,6 +1026,7 @@ static am_status run_finish(upd *u, am_state *state, am_report *rep) {
     f.copies = 0;
     f.bump = NULL;
     f.atab = NULL;
+    f.per = 1;
     if (g->ndim >= 2 && state->step > 0 && g->m <= AM_BUMP_TABLE_MAX &&
         g->lr_rows > 2 * (g->m + 1)) {
         for (t = 0; t <= g->m; t++) {
