@@ -423,7 +423,7 @@ typedef struct am_kernels {
     /* count_pos: how many of (g[e] > 0), e < n, equal the stored bits
      * 0..n-1 of bits (bit 0 of byte 0 first; only read), and in *minpos
      * the smallest g > 0 (+inf when none): the agreement of an lr-row of
-     * many small matrices when a bound (finish_lr_row_task in update.c)
+     * many small matrices when a bound (finish_lr_row in update.c)
      * shows that u / scale has the sign of g there. */
     int64_t (*count_pos)(const void *g, int gdt, int64_t n, const uint8_t *bits,
                          float *minpos);

@@ -186,9 +186,10 @@ AM_INLINE void rows8(const void *g, const int gdt, const int cnt, const int N, i
 #define AM_NARROW_PREFETCH_BYTES 8192
 #define AM_NARROW_LOOP(GD, CNT, N)                                                          \
     for (; i + 8 <= i1; i += 8) {                                                           \
-        if (l2pf)                                                                           \
-            am_prefetch_l2((const char *)g + (size_t)(i * N) * ((GD) == AM_DTYPE_FLOAT32 ? 4 : 2) + \
-                               AM_NARROW_PREFETCH_BYTES,                                    \
+        if (l2pf) /* (as an integer: the address may lie past the gradient) */             \
+            am_prefetch_l2((const char *)((uintptr_t)g +                                    \
+                                          (uintptr_t)(i * N) * ((GD) == AM_DTYPE_FLOAT32 ? 4 : 2) + \
+                                          AM_NARROW_PREFETCH_BYTES),                        \
                            8 * N * ((GD) == AM_DTYPE_FLOAT32 ? 4 : 2));                     \
         rows8(g, GD, CNT, N, i, i0, rowpart, colpart, pm, rowmatch, mn, ws);                \
     }

@@ -805,6 +805,10 @@ AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
     const int pf = am_sw_prefetch(), es = pdt == AM_DTYPE_FLOAT32 ? 4 : 2;
     const int ges = gdt == AM_DTYPE_FLOAT32 ? 4 : 2;
     const int64_t l2ahead = AM_L2_PREFETCH_BYTES / es;
+    /* the parameter's L2 prefetch below: 16-bit parameters, and float32
+     * rows shorter than AM_LONG_ROW_MIN (internal.h; longer ones measured
+     * 3-10% slower with it, simd.h) */
+    const int l2p = pdt != AM_DTYPE_FLOAT32 || C < AM_LONG_ROW_MIN;
     bitw bw = {pol_row, 0, 0, 0};
     int64_t r, j, bend = (r0 / R + 1) * R; /* the end of row r's matrix */
     const float *cfb = cf + (r0 / R) * C;
@@ -848,13 +852,14 @@ AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
             if (pf) { /* am_sw_prefetch (simd.h) */
                 _mm_prefetch((const char *)p + (base + j + AM_PREFETCH) * es, _MM_HINT_T0);
                 _mm_prefetch((const char *)g + (base + j + AM_PREFETCH) * ges, _MM_HINT_T0);
-            } else {
+            } else if (l2p) {
                 /* AM_L2_PREFETCH_BYTES of p ahead (simd.h), and of g for
-                 * 16-bit parameters. float32 parameters too since the
-                 * twenty-ninth session: a small matrix's rows start cold
-                 * (LoRA's 16x1024 from cold caches 0.90-0.99 -> 0.77-0.81
-                 * ns an element on Zen 4; large matrices, whose streams
-                 * the hardware prefetcher follows, within the noise) */
+                 * 16-bit parameters. float32 rows under AM_LONG_ROW_MIN
+                 * too since the twenty-ninth session: a small matrix's
+                 * rows start cold (LoRA's 16x1024 from cold caches
+                 * 0.90-0.99 -> 0.77-0.81 ns an element on Zen 4; 3072x768,
+                 * 1024x1024 and 768x2304, whose streams the hardware
+                 * prefetcher follows, within the noise) */
                 am_prefetch_l2((const char *)p + (base + j + l2ahead) * es, 64 * es);
                 if (pdt != AM_DTYPE_FLOAT32)
                     am_prefetch_l2((const char *)g + (base + j + l2ahead) * ges, 64 * ges);

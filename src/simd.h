@@ -23,8 +23,11 @@
  * (thirteenth session, same-binary alternation, 4096x4096 at 1 thread):
  * AVX-512 apply 6.3-6.7 -> 5.3-5.7 ms bfloat16, 7.8-8.3 -> 7.0-7.3 float16;
  * AVX2 float32 7.0-7.8 -> 6.4-7.4; 2, 4 and 6 KB ahead alike. Not for the
- * AVX-512 float32 apply (4096x4096 no better, 11008x4096 3-10% slower) nor
- * the 1-D finish (no gain); docs/PERFORMANCE_HISTORY.md. */
+ * AVX-512 float32 apply of long rows (4096x4096 no better, 11008x4096
+ * 3-10% slower) nor the 1-D finish (no gain); since the twenty-ninth
+ * session its rows under AM_LONG_ROW_MIN prefetch the parameter (small
+ * matrices' rows start cold: LoRA's 16x1024 from cold caches 10-15%
+ * faster); docs/PERFORMANCE_HISTORY.md. */
 #define AM_L2_PREFETCH_BYTES 4096
 
 #if defined(__x86_64__)
@@ -286,9 +289,11 @@ int am_cpu_has_avx2(void);
  * session) they cost time, the same apply 9.0 -> 7.7 ms without them and
  * 5.9 ms in AVX-512, which runs float32 parameters' apply only when this
  * is 0 (other AMD families follow Zen 4 unmeasured). Where it is 0, the
- * AVX2 stats prefetch the next group of rows into L2 instead, and the
- * 16-bit apply of large matrices AM_L2_PREFETCH_BYTES ahead into L2. The
- * AVX-512 stats pass does not look at it (am_tuning_zen4).
+ * AVX2 stats prefetch the next group of rows into L2 instead, the narrow
+ * ones (4-32 columns) 8 KiB ahead, and the AVX-512 apply of 16-bit
+ * parameters and of float32 rows under AM_LONG_ROW_MIN prefetches
+ * AM_L2_PREFETCH_BYTES ahead into L2. The AVX-512 stats pass does not
+ * look at it (am_tuning_zen4).
  * AUTOMAGIC_PREFETCH=0 or 1 overrides the default. Either way, the same
  * bits. */
 int am_sw_prefetch(void);

@@ -633,7 +633,7 @@ typedef struct fin {
     upd *u;
     am_state *state;
     int counted; /* the stats pass's counts are this update's agreement */
-    int copies;  /* each lr-row task copies its matrices' new moments */
+    int copies;  /* each lr-row's finish copies its matrices' new moments */
     const float *bump; /* NULL, or the lr bump factor of each match count */
     const float *atab; /* with bump: the agreement of each match count */
     int64_t per;       /* lr-rows per finish_lr_rows_task */
