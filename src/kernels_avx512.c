@@ -227,6 +227,12 @@ AM_INLINE void ld32(const void *g, const int gdt, int64_t idx, __m512 *lo, __m51
     if (gdt == AM_DTYPE_FLOAT32) {
         *lo = _mm512_loadu_ps((const float *)g + idx);
         *hi = _mm512_loadu_ps((const float *)g + idx + 16);
+    } else if (gdt == AM_DTYPE_FLOAT16) {
+        /* each half converted from memory: no extract of the upper half */
+        *raw = _mm512_loadu_si512((const void *)((const uint16_t *)g + idx));
+        *lo = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)g + idx)));
+        *hi = _mm512_cvtph_ps(
+            _mm256_loadu_si256((const __m256i *)((const uint16_t *)g + idx + 16)));
     } else {
         *raw = _mm512_loadu_si512((const void *)((const uint16_t *)g + idx));
         widen32(*raw, gdt, lo, hi);
