@@ -14,7 +14,7 @@
 /* Word w of a zmm taken from word (w >> 1) of the source: with the even words
  * zeroed, 16 bfloat16 values become their float32 bit patterns (value << 16)
  * in one vpermw. The stats pass widens its 32 gradient values a step this
- * way (kernels_avx512.c, widen32); am_ld16 below does not (see there). */
+ * way (kernels_avx512.c, widen32_bf16); am_ld16 below does not (see there). */
 static inline __attribute__((always_inline)) __m512i am_widen_idx(void) {
     return _mm512_set_epi16(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8,
                             7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
@@ -26,7 +26,7 @@ static inline __attribute__((always_inline)) __m512i am_widen_idx(void) {
  * vpermw of am_widen_idx: on Zen 5 (twenty-first session, builds alternated)
  * the bfloat16 4096x4096 finish in cache 2.85-3.32 against 3.09-3.57 ms,
  * whole updates from memory 4.63-5.13 against 4.88-5.60 ms (4096x11008
- * 12.31-12.67 against 12.66-13.49); the stats pass's widen32 measured the
+ * 12.31-12.67 against 12.66-13.49); the stats pass's widen32_bf16 measured the
  * other way (1.51-1.64 ms with vpermw against 1.59-1.72), so it keeps it. */
 static inline __attribute__((always_inline)) __m512 am_ld16(const void *base, const int dt,
                                                             int64_t i) {

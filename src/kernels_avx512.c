@@ -191,17 +191,10 @@ AM_INLINE __m512i widen_idx_hi(void) {
                             23, 23, 22, 22, 21, 21, 20, 20, 19, 19, 18, 18, 17, 17, 16, 16);
 }
 
-/* 32 raw 16-bit values as two vectors of float32, exactly. */
-AM_INLINE void widen32(__m512i raw, const int gdt, __m512 *lo, __m512 *hi) {
-    if (gdt == AM_DTYPE_BFLOAT16) {
-        *lo = _mm512_castsi512_ps(
-            _mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, am_widen_idx(), raw));
-        *hi = _mm512_castsi512_ps(
-            _mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, widen_idx_hi(), raw));
-    } else {
-        *lo = _mm512_cvtph_ps(_mm512_castsi512_si256(raw));
-        *hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(raw, 1));
-    }
+/* 32 raw bfloat16 values as two vectors of float32, exactly. */
+AM_INLINE void widen32_bf16(__m512i raw, __m512 *lo, __m512 *hi) {
+    *lo = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, am_widen_idx(), raw));
+    *hi = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, widen_idx_hi(), raw));
 }
 
 /* acc + x[0..7] + x[8..15], in that order: 16 columns into a row's 8 lanes
@@ -235,7 +228,7 @@ AM_INLINE void ld32(const void *g, const int gdt, int64_t idx, __m512 *lo, __m51
             _mm256_loadu_si256((const __m256i *)((const uint16_t *)g + idx + 16)));
     } else {
         *raw = _mm512_loadu_si512((const void *)((const uint16_t *)g + idx));
-        widen32(*raw, gdt, lo, hi);
+        widen32_bf16(*raw, lo, hi);
     }
 }
 
