@@ -186,11 +186,11 @@ AM_INLINE void rows8(const void *g, const int gdt, const int cnt, const int N, i
 #define AM_NARROW_PREFETCH_BYTES 8192
 #define AM_NARROW_LOOP(GD, CNT, N)                                                          \
     for (; i + 8 <= i1; i += 8) {                                                           \
+        const int es_ = (GD) == AM_DTYPE_FLOAT32 ? 4 : 2;                                   \
         if (l2pf) /* (as an integer: the address may lie past the gradient) */             \
-            am_prefetch_l2((const char *)((uintptr_t)g +                                    \
-                                          (uintptr_t)(i * N) * ((GD) == AM_DTYPE_FLOAT32 ? 4 : 2) + \
+            am_prefetch_l2((const char *)((uintptr_t)g + (uintptr_t)(i * N * es_) +          \
                                           AM_NARROW_PREFETCH_BYTES),                        \
-                           8 * N * ((GD) == AM_DTYPE_FLOAT32 ? 4 : 2));                     \
+                           8 * N * es_);                                                    \
         rows8(g, GD, CNT, N, i, i0, rowpart, colpart, pm, rowmatch, mn, ws);                \
     }
 #define AM_NARROW_N(GD, CNT)                                                                \
