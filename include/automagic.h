@@ -104,7 +104,11 @@ typedef enum am_status {
      * about 1e7 and more with the default eps, or of about 1 with eps <=
      * 1e-40: skipped at every update while they stay zero; the reference
      * turns the parameter NaN there), and a mean of row moments
-     * overflowing (eps near float32's limit). */
+     * overflowing (eps near float32's limit). Also where a state that
+     * holds negative second moments (no update makes one; both checkpoint
+     * loaders refuse them) would make the update NaN: a 1-D parameter's sq
+     * element whose new value is below -eps, a matrix's row or column
+     * moment whose factor is the square root of a negative number. */
     AM_SKIPPED_NONFINITE_UPDATE = 2,
 
     AM_ERR_NULL_POINTER = -1,    /* a required pointer argument is NULL */

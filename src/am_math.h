@@ -331,6 +331,15 @@ AM_HD double am_sum_groups(const double *s, int64_t ngroups) {
  * exactly where u * u does (eps = 0, v = 0). */
 AM_HD float am_flat_u2(float x, float v, float eps) { return x * (x / (v + eps)); }
 
+/* Whether an unfactored element's new sq v makes its update non-finite, so
+ * that the stats pass skips the update (AM_SKIPPED_NONFINITE_UPDATE): v not
+ * finite (g*g overflowed), or v + eps < 0, where u = rsqrt(v + eps) * g is
+ * NaN while am_flat_u2 is a finite negative number that no sum would show
+ * (a state whose sq holds a negative value, which no update makes and both
+ * checkpoint loaders refuse: such a state wrote NaN into the parameter,
+ * found by a review, thirtieth session). */
+AM_HD int am_flat_bad(float v, float eps) { return !am_isfinite_f32(v) || v + eps < 0.0f; }
+
 /* SPEC 3.5 in float32: p - lr * (u + wd * p). */
 AM_HD float am_apply(float p, float u, float lr, float wd) {
     float t = (wd != 0.0f) ? u + wd * p : u;

@@ -526,13 +526,13 @@ AM_INLINE __m256 flat_u(__m256 x, __m256 sqv, const am_consts *k, __m256 *vout) 
     return _mm256_mul_ps(r, x);
 }
 
-/* NaN when a new ema(sq, g*g) is not finite (g*g overflowed): the update is
- * then skipped, as in the reference kernel. */
+/* NaN when a new ema(sq, g*g) is not finite (g*g overflowed) or below -eps
+ * (am_flat_bad): the update is then skipped, as in the reference kernel. */
 AM_INLINE double u2_flat_body(const void *g, const int gdt, const float *sq,
                               int64_t e0, int64_t e1, const am_consts *k) {
     const __m256i expo = _mm256_set1_epi32(0x7f800000);
     const __m256 eps = _mm256_set1_ps(k->eps);
-    __m256 acc = _mm256_setzero_ps(), v;
+    __m256 acc = _mm256_setzero_ps(), v, d;
     __m256i bad = _mm256_setzero_si256();
     float a[AM_LANES];
     int64_t e = e0;
@@ -545,17 +545,20 @@ AM_INLINE double u2_flat_body(const void *g, const int gdt, const float *sq,
             _mm_prefetch((const char *)g + (e + AM_FLAT_PREFETCH) * esize(gdt), _MM_HINT_T0);
         }
         v = flat_v(x, _mm256_loadu_ps(sq + e), k);
+        d = _mm256_add_ps(v, eps);
         /* am_flat_u2 */
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(x, _mm256_div_ps(x, _mm256_add_ps(v, eps))));
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(x, _mm256_div_ps(x, d)));
         bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(
                                        _mm256_and_si256(_mm256_castps_si256(v), expo), expo));
+        bad = _mm256_or_si256(bad, _mm256_castps_si256(
+                                       _mm256_cmp_ps(d, _mm256_setzero_ps(), _CMP_LT_OQ)));
     }
     _mm256_storeu_ps(a, acc);
     overflow = !_mm256_testz_si256(bad, bad);
     for (; e < e1; e++) {
         float x = am_load(g, gdt, e);
         float vv = am_ema(sq[e], x * x, k);
-        overflow |= !am_isfinite_f32(vv);
+        overflow |= am_flat_bad(vv, k->eps);
         a[(e - e0) & 7] += am_flat_u2(x, vv, k->eps);
     }
     return overflow ? (double)NAN : (double)am_lanesum_finish(a);

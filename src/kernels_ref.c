@@ -77,9 +77,10 @@ static double ref_u2_tile(const void *g_mat, int gdt, int64_t C, int64_t i0,
 
 /* The sum of u*u, u = rsqrt(ema(sq, g*g) + eps) * g as the reference's
  * unfactored branch, each term by am_flat_u2. A new sq that overflows (g*g
- * past FLT_MAX) would give u = 0 and store inf in the state forever; the
- * sum is then NaN, so that the update is skipped as
- * AM_SKIPPED_NONFINITE_UPDATE like the factored path skips it. */
+ * past FLT_MAX) would give u = 0 and store inf in the state forever, and
+ * one below -eps (a corrupt state) u = NaN (am_flat_bad); the sum is then
+ * NaN, so that the update is skipped as AM_SKIPPED_NONFINITE_UPDATE like
+ * the factored path skips it. */
 static double ref_u2_flat(const void *g, int gdt, const float *sq, int64_t e0,
                           int64_t e1, const am_consts *k) {
     float acc[AM_LANES] = {0};
@@ -88,7 +89,7 @@ static double ref_u2_flat(const void *g, int gdt, const float *sq, int64_t e0,
     for (e = e0; e < e1; e++) {
         float x = am_load(g, gdt, e);
         float v = am_ema(sq[e], x * x, k);
-        overflow |= !am_isfinite_f32(v);
+        overflow |= am_flat_bad(v, k->eps);
         acc[(e - e0) % AM_LANES] += am_flat_u2(x, v, k->eps);
     }
     return overflow ? (double)NAN : (double)am_lanesum_finish(acc);

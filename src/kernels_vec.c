@@ -569,16 +569,19 @@ static double vec_u2_flat(const void *g, int gdt, const float *sq, int64_t e0, i
     for (e = e0; e < n8; e += 8) {
         const v4f xl = ld4(g, gdt, e), xh = ld4(g, gdt, e + 4);
         const v4f vl = ema4(ldf(sq + e), xl, k), vh = ema4(ldf(sq + e + 4), xh, k);
-        bad |= nonfinite4(vl) | nonfinite4(vh);
-        alo += xl * (xl / (vl + epsv)); /* am_flat_u2 */
-        ahi += xh * (xh / (vh + epsv));
+        const v4f dl = vl + epsv, dh = vh + epsv;
+        /* am_flat_bad: not finite, or below -eps */
+        bad |= nonfinite4(vl) | nonfinite4(vh) | (v4i)(dl < splatf(0.0f)) |
+               (v4i)(dh < splatf(0.0f));
+        alo += xl * (xl / dl); /* am_flat_u2 */
+        ahi += xh * (xh / dh);
     }
     spill8(a, alo, ahi);
     memcpy(b, &bad, sizeof b);
     overflow = (b[0] | b[1] | b[2] | b[3]) != 0;
     for (; e < e1; e++) {
         const float x = am_load(g, gdt, e), v = am_ema(sq[e], x * x, k);
-        overflow |= !am_isfinite_f32(v);
+        overflow |= am_flat_bad(v, k->eps);
         a[(e - e0) & 7] += am_flat_u2(x, v, k->eps);
     }
     return overflow ? (double)NAN : (double)am_lanesum_finish(a);

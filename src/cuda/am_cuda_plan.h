@@ -249,8 +249,9 @@ AM_HD float am_ck_lane(const am_ck_args *a, int id, int64_t t) {
     int64_t x = t >> 3, lane = t & 7, j, j0, j1;
     float acc = 0.0f;
     if (id == AM_CK_LANES_FLAT) {
-        /* As ref_u2_flat: a new sq that is not finite (g*g overflowed) makes
-         * the sum NaN, so that the update is skipped. */
+        /* As ref_u2_flat: a new sq that is not finite (g*g overflowed) or
+         * below -eps (am_flat_bad) makes the sum NaN, so that the update is
+         * skipped. */
         int ovf = 0;
         j0 = x * AM_FLAT_CHUNK;
         j1 = j0 + AM_FLAT_CHUNK < a->numel ? j0 + AM_FLAT_CHUNK : a->numel;
@@ -258,7 +259,7 @@ AM_HD float am_ck_lane(const am_ck_args *a, int id, int64_t t) {
         for (j = j0 + lane; j < j1; j += AM_LANES) {
             float v = am_load(a->g, a->gdt, j);
             float s = am_ema(a->sq[j], v * v, &a->k);
-            ovf |= !am_isfinite_f32(s);
+            ovf |= am_flat_bad(s, a->k.eps);
             acc += am_flat_u2(v, s, a->k.eps);
         }
         if (ovf) acc = am_bits_f32(0x7fc00000u); /* NaN */

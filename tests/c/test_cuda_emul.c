@@ -324,6 +324,18 @@ static void test_skips(void **st) {
     q.s_cpu.row[0] = q.s_emu.row[0] = 1e30f;
     pair_step(&q, &hp, key, AM_SKIPPED_NONFINITE_UPDATE);
     pair_free(&q);
+    /* A 1-D state with a negative sq (corrupt; am_flat_bad): both skip,
+     * then an ordinary step once it is put right (test_nonfinite.c,
+     * test_negative_sq) */
+    pair_init(&q, 1, v, AM_DTYPE_FLOAT32, AM_DTYPE_FLOAT32);
+    fill_grad(&q, 1.0f);
+    pair_step(&q, &hp, key, AM_OK);
+    q.s_cpu.sq[40] = q.s_emu.sq[40] = -1.0f;
+    fill_grad(&q, 1.0f);
+    pair_step(&q, &hp, key, AM_SKIPPED_NONFINITE_UPDATE);
+    q.s_cpu.sq[40] = q.s_emu.sq[40] = 0.0f;
+    pair_step(&q, &hp, key, AM_OK);
+    pair_free(&q);
     /* min_lr = 0 and an lr bump of 200: a disagreeing step takes lrs to 0,
      * the next agreeing one multiplies 0 by inf; both paths clamp the NaN
      * to min_lr (am_lr_scale), matrix and 1-D, four steps of flipping and

@@ -6,6 +6,10 @@
  */
 #include "test_common.h"
 
+/* the kernel sets (dispatch.c): 0 the best, 1 the scalar reference, 2 the
+ * portable vector set */
+void am_kernels_select(int which);
+
 static const am_dtype k_dtypes[3] = {AM_DTYPE_FLOAT32, AM_DTYPE_BFLOAT16,
                                      AM_DTYPE_FLOAT16};
 
@@ -278,6 +282,76 @@ static void test_nonfinite_update(void **unused) {
     }
 }
 
+/* A 1-D (or 0-D) parameter whose state holds a negative sq element (a
+ * corrupt state; no update makes one, both checkpoint loaders refuse it):
+ * where the new sq is below -eps the update would be NaN, while the clip's
+ * sum stayed finite, so NaN was written into the parameter (found by a
+ * review, thirtieth session). Skipped as AM_SKIPPED_NONFINITE_UPDATE,
+ * nothing changed, with every kernel set, the bad element in a vector
+ * body and in a tail; through the phases too. */
+static void test_negative_sq(void **unused) {
+    static const int64_t lens[] = {1, 9, 17, 4097};
+    am_hparams hp = am_hparams_default();
+    uint64_t rs = t_seed() ^ 91u;
+    int set, a;
+    size_t c;
+    (void)unused;
+    for (set = 0; set < 3; set++) {
+        am_kernels_select(set);
+        for (c = 0; c < sizeof lens / sizeof lens[0]; c++)
+            for (a = 0; a < 3; a++) {
+                const int64_t n = lens[c];
+                const int64_t at[3] = {0, n / 2, n - 1};
+                am_shape sh = t_shape(n == 1 ? 0 : 1, &n);
+                void *p = t_calloc(n * 4), *g = t_calloc(n * 4);
+                am_tensor pt = t_tensor(p, k_dtypes[a], &sh), gt = t_tensor(g, AM_DTYPE_FLOAT32, &sh);
+                am_rng_key key = {5, 3};
+                am_report rep;
+                int w;
+                for (w = 0; w < 3; w++) {
+                    t_snap snap;
+                    t_fix f;
+                    int64_t i;
+                    t_fix_init(&f, &sh, 1e-3);
+                    for (i = 0; i < n; i++) {
+                        t_store_random(p, k_dtypes[a], i, &rs, -2, 2);
+                        t_store_random(g, AM_DTYPE_FLOAT32, i, &rs, -4, 1);
+                    }
+                    assert_int_equal(am_update(&pt, &gt, &f.st, &hp, key, f.ws, f.ws_bytes, NULL),
+                                     AM_OK);
+                    f.st.sq[at[w]] = -1.0f;
+                    t_snap_take(&snap, &f, p, (size_t)n * am_dtype_size(k_dtypes[a]), g,
+                                (size_t)n * 4);
+                    assert_int_equal(am_update(&pt, &gt, &f.st, &hp, key, f.ws, f.ws_bytes, &rep),
+                                     AM_SKIPPED_NONFINITE_UPDATE);
+                    assert_int_equal(rep.nonfinite_count, 0);
+                    t_snap_check(&snap, &f, p, g);
+                    /* the phases: the gradient is finite, u2_sum is not,
+                     * the finish skips (as for an overflow) */
+                    assert_int_equal(am_update_stats(&pt, &gt, &f.st, &hp, f.ws, f.ws_bytes),
+                                     AM_OK);
+                    assert_int_equal(am_update_moments(&pt, &gt, &f.st, &hp, f.ws, f.ws_bytes),
+                                     AM_OK);
+                    assert_int_equal(am_update_finish(&pt, &gt, &f.st, &hp, key, f.ws,
+                                                      f.ws_bytes, NULL),
+                                     AM_SKIPPED_NONFINITE_UPDATE);
+                    t_snap_check(&snap, &f, p, g);
+                    /* a sq of -eps / 2 with a zero gradient: v + eps > 0, an
+                     * ordinary (finite) update */
+                    f.st.sq[at[w]] = -0.5f * (float)hp.eps;
+                    ((float *)g)[at[w]] = 0.0f;
+                    assert_int_equal(am_update(&pt, &gt, &f.st, &hp, key, f.ws, f.ws_bytes, NULL),
+                                     AM_OK);
+                    t_snap_free(&snap);
+                    t_fix_free(&f);
+                }
+                free(p);
+                free(g);
+            }
+    }
+    am_kernels_select(0);
+}
+
 /* A row factor past float range's square root: one row's old moment is
  * 1e30 and the others' 0, the gradient tiny (1e-37), so rf of the small rows
  * is about 1e28 and rf * cf overflows float32 (cf about 3e16), while the
@@ -422,6 +496,7 @@ int main(void) {
         cmocka_unit_test(test_nonfinite_reduced),
         cmocka_unit_test(test_nonfinite_grad_optimizer),
         cmocka_unit_test(test_nonfinite_update),
+        cmocka_unit_test(test_negative_sq),
         cmocka_unit_test(test_factor_overflow),
         cmocka_unit_test(test_zero_grad),
         cmocka_unit_test(test_numel_zero),
