@@ -630,7 +630,8 @@ AM_API am_status am_optimizer_lr_mean(const am_optimizer *opt, int32_t id,
 
 /* Number of updates skipped for a non-finite gradient or update since
  * creation, summed over parameters (it reads every parameter's count: not
- * concurrently with any update). 0 for NULL. */
+ * concurrently with any update). 0 for NULL. Each parameter's count, and
+ * the sum, stop at INT64_MAX (a loaded checkpoint may hold any count). */
 AM_API int64_t am_optimizer_skipped_count(const am_optimizer *opt);
 
 /* Read-only access to parameter id's state (pointers owned by the optimizer,

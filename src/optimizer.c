@@ -2,6 +2,7 @@
  * parameter's state and one shared workspace per parameter. */
 #include "optimizer_internal.h"
 
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -121,6 +122,14 @@ static am_status find(const am_optimizer *o, int32_t id, const char *fn) {
     return AM_OK;
 }
 
+/* One more skipped update of s, saturating at INT64_MAX: a checkpoint may
+ * hold any count >= 0, and one at INT64_MAX overflowed (undefined), then
+ * saved a negative count that its own loader refused (found by a review,
+ * thirtieth session). */
+static void count_skip(am_param_slot *s) {
+    if (s->skipped < INT64_MAX) s->skipped++;
+}
+
 static am_status update_slot(am_optimizer *o, int32_t id, const void *grad,
                              am_dtype gd, am_report *rep) {
     am_param_slot *s = &o->params[id];
@@ -133,7 +142,7 @@ static am_status update_slot(am_optimizer *o, int32_t id, const void *grad,
     key.param_id = (uint32_t)id;
     st = am_update(&s->t, &gt, &s->st, &o->hp, key, s->ws, s->ws_bytes, rep);
     if (st == AM_SKIPPED_NONFINITE_GRAD || st == AM_SKIPPED_NONFINITE_UPDATE)
-        s->skipped++;
+        count_skip(s);
     return st;
 }
 
@@ -204,7 +213,7 @@ static int update_all_batch(am_optimizer *o, const void *const *grads, const am_
         for (k = 0; k < n; k++) {
             if (items[k].status == AM_SKIPPED_NONFINITE_GRAD ||
                 items[k].status == AM_SKIPPED_NONFINITE_UPDATE)
-                o->params[ids[k]].skipped++;
+                count_skip(&o->params[ids[k]]);
             if (items[k].status != AM_OK && *first_skip == AM_OK)
                 *first_skip = items[k].status;
         }
@@ -313,7 +322,8 @@ int64_t am_optimizer_skipped_count(const am_optimizer *o) {
     int64_t s = 0;
     int32_t i;
     if (!o) return 0;
-    for (i = 0; i < o->count; i++) s += o->params[i].skipped;
+    for (i = 0; i < o->count; i++) /* (saturated: see count_skip) */
+        s = o->params[i].skipped > INT64_MAX - s ? INT64_MAX : s + o->params[i].skipped;
     return s;
 }
 

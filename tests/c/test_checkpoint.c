@@ -280,6 +280,56 @@ static void expect_reject(am_optimizer *src, am_optimizer *dst, am_status err,
     free(after);
 }
 
+/* A checkpoint may hold any skipped count >= 0; counts at INT64_MAX (two of
+ * them) overflowed at the next skip and in the sum (undefined behaviour),
+ * and the optimizer then saved a negative count its own loader refused
+ * (found by a review, thirtieth session). Saturated: the counts and the sum
+ * stay at INT64_MAX, and what it saves loads again, through memory and
+ * through threaded am_optimizer_update_all. */
+static void test_skipped_count_saturates(void **unused) {
+    model a, b;
+    float g[64];
+    const void *grads[NP];
+    am_dtype dts[NP];
+    size_t n;
+    unsigned char *img;
+    const int threads = am_get_num_threads();
+    int p, k;
+    (void)unused;
+    model_init(&a, 3);
+    model_init(&b, 3);
+    train(&a, 0, 2, 9);
+    a.opt->params[2].skipped = INT64_MAX;
+    a.opt->params[3].skipped = INT64_MAX - 1;
+    img = t_image(a.opt, &n);
+    assert_int_equal(am_optimizer_load_memory(b.opt, img, n), AM_OK);
+    free(img);
+    assert_int_equal(am_optimizer_skipped_count(b.opt), INT64_MAX);
+    grad(g, 2, 9, 9);
+    g[0] = NAN;
+    for (p = 0; p < NP; p++) {
+        grads[p] = p == 2 || p == 3 ? (const void *)g : NULL;
+        dts[p] = AM_DTYPE_FLOAT32;
+    }
+    for (k = 0; k < 2; k++) {
+        assert_int_equal(am_optimizer_update_param(b.opt, 2, g, AM_DTYPE_FLOAT32, NULL),
+                         AM_SKIPPED_NONFINITE_GRAD);
+        assert_int_equal(am_set_num_threads(2), AM_OK); /* (one am_update_batch call) */
+        assert_int_equal(am_optimizer_update_all(b.opt, grads, dts, NULL),
+                         AM_SKIPPED_NONFINITE_GRAD);
+        assert_int_equal(am_set_num_threads(threads), AM_OK);
+    }
+    assert_true(b.opt->params[2].skipped == INT64_MAX);
+    assert_true(b.opt->params[3].skipped == INT64_MAX);
+    assert_int_equal(am_optimizer_skipped_count(b.opt), INT64_MAX);
+    img = t_image(b.opt, &n);
+    assert_int_equal(am_optimizer_load_memory(a.opt, img, n), AM_OK);
+    free(img);
+    assert_same_image(a.opt, b.opt);
+    am_optimizer_destroy(a.opt);
+    am_optimizer_destroy(b.opt);
+}
+
 /* Images with a valid checksum but invalid contents (written through the
  * internals, which save does not validate). */
 static void test_invalid_values_rejected(void **unused) {
@@ -668,6 +718,7 @@ int main(void) {
         cmocka_unit_test(test_roundtrip_continues_identically),
         cmocka_unit_test(test_every_corruption_rejected),
         cmocka_unit_test(test_invalid_values_rejected),
+        cmocka_unit_test(test_skipped_count_saturates),
         cmocka_unit_test(test_extreme_state_roundtrips),
         cmocka_unit_test(test_loaded_start_lr_forced),
         cmocka_unit_test(test_max_step_update_all_refused_whole),
