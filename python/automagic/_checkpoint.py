@@ -69,6 +69,9 @@ def expected_shapes(p: torch.Tensor, polarity_bytes: int) -> dict:
     return out
 
 
+_STEP_MAX = (1 << 63) - 1
+
+
 def _step(value, where) -> int:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.is_floating_point() and value.item() != int(value.item()):
@@ -78,6 +81,12 @@ def _step(value, where) -> int:
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise CheckpointError("%s: step must be an integer >= 0, got %r" % (where, value))
+    if value > _STEP_MAX:
+        # (the C state's step is an int64: a larger one wrapped, silently to
+        # another step's noise, or failed at the next update; found by a
+        # review, thirtieth session)
+        raise CheckpointError("%s: step %r is beyond the largest step, 2^63 - 1"
+                              % (where, value))
     return value
 
 
@@ -122,12 +131,16 @@ def convert_state(saved: dict, p: torch.Tensor, polarity_bytes: int, where: str)
                 raise CheckpointError("%s: %s is float64; the state is float32" % (where, key))
             # Widening bf16/fp16 to float32 is exact; float32 is copied as is.
             out[key] = t.to(device=p.device, dtype=torch.float32, copy=True).contiguous()
-    # As the C checkpoint loader: lrs are clamped to [min_lr >= 0, max_lr], so
-    # only a negative one is impossible. 0 is reached with min_lr=0 (the
-    # per-row lr decays to it), +inf/NaN with max_lr or lr_bump_rate beyond
-    # float range; a state the optimizer holds must load again.
-    if (out["lr"] < 0).any():
-        raise CheckpointError("%s: lr holds a negative value" % where)
+    # As the C checkpoint loader: lrs are clamped to [min_lr >= 0, max_lr],
+    # and second moments are averages of squares, so only a negative value
+    # is impossible. An lr of 0 is reached with min_lr=0 (the per-row lr
+    # decays to it), +inf/NaN with max_lr or lr_bump_rate beyond float range;
+    # a state the optimizer holds must load again. (A negative moment was
+    # loaded, and a 1-D parameter's next update wrote NaN into it; found by a
+    # review, thirtieth session.)
+    for key in shapes:
+        if key != "polarity" and bool((out[key] < 0).any()):
+            raise CheckpointError("%s: %s holds a negative value" % (where, key))
     unknown = set(saved) - set(shapes) - {"step"}
     if unknown:
         raise CheckpointError("%s: unknown state keys %s" % (where, sorted(unknown)))
@@ -141,11 +154,11 @@ def prepare_load(state_dict, groups, hparam_keys, polarity_bytes_of, restore_lr=
 
     Group keys in hparam_keys (and "lr") keep the optimizer's values (its
     constructor wins); other saved keys (a scheduler's initial_lr) are
-    restored, and "lr" too when the saved group has an initial_lr or with
-    restore_lr (lr_schedule="scale": group["lr"] is the schedule's state,
-    which ReduceLROnPlateau or a hand-written decay keep without an
-    initial_lr: a resumed run started again at the first lr, found by a
-    review, twenty-third session)."""
+    restored, and "lr" too when the saved group has an initial_lr or, with
+    restore_lr, a base_lr (lr_schedule="scale": group["lr"] is the
+    schedule's state, which ReduceLROnPlateau or a hand-written decay keep
+    without an initial_lr: a resumed run started again at the first lr,
+    found by a review, twenty-third session)."""
     if not isinstance(state_dict, dict) or "state" not in state_dict \
             or "param_groups" not in state_dict:
         raise CheckpointError("Automagic3: not an optimizer state_dict (needs 'state' "
@@ -193,7 +206,13 @@ def prepare_load(state_dict, groups, hparam_keys, polarity_bytes_of, restore_lr=
             if k != "params" and k not in hparam_keys and k != "lr":
                 # (a tensor copied, as torch.optim's load copies the groups)
                 ng[k] = v.detach().clone() if isinstance(v, torch.Tensor) else v
-        if "initial_lr" in sg or (restore_lr and "lr" in sg):
+        # Under restore_lr only a group saved with its start lr (base_lr:
+        # ours) holds a schedule's lr: the reference's (and any optimizer's
+        # without one) "lr" is its start lr, the factor 1, and the saved
+        # value put in as a factor of another start lr scaled every rate
+        # (a reference checkpoint saved at lr 1e-4 halved the rates of an
+        # optimizer built with 2e-4; found by a review, thirtieth session).
+        if "initial_lr" in sg or (restore_lr and "lr" in sg and "base_lr" in sg):
             # a scheduler's lr, restored: a number >= 0 (a NaN or negative one
             # was restored and made every later update of a new row fail)
             lr = sg["lr"]

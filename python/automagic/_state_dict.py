@@ -83,6 +83,18 @@ class _StateDictMixin:
         if not isinstance(extra, dict):
             raise CheckpointError("Automagic3: the state_dict's 'automagic' entry must be a "
                                   "dict, got %s" % type(extra).__name__)
+        fmt = extra.get("format", _STATE_DICT_FORMAT)
+        try:  # (an int, or what a checkpoint library made of one: a tensor)
+            fmt_ok = (not isinstance(fmt, bool) and bool(int(fmt) == fmt)
+                      and 1 <= int(fmt) <= _STATE_DICT_FORMAT)
+        except (TypeError, ValueError, RuntimeError):
+            fmt_ok = False
+        if not fmt_ok:
+            # (a later version's entry was loaded as if it were this one's,
+            # as the C loader refuses an unknown version; found by a review,
+            # thirtieth session)
+            raise CheckpointError("Automagic3: the state_dict's 'automagic' entry has format "
+                                  "%r; this version reads format %d" % (fmt, _STATE_DICT_FORMAT))
         try:
             skips = int(extra.get("nonfinite_skips", 0))
             skipped = {int(k): int(v) for k, v in extra.get("skipped_by_param", {}).items()}

@@ -543,3 +543,101 @@ def test_a_round_trip_mid_window_keeps_the_window():
     a, r = run(None), run("state_dict")
     assert torch.equal(a[0], r[0]) and torch.equal(a[1], r[1]), "parameters differ"
     assert a[2:] == r[2:] == (True, 2, None)
+
+
+def test_reference_checkpoint_under_scale_keeps_the_constructors_lr(capsys):
+    # a reference dict's lr is its start lr, not a schedule's: restored under
+    # lr_schedule="scale" as the schedule's factor of another start lr, it
+    # halved every applied rate for good (found by a review, thirtieth
+    # session); the step must be that of lr_schedule="ignore"
+    Ref = _reference_class()
+    torch.manual_seed(0)
+    m = torch.nn.Linear(8, 4)
+    ref = Ref(m.parameters(), lr=1e-4)
+    for _ in range(3):
+        m(torch.randn(16, 8)).pow(2).mean().backward()
+    sd = ref.state_dict()
+    g = torch.randn(4, 8)
+    moved = {}
+    for mode in ("ignore", "scale"):
+        mm = copy.deepcopy(m)
+        opt = automagic.Automagic3(mm.parameters(), lr=2e-4, lr_schedule=mode, fused=False)
+        opt.load_state_dict(copy.deepcopy(sd))
+        assert opt.param_groups[0]["lr"] == 2e-4
+        w0 = mm.weight.detach().clone()
+        mm.weight.grad = g.clone()
+        opt.step()
+        moved[mode] = mm.weight.detach() - w0
+    assert moved["ignore"].abs().sum() > 0
+    assert torch.equal(moved["ignore"], moved["scale"])
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("key", ["exp_avg_sq", "exp_avg_sq_row", "exp_avg_sq_col"])
+def test_negative_second_moment_is_refused(key):
+    # a negative moment loaded, and a 1-D parameter's next update wrote NaN
+    # into it (found by a review, thirtieth session); refused as the C loader
+    # refuses it, nothing changed
+    p = torch.nn.Parameter(torch.ones(4) if key == "exp_avg_sq" else torch.ones(3, 4))
+    opt = automagic.Automagic3([p], fused=False)
+    p.grad = torch.full_like(p, 0.5)
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][0][key].view(-1)[0] = -1.0
+    before = (p.detach().clone(), {k: (v.clone() if torch.is_tensor(v) else v)
+                                   for k, v in opt.state[p].items()})
+    with pytest.raises(CheckpointError, match="%s holds a negative value" % key):
+        opt.load_state_dict(sd)
+    assert torch.equal(p, before[0])
+    for k, v in before[1].items():
+        assert (torch.equal(opt.state[p][k], v) if torch.is_tensor(v)
+                else opt.state[p][k] == v)
+
+
+def test_negative_sq_in_the_state_is_skipped_not_written():
+    # the C update skips a 1-D update that a negative sq would make NaN
+    # (am_flat_bad), however the state got it
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = automagic.Automagic3([p], fused=False)
+    p.grad = torch.full((4,), 0.5)
+    opt.step()
+    opt.state[p]["exp_avg_sq"][0] = -1.0
+    w0 = p.detach().clone()
+    p.grad = torch.full((4,), 0.5)
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        opt.step()
+    assert torch.equal(p, w0) and opt.nonfinite_skips == 1
+
+
+@pytest.mark.parametrize("step", [2 ** 63, 2 ** 64 + 3])
+def test_step_beyond_int64_is_refused(step):
+    # 2^63 failed at the next update with "state.step = -9223372036854775808
+    # is negative", 2^64 + 3 wrapped to step 3 (another step's noise); found
+    # by a review, thirtieth session
+    p = torch.nn.Parameter(torch.ones(3, 4))
+    opt = automagic.Automagic3([p], fused=False)
+    p.grad = torch.ones(3, 4)
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())  # (its state dicts are the live ones)
+    sd["state"][0]["step"] = step
+    with pytest.raises(CheckpointError, match="beyond the largest step"):
+        opt.load_state_dict(sd)
+    assert opt.state[p]["step"] == 1
+    sd["state"][0]["step"] = 2 ** 63 - 1  # the largest loads
+    opt.load_state_dict(sd)
+    assert opt.state[p]["step"] == 2 ** 63 - 1
+
+
+@pytest.mark.parametrize("fmt", [2, 0, "1", 1.5, None])
+def test_unknown_automagic_entry_format_is_refused(fmt):
+    p = torch.nn.Parameter(torch.ones(3, 4))
+    opt = automagic.Automagic3([p], fused=False)
+    p.grad = torch.ones(3, 4)
+    opt.step()
+    sd = opt.state_dict()
+    sd["automagic"]["format"] = fmt
+    with pytest.raises(CheckpointError, match="format"):
+        opt.load_state_dict(sd)
+    sd["automagic"]["format"] = torch.tensor(1)  # (what a checkpoint library may make of 1)
+    opt.load_state_dict(sd)
+
