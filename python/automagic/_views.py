@@ -236,8 +236,12 @@ def _unscaled_lrs(lr: torch.Tensor, lr_before: torch.Tensor, scale: float) -> to
     keep lr_before (no bump that step: their scaled rate, and so the bump
     read back from it, had lost precision or was 0, and dividing it back
     gave a wrong rate, 0, or NaN; what such a row applied, under 2^-126, moves
-    no parameter larger than about 1e-30)."""
-    kept = lr_before.double() * scale < _FLT_MIN
+    no parameter larger than about 1e-30). A row at lr 0 is not kept: its
+    scaled rate, 0, is exact, and the bump clamps it to the scaled min_lr,
+    which divides back to min_lr (kept, it stayed at 0 for ever once the
+    factor was not 1, where lr_schedule="ignore" takes it to min_lr at its
+    next bump; found by a review, thirtieth session)."""
+    kept = (lr_before.double() * scale < _FLT_MIN) & (lr_before != 0)
     return torch.where(kept, lr_before, (lr.double() / scale).float())
 
 

@@ -641,3 +641,29 @@ def test_unknown_automagic_entry_format_is_refused(fmt):
     sd["automagic"]["format"] = torch.tensor(1)  # (what a checkpoint library may make of 1)
     opt.load_state_dict(sd)
 
+
+def test_scale_schedule_rows_at_lr_zero_recover_as_at_factor_one():
+    # rows at lr 0 (a start lr of 0, or min_lr=0 decay, in a checkpoint) were
+    # "kept" (their scaled rate below float32's normal range) at every step
+    # once the factor was not 1: 0 for good, where a factor of 1 (and
+    # lr_schedule="ignore") bumps them to min_lr; found by a review,
+    # thirtieth session
+    out = {}
+    for mode, f in (("ignore", 1.0), ("scale", 1.0), ("scale", 0.5)):
+        p = torch.nn.Parameter(torch.ones(4, 3))
+        o = automagic.Automagic3([p], lr=1e-4, fused=False, lr_schedule=mode)
+        p.grad = torch.ones(4, 3)
+        o.step()
+        sd = o.state_dict()
+        sd["state"][0]["lr"].zero_()
+        o.load_state_dict(sd)
+        o.param_groups[0]["lr"] = 1e-4 * f
+        for _ in range(3):
+            p.grad = torch.ones(4, 3)
+            o.step()
+        out[(mode, f)] = o.state[p]["lr"].clone()
+    min_lr = o.param_groups[0]["min_lr"]
+    assert bool((out[("ignore", 1.0)] > 0).all())
+    for k, v in out.items():
+        torch.testing.assert_close(v, out[("ignore", 1.0)], rtol=1e-6, atol=0, msg=str(k))
+    assert bool((out[("scale", 0.5)] >= min_lr * (1 - 1e-6)).all())
