@@ -181,6 +181,8 @@ class _FusedMixin:
                 if p.grad is None:  # dropped since it was queued
                     continue
                 try:
+                    if "base_lr" not in group:  # (put into param_groups by hand)
+                        self._fill_group(group)
                     self._check(p, p.grad)
                     if not self.batch_updates:  # one at a time: each checked first
                         self._precheck_plan(p, group)

@@ -164,6 +164,8 @@ class _UpdateMixin:
 
     def _update_one(self, p: torch.Tensor, group: dict) -> None:
         """_update_param's work, grad mode off: checks, then _apply."""
+        if "base_lr" not in group:  # (a group put into param_groups by hand)
+            self._fill_group(group)
         if p.is_cuda:  # CUDA path (issue 7): python/automagic/_cuda.py
             _cuda.update_param(self, p, group, AutomagicError)
             return

@@ -259,6 +259,27 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         self._clamps_added[id(group)] = (float(group["min_lr"]), float(group["max_lr"]))
         self._register_params(group)
 
+    def _fill_group(self, group: dict) -> None:
+        """What add_param_group gives a group, for a group dict a script put
+        into param_groups itself (param_groups[i] = {...}, which torch.optim
+        and docs/PYTORCH.md allow, or .append({...})): the constructor's
+        values of the hyperparameters it lacks, and its start lr (base_lr,
+        where its parameters' rows start under lr_schedule="scale") from its
+        lr. Such a group failed with a bare KeyError: 'base_lr', in fused
+        mode inside backward (found by a review, thirtieth session). Its
+        values are validated where every group's are."""
+        for k, v in self.defaults.items():
+            group.setdefault(k, v)
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor) and lr.numel() == 1 and lr.is_floating_point():
+            lr = float(lr)
+        if not is_real_number(lr) or not (math.isfinite(lr) and lr >= 0):
+            raise AutomagicError("Automagic3: group['lr'] must be a finite number >= 0 (or a "
+                                 "one-element floating tensor), got %r" % (group["lr"],))
+        group["base_lr"] = float(lr)
+        if is_real_number(group["min_lr"]) and is_real_number(group["max_lr"]):
+            self._clamps_added[id(group)] = (float(group["min_lr"]), float(group["max_lr"]))
+
     def _adopt_listed(self, force: bool = False) -> None:
         """Registers the parameters a script put into a group's "params" by
         hand (torch's optimizers update them; the reference creates their
@@ -382,6 +403,9 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         # it was. Loops per group, not per parameter with its group: this
         # runs for every parameter at every step.
         self._adopt_listed()
+        for group in self.param_groups:
+            if "base_lr" not in group:  # (put into param_groups by hand)
+                self._fill_group(group)
         if self._initialise_only():
             return loss
         todo, index_of, swapped = [], self._param_index, set()

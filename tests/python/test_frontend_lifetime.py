@@ -90,6 +90,47 @@ def test_replaced_group_dict_keeps_fused_updates():
     assert all(p.grad is None for p in m.parameters())
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("how", ["replaced", "replaced_lr_only", "appended"])
+def test_group_dict_put_in_by_hand_gets_what_add_param_group_gives(fused, how):
+    # a group dict put into param_groups by hand has no base_lr (the start
+    # lr add_param_group records): step() and the hooks failed with a bare
+    # KeyError: 'base_lr' (found by a review, thirtieth session). It gets the
+    # constructor's values of what it lacks and its lr as its start lr.
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 2)
+    extra = torch.nn.Parameter(torch.randn(3))
+    opt = automagic.Automagic3(m.parameters(), lr=1e-4, fused=fused, min_lr=1e-6)
+    if how == "replaced":
+        opt.param_groups[0] = {"params": list(m.parameters()), **opt.defaults}
+    elif how == "replaced_lr_only":
+        opt.param_groups[0] = {"params": list(m.parameters()), "lr": 2e-4}
+    else:
+        opt.param_groups.append({"params": [extra], "lr": 3e-4})
+    for _ in range(2):
+        (m(torch.randn(3, 4)).sum() + extra.sum()).backward()
+        opt.step()
+        opt.zero_grad()
+    g = opt.param_groups[-1]
+    assert g["base_lr"] == {"replaced": 1e-4, "replaced_lr_only": 2e-4, "appended": 3e-4}[how]
+    assert g["min_lr"] == 1e-6  # the constructor's value of what it lacked
+    assert all(opt.state[p]["step"] == 2 for p in m.parameters())
+    if how == "appended":
+        assert opt.state[extra]["step"] == 2
+        assert torch.allclose(opt.state[extra]["lr"], torch.full((3,), 3e-4), rtol=0.5)
+
+
+def test_group_dict_put_in_by_hand_with_a_bad_lr_is_refused_by_name():
+    m = torch.nn.Linear(4, 2)
+    opt = automagic.Automagic3(m.parameters(), fused=False)
+    opt.param_groups[0] = {"params": list(m.parameters()), "lr": "fast"}
+    m(torch.randn(3, 4)).sum().backward()
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(automagic.AutomagicError, match="group\\['lr'\\] must be"):
+        opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(m.parameters(), before))
+
+
 @pytest.mark.parametrize("bad", [{"beta2": 1.5}, {"params": "dtype"}])
 def test_refused_constructor_leaves_no_hooks(bad):
     # torch's Optimizer.__init__ adds the groups one at a time and each
