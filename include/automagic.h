@@ -104,7 +104,8 @@ typedef enum am_status {
      * about 1e7 and more with the default eps, or of about 1 with eps <=
      * 1e-40: skipped at every update while they stay zero; the reference
      * turns the parameter NaN there), and a mean of row moments
-     * overflowing (eps near float32's limit). Also where a state that
+     * overflowing (eps near float32's limit), or a 1-D element's new sq
+     * plus eps overflowing. Also where a state that
      * holds negative second moments (no update makes one; both checkpoint
      * loaders refuse them) would make the update NaN: a 1-D parameter's sq
      * element whose new value is below -eps, a matrix's row or column

@@ -331,14 +331,17 @@ AM_HD double am_sum_groups(const double *s, int64_t ngroups) {
  * exactly where u * u does (eps = 0, v = 0). */
 AM_HD float am_flat_u2(float x, float v, float eps) { return x * (x / (v + eps)); }
 
-/* Whether an unfactored element's new sq v makes its update non-finite, so
- * that the stats pass skips the update (AM_SKIPPED_NONFINITE_UPDATE): v not
+/* Whether an unfactored element's new sq v makes the update skipped
+ * (AM_SKIPPED_NONFINITE_UPDATE): v + eps is not a finite number >= +0, by
+ * its bits (one unsigned compare, the same in every kernel). That is v not
  * finite (g*g overflowed), or v + eps < 0, where u = rsqrt(v + eps) * g is
  * NaN while am_flat_u2 is a finite negative number that no sum would show
  * (a state whose sq holds a negative value, which no update makes and both
  * checkpoint loaders refuse: such a state wrote NaN into the parameter,
- * found by a review, thirtieth session). */
-AM_HD int am_flat_bad(float v, float eps) { return !am_isfinite_f32(v) || v + eps < 0.0f; }
+ * found by a review, thirtieth session), or v + eps overflowing (eps near
+ * float32's limit). -0 never arises: v is never -0 (its second term is >=
+ * +0 and the sum of -0 and +0 is +0). */
+AM_HD int am_flat_bad(float v, float eps) { return am_f32_bits(v + eps) >= 0x7f800000u; }
 
 /* SPEC 3.5 in float32: p - lr * (u + wd * p). */
 AM_HD float am_apply(float p, float u, float lr, float wd) {

@@ -548,10 +548,10 @@ AM_INLINE double u2_flat_body(const void *g, const int gdt, const float *sq,
         d = _mm256_add_ps(v, eps);
         /* am_flat_u2 */
         acc = _mm256_add_ps(acc, _mm256_mul_ps(x, _mm256_div_ps(x, d)));
+        /* am_flat_bad: bits of v + eps >= +inf's, unsigned (max == bits) */
         bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(
-                                       _mm256_and_si256(_mm256_castps_si256(v), expo), expo));
-        bad = _mm256_or_si256(bad, _mm256_castps_si256(
-                                       _mm256_cmp_ps(d, _mm256_setzero_ps(), _CMP_LT_OQ)));
+                                       _mm256_max_epu32(_mm256_castps_si256(d), expo),
+                                       _mm256_castps_si256(d)));
     }
     _mm256_storeu_ps(a, acc);
     overflow = !_mm256_testz_si256(bad, bad);

@@ -551,11 +551,6 @@ AM_VI v4f ema4(v4f sq, v4f x, const am_consts *k) {
     return sq * splatf(k->beta2) + (x * x) * splatf(k->one_m_beta2);
 }
 
-/* Lanes whose bits are not those of a finite float, as -1. */
-AM_VI v4i nonfinite4(v4f v) {
-    return (v4i)(((v4u)v & 0x7f800000u) == splatu(0x7f800000u));
-}
-
 static double vec_u2_flat(const void *g, int gdt, const float *sq, int64_t e0, int64_t e1,
                           const am_consts *k) {
     const int64_t n8 = e0 + ((e1 - e0) & ~(int64_t)7);
@@ -570,9 +565,8 @@ static double vec_u2_flat(const void *g, int gdt, const float *sq, int64_t e0, i
         const v4f xl = ld4(g, gdt, e), xh = ld4(g, gdt, e + 4);
         const v4f vl = ema4(ldf(sq + e), xl, k), vh = ema4(ldf(sq + e + 4), xh, k);
         const v4f dl = vl + epsv, dh = vh + epsv;
-        /* am_flat_bad: not finite, or below -eps */
-        bad |= nonfinite4(vl) | nonfinite4(vh) | (v4i)(dl < splatf(0.0f)) |
-               (v4i)(dh < splatf(0.0f));
+        /* am_flat_bad: bits of v + eps >= +inf's, unsigned */
+        bad |= (v4i)((v4u)dl >= splatu(0x7f800000u)) | (v4i)((v4u)dh >= splatu(0x7f800000u));
         alo += xl * (xl / dl); /* am_flat_u2 */
         ahi += xh * (xh / dh);
     }
