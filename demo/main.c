@@ -177,7 +177,7 @@ static int select_runs(const char *list, const dm_run_spec *specs, int n, int *s
     int i, count = 0;
     for (i = 0; i < n; i++) sel[i] = list == NULL;
     if (!list) return n;
-    while (*p) {
+    for (;;) { /* every item, an empty last one too ("adamw," was taken) */
         size_t len = strcspn(p, ",");
         for (i = 0; i < n; i++)
             if (strlen(specs[i].name) == len && strncmp(specs[i].name, p, len) == 0) break;
@@ -188,7 +188,8 @@ static int select_runs(const char *list, const dm_run_spec *specs, int n, int *s
         }
         sel[i] = 1;
         p += len;
-        if (*p == ',') p++;
+        if (*p != ',') break;
+        p++;
     }
     for (i = 0; i < n; i++) count += sel[i];
     if (count == 0) fprintf(stderr, "amdemo: --runs: no run named\n");
