@@ -191,9 +191,8 @@ static int select_runs(const char *list, const dm_run_spec *specs, int n, int *s
         if (*p != ',') break;
         p++;
     }
-    for (i = 0; i < n; i++) count += sel[i];
-    if (count == 0) fprintf(stderr, "amdemo: --runs: no run named\n");
-    return count ? count : -1;
+    for (i = 0; i < n; i++) count += sel[i]; /* >= 1: each item named a run */
+    return count;
 }
 
 /* mkdir -p: creates path and any missing parent. 0, or -1 with a message. */

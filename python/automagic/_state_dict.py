@@ -32,6 +32,7 @@ class _StateDictMixin:
         # (they ran before it was added: found by a review, twenty-third
         # session; a first fix swapped the hook dict out during the call,
         # and two threads' calls at once lost the hooks for good).
+        self._fill_groups(strict=False)  # (groups put in by hand: saved with their start lr)
         sd = super().state_dict()
         if (isinstance(sd, dict) and "automagic" not in sd and _add_automagic_entry
                 not in self._optimizer_state_dict_post_hooks.values()):
@@ -72,6 +73,9 @@ class _StateDictMixin:
     def _load(self, state_dict) -> None:
         """load_state_dict's work, between torch's hooks."""
         self._adopt_listed()  # (parameters put into a group by hand: their state too)
+        # groups put in by hand: their start lr first, which a restored
+        # schedule's lr is a factor of (prepare_load)
+        self._fill_groups()
         new_state, new_groups = prepare_load(
             state_dict, self.param_groups, _HPARAM_KEYS,
             lambda p: _state_sizes(p).polarity_bytes,
@@ -227,4 +231,6 @@ class _StateDictMixin:
             self._register_params(group, hooked)
             # (the clamps as unpickled: a scheduler attached later that
             # writes them is warned about, as on the original)
-            self._clamps_added[id(group)] = (float(group["min_lr"]), float(group["max_lr"]))
+            if "min_lr" in group and "max_lr" in group:  # (a group put in by hand may lack
+                # them until its first step: _fill_group)
+                self._clamps_added[id(group)] = (float(group["min_lr"]), float(group["max_lr"]))

@@ -267,18 +267,40 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         where its parameters' rows start under lr_schedule="scale") from its
         lr. Such a group failed with a bare KeyError: 'base_lr', in fused
         mode inside backward (found by a review, thirtieth session). Its
-        values are validated where every group's are."""
+        values are validated where every group's are. The start lr is the
+        group's initial_lr when an lr scheduler is attached (it records the
+        lr the group had, as add_param_group did; a warm-up from 0, or
+        torch.distributed.checkpoint's initialisation step, which sets every
+        lr to 0 for one step(), leave group["lr"] at 0), else its lr, which
+        must then be > 0 and finite, as add_param_group requires (a start
+        lr of 0 divided every later factor of lr_schedule="scale" by 0)."""
         for k, v in self.defaults.items():
             group.setdefault(k, v)
-        lr = group["lr"]
+        key = "initial_lr" if "initial_lr" in group else "lr"
+        lr = group[key]
         if isinstance(lr, torch.Tensor) and lr.numel() == 1 and lr.is_floating_point():
             lr = float(lr)
-        if not is_real_number(lr) or not (math.isfinite(lr) and lr >= 0):
-            raise AutomagicError("Automagic3: group['lr'] must be a finite number >= 0 (or a "
-                                 "one-element floating tensor), got %r" % (group["lr"],))
+        if not is_real_number(lr) or not (math.isfinite(lr) and lr > 0):
+            raise AutomagicError(
+                "Automagic3: a parameter group put into param_groups by hand (not with "
+                "add_param_group) takes its group['%s'] as its start lr, which must be a "
+                "finite number > 0 (or a one-element floating tensor), got %r; add the "
+                "group with add_param_group to start it from its lr" % (key, group[key]))
         group["base_lr"] = float(lr)
         if is_real_number(group["min_lr"]) and is_real_number(group["max_lr"]):
             self._clamps_added[id(group)] = (float(group["min_lr"]), float(group["max_lr"]))
+
+    def _fill_groups(self, strict: bool = True) -> None:
+        """_fill_group of every group put into param_groups by hand; not
+        strict: one that cannot be completed is left as it is (state_dict()
+        saves it as it is)."""
+        for group in self.param_groups:
+            if "base_lr" not in group:
+                try:
+                    self._fill_group(group)
+                except AutomagicError:
+                    if strict:
+                        raise
 
     def _adopt_listed(self, force: bool = False) -> None:
         """Registers the parameters a script put into a group's "params" by
@@ -403,9 +425,7 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         # it was. Loops per group, not per parameter with its group: this
         # runs for every parameter at every step.
         self._adopt_listed()
-        for group in self.param_groups:
-            if "base_lr" not in group:  # (put into param_groups by hand)
-                self._fill_group(group)
+        self._fill_groups()
         if self._initialise_only():
             return loss
         todo, index_of, swapped = [], self._param_index, set()

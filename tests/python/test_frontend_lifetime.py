@@ -126,9 +126,58 @@ def test_group_dict_put_in_by_hand_with_a_bad_lr_is_refused_by_name():
     opt.param_groups[0] = {"params": list(m.parameters()), "lr": "fast"}
     m(torch.randn(3, 4)).sum().backward()
     before = [p.detach().clone() for p in m.parameters()]
-    with pytest.raises(automagic.AutomagicError, match="group\\['lr'\\] must be"):
+    with pytest.raises(automagic.AutomagicError, match="group\\['lr'\\] as its start lr"):
         opt.step()
     assert all(torch.equal(p.detach(), b) for p, b in zip(m.parameters(), before))
+
+
+def test_group_dict_put_in_by_hand_takes_a_schedulers_initial_lr_and_refuses_lr_zero():
+    # a review of the first fix: torch.distributed.checkpoint's
+    # initialisation step (every lr 0 for one step()) or a warm-up from 0
+    # filled base_lr = 0: rows started at 0 and lr_schedule="scale" divided
+    # by 0 at every later step. A scheduler's initial_lr is the start lr;
+    # without one an lr of 0 is refused as add_param_group refuses it.
+    m = torch.nn.Linear(4, 2)
+    opt = automagic.Automagic3(m.parameters(), lr=1e-3, lr_schedule="scale", fused=False)
+    opt.param_groups[0] = {"params": list(m.parameters()), "lr": 1e-3}
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: min(1.0, e / 2))  # from 0
+    assert opt.param_groups[0]["lr"] == 0.0
+    for _ in range(3):
+        m(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["base_lr"] == 1e-3
+    assert all(bool((opt.state[p]["lr"] > 0).all()) for p in m.parameters())
+    v = torch.nn.Parameter(torch.ones(3))
+    opt.param_groups.append({"params": [v], "lr": 0.0})
+    v.grad = torch.ones(3)
+    before = [p.detach().clone() for p in m.parameters()]
+    m(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(automagic.AutomagicError, match="start lr.*> 0"):
+        opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(m.parameters(), before))
+    assert torch.equal(v.detach(), torch.ones(3))
+
+
+def test_group_dict_put_in_by_hand_before_load_copy_and_save():
+    # load_state_dict before the group's first step kept the saved
+    # schedule's lr as a factor of a start lr not yet recorded (every rate
+    # doubled); deepcopy before its first step failed with KeyError:
+    # 'min_lr'; state_dict() saved it without its start lr
+    m = torch.nn.Linear(4, 2)
+    a = automagic.Automagic3(m.parameters(), lr=1e-4, lr_schedule="scale", fused=False)
+    a.param_groups[0]["lr"] = 0.5e-4  # a ReduceLROnPlateau-style halving
+    sd = copy.deepcopy(a.state_dict())
+    b = automagic.Automagic3(m.parameters(), lr=1e-4, lr_schedule="scale", fused=False)
+    b.param_groups[0] = {"params": list(m.parameters()), "lr": 1e-4}
+    c = copy.deepcopy(b)  # (before any step)
+    assert "base_lr" not in c.param_groups[0] or c.param_groups[0]["base_lr"] == 1e-4
+    b.load_state_dict(sd)
+    g = b.param_groups[0]
+    assert g["base_lr"] == 1e-4 and g["lr"] == 0.5e-4
+    d = automagic.Automagic3(m.parameters(), lr=1e-4, fused=False)
+    d.param_groups[0] = {"params": list(m.parameters()), "lr": 3e-4}
+    assert d.state_dict()["param_groups"][0]["base_lr"] == 3e-4
 
 
 @pytest.mark.parametrize("bad", [{"beta2": 1.5}, {"params": "dtype"}])
