@@ -352,7 +352,8 @@ def main():
     result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                           "cpu_model": cpu_model(),
                           "torch": torch.__version__, "python": platform.python_version(),
-                          "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())},
+                          "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+                          "commit": source_commit()},
               "kernels": [], "torch": [], "gpt2": None, "lora": [], "lora_train": [],
               "threshold": []}
 
@@ -616,12 +617,29 @@ def print_tables(result):
             print("  %-14s pool %9.1f  serial %9.1f" % (case, v.get("pool", 0), v.get("serial", 0)))
 
 
+def source_commit():
+    """The checkout's commit (with "+changes" when the tracked files differ
+    from it), so that a stored result names what it measured; None outside
+    a git checkout."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, check=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                             text=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=here,
+                               stderr=subprocess.DEVNULL).returncode != 0
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return rev + ("+changes" if dirty else "")
+
+
 def markdown(result):
     """The tables of print_tables as Markdown (for docs/PERFORMANCE.md)."""
     m = result["machine"]
-    out = ["Measured %s UTC on %s, %d CPUs%s, torch %s.\n" % (
+    out = ["Measured %s UTC on %s, %d CPUs%s, torch %s%s.\n" % (
         m["date_utc"], m["platform"], m["cpus"],
-        " (%s)" % m["cpu_model"] if m.get("cpu_model") else "", m["torch"])]
+        " (%s)" % m["cpu_model"] if m.get("cpu_model") else "", m["torch"],
+        ", commit %s" % m["commit"] if m.get("commit") else "")]
     out.append("| shape | dtype | thr | kernels | ns/elem | CPU ns/elem | GB/s (model) | "
                "triad GB/s (case) | triad GB/s (run's best) | of bound |")
     out.append("|---|---|---|---|---|---|---|---|---|---|")

@@ -37,6 +37,8 @@ if not r["torch"]:
     bad.append("no torch cases")
 if not r["lora"] or not r["lora_train"]:
     bad.append("no LoRA results")
+if not r["machine"].get("commit"):  # (run from a git checkout here)
+    bad.append("the result does not name the commit it measured")
 for name in ("bench.md", "bench.png"):
     path = os.path.join(out, name)
     if not os.path.isfile(path) or os.path.getsize(path) == 0:
