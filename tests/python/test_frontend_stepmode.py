@@ -148,8 +148,14 @@ def _run_in_child(func, tmp_path):
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this torch build")
     here = os.path.dirname(os.path.abspath(__file__))
-    code = ("import sys; sys.path.insert(0, %r); import test_frontend_stepmode as t; "
-            "t.%s(%r); print('CHILD-OK')" % (here, func, os.path.join(str(tmp_path), "store")))
+    # After CHILD-OK (everything checked passed) the child leaves with
+    # os._exit: one fresh-clone run of the suite saw the interpreter's
+    # teardown abort there, after CHILD-OK, in C++ ("terminate called
+    # without an active exception": a joinable std::thread destroyed, which
+    # this library, C with pthreads, has none of; thirtieth session).
+    code = ("import sys, os; sys.path.insert(0, %r); import test_frontend_stepmode as t; "
+            "t.%s(%r); print('CHILD-OK', flush=True); sys.stderr.flush(); os._exit(0)"
+            % (here, func, os.path.join(str(tmp_path), "store")))
     try:
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            timeout=300)
