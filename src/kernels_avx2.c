@@ -526,13 +526,14 @@ AM_INLINE __m256 flat_u(__m256 x, __m256 sqv, const am_consts *k, __m256 *vout) 
     return _mm256_mul_ps(r, x);
 }
 
-/* NaN when a new ema(sq, g*g) is not finite (g*g overflowed) or below -eps
- * (am_flat_bad): the update is then skipped, as in the reference kernel. */
+/* NaN where an element's new ema(sq, g*g) is bad (am_flat_bad: not finite,
+ * g*g overflowed, or below -eps): the update is then skipped, as in the
+ * reference kernel. */
 AM_INLINE double u2_flat_body(const void *g, const int gdt, const float *sq,
                               int64_t e0, int64_t e1, const am_consts *k) {
     const __m256i expo = _mm256_set1_epi32(0x7f800000);
     const __m256 eps = _mm256_set1_ps(k->eps);
-    __m256 acc = _mm256_setzero_ps(), v, d;
+    __m256 acc = _mm256_setzero_ps(), d;
     __m256i bad = _mm256_setzero_si256();
     float a[AM_LANES];
     int64_t e = e0;
@@ -544,8 +545,7 @@ AM_INLINE double u2_flat_body(const void *g, const int gdt, const float *sq,
             _mm_prefetch((const char *)(sq + e + AM_FLAT_PREFETCH), _MM_HINT_T0);
             _mm_prefetch((const char *)g + (e + AM_FLAT_PREFETCH) * esize(gdt), _MM_HINT_T0);
         }
-        v = flat_v(x, _mm256_loadu_ps(sq + e), k);
-        d = _mm256_add_ps(v, eps);
+        d = _mm256_add_ps(flat_v(x, _mm256_loadu_ps(sq + e), k), eps);
         /* am_flat_u2 */
         acc = _mm256_add_ps(acc, _mm256_mul_ps(x, _mm256_div_ps(x, d)));
         /* am_flat_bad: bits of v + eps >= +inf's, unsigned (max == bits) */
