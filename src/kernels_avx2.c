@@ -28,6 +28,7 @@
 
 #include "am_bits.h"
 #include "avx2_load.h"
+#include "noisewin.h"
 
 #define AM_INLINE static inline __attribute__((always_inline))
 
@@ -93,46 +94,30 @@ static void philox32_avx2(uint64_t seed, uint32_t pid, int64_t step,
  * am_kernels_avx2, before any kernel runs), AVX2 otherwise. */
 static am_philox_fn g_philox = philox32_avx2;
 
-/* The rounding noise of one apply (am_sr_noise): a window of the 32 Philox
- * quads q0..q0+31, the 16-bit noise of flat elements [8*q0, 8*q0 + 256), and
- * the wide stream's words (float16 half subnormals, am_widewin in simd.h),
- * generated only when such a value occurs. */
-typedef struct rngwin {
-    uint64_t seed;
-    uint32_t pid;
-    int64_t step, q0;
-    int64_t off; /* element f's noise is that of f + off (a shard's first) */
-    int valid;
-    uint32_t w[128];
-    am_widewin wide;
-} rngwin;
+/* The rounding noise of one apply (am_sr_noise): am_noisewin (noisewin.h),
+ * filled by g_philox between spans, never inside one. */
+typedef am_noisewin rngwin;
 
-/* The 16-bit noise of elements f..f+7 (regenerating the window when
- * needed), one 32-bit lane per element. */
-AM_INLINE __m256i rnd8(rngwin *w, int64_t f) {
-    f += w->off; /* the window's indices are the whole parameter's */
-    if (!w->valid || f < 8 * w->q0 || f + 8 > 8 * (w->q0 + 32)) {
-        w->q0 = f >> 3;
-        g_philox(w->seed, w->pid, w->step, w->q0, w->w);
-        w->valid = 1;
-    }
-    return _mm256_cvtepu16_epi32(
-        _mm_loadu_si128((const __m128i *)((const uint16_t *)w->w + (f - 8 * w->q0))));
-}
-
-/* The 32-bit wide-stream noise of element e. */
-static uint32_t wide_word(rngwin *w, int64_t e) {
-    return am_wide_word(&w->wide, g_philox, w->seed, w->pid, w->step, e + w->off);
+/* The 16-bit noise of elements f..f+7, one 32-bit lane per element; the
+ * window holds them (am_noise_span). */
+AM_INLINE __m256i rnd8(const rngwin *w, int64_t f) {
+    return _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)am_noise_at(w, f)));
 }
 
 static void rng_init(rngwin *w, uint64_t seed, uint32_t pid, int64_t step, int64_t off) {
-    w->seed = seed;
-    w->pid = pid;
-    w->step = step;
-    w->off = off;
-    w->q0 = 0;
-    w->valid = 0;
-    am_widewin_init(&w->wide);
+    am_noise_init(w, g_philox, seed, pid, step, off);
+}
+
+/* Starts a span of n <= 64 elements from f of a 16-bit parameter
+ * (am_noise_span; float32 takes no noise). */
+AM_INLINE void span16(rngwin *w, const int dt, int64_t f, int64_t n) {
+    if (dt != AM_DTYPE_FLOAT32) am_noise_span(w, f, n);
+}
+
+/* Ends a span: the float16 values st8 set aside, rounded by the scalar
+ * rule (am_noise_fix16). */
+AM_INLINE void span_end(void *p, const int dt, rngwin *w) {
+    if (dt == AM_DTYPE_FLOAT16 && w->fixmask) am_noise_fix16((uint16_t *)p, w);
 }
 
 /* Stores v into elements i..i+7, stochastically rounded with the noise of
@@ -175,20 +160,11 @@ AM_INLINE void st8(void *base, const int dt, int64_t i, __m256 v, rngwin *w) {
         t = _mm256_and_si256(t, _mm256_set1_epi32(~0x1fff));
         h = _mm256_cvtps_ph(_mm256_castsi256_ps(t), _MM_FROUND_TO_NEAREST_INT);
         if (!_mm256_testz_si256(bad, bad)) {
-            /* Rare: half subnormals, zeros, inf, NaN — the scalar rule, with
-             * 32 bits of the wide stream for the subnormal range. */
-            uint16_t hv[8];
-            float vf[8];
-            uint32_t rv[8], bv[8];
-            int l;
-            _mm_storeu_si128((__m128i *)hv, h);
-            _mm256_storeu_ps(vf, v);
-            _mm256_storeu_si256((__m256i *)rv, rnd);
-            _mm256_storeu_si256((__m256i *)bv, bad);
-            for (l = 0; l < 8; l++)
-                if (bv[l])
-                    hv[l] = am_sr_f16(vf[l], am_f16_wide(vf[l]) ? wide_word(w, i + l) : rv[l]);
-            h = _mm_loadu_si128((const __m128i *)hv);
+            /* Rare: half subnormals, zeros, inf, NaN — set aside, rounded
+             * by the scalar rule after the span (span_end) */
+            _mm256_storeu_ps(w->fv + (i - w->span0), v);
+            w->fixmask |= (uint64_t)(uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(bad))
+                          << (i - w->span0);
         }
         _mm_storeu_si128((__m128i *)((uint16_t *)base + i), h);
     }
@@ -801,6 +777,7 @@ AM_INLINE void apply_rows_short(void *p, const int pdt, const void *g, const int
         int v;
         if ((base & 63) == 0) /* as apply_body's 64-element blocks */
             short_prefetch(p, g, base, es, ges, pf, l2ahead);
+        span16(w, pdt, base, C);
         bits = apply_vec(p, pdt, g, gdt, base, _mm256_mul_ps(rfv, _mm256_loadu_ps(cfb)), iv,
                          unscaled, lrv, wdv, has_wd, w);
         for (v = 1; v < C / 8; v++)
@@ -808,6 +785,7 @@ AM_INLINE void apply_rows_short(void *p, const int pdt, const void *g, const int
                               _mm256_mul_ps(rfv, _mm256_loadu_ps(cfb + 8 * v)), iv, unscaled,
                               lrv, wdv, has_wd, w)
                     << (8 * v);
+        span_end(p, pdt, w);
         if (pol_row) memcpy(pol_row + (r - r0) * (C / 8), &bits, (size_t)(C / 8));
         if (r + 1 == bend) { /* the next matrix's column factors */
             cfb += C;
@@ -846,7 +824,9 @@ AM_INLINE int64_t apply_rows4(void *p, const int pdt, const void *g, const int g
                                    _mm_set1_ps(lrs[r + 1 - r0]), 1);
         if ((base & 63) == 0) /* as apply_body's 64-element blocks */
             short_prefetch(p, g, base, es, ges, pf, l2ahead);
+        span16(w, pdt, base, 8);
         bits = apply_vec(p, pdt, g, gdt, base, fac, iv, unscaled, lrv, wdv, has_wd, w);
+        span_end(p, pdt, w);
         if (pol_row) {
             uint8_t *b = pol_row + (r - r0);
             b[0] = (uint8_t)((b[0] & 0xf0u) | (bits & 0xfu));
@@ -929,11 +909,16 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
                 am_prefetch_l2((const char *)g + (base + j + l2ahead) * esize(gdt),
                                64 * (int)esize(gdt));
             }
+            span16(&w, pdt, base + j, 64);
             for (v = 0; v < 8; v++) bits |= (uint64_t)AM_APPLY_VEC(j + 8 * v) << (8 * v);
+            span_end(p, pdt, &w);
             if (pol_row) bw_put64(&bw, bits);
         }
         for (; j < nv; j += 8) {
-            uint32_t bits = AM_APPLY_VEC(j);
+            uint32_t bits;
+            span16(&w, pdt, base + j, 8);
+            bits = AM_APPLY_VEC(j);
+            span_end(p, pdt, &w);
             if (pol_row) bw_put(&bw, bits, 8);
         }
 #undef AM_APPLY_VEC
@@ -966,7 +951,10 @@ AM_INLINE void apply_small(void *p, const int pdt, const void *g, const int gdt,
     fw_init(&fw, rf, cf, R, C, r0 + fast, r1);
     for (; f + 8 <= f1; f += 8) {
         __m256 fac = f < ffend ? ff_next8(&ff) : fw_next8(&fw);
-        uint32_t bits = apply_vec(p, pdt, g, gdt, f, fac, iv, unscaled, lrv, wdv, has_wd, &w);
+        uint32_t bits;
+        span16(&w, pdt, f, 8);
+        bits = apply_vec(p, pdt, g, gdt, f, fac, iv, unscaled, lrv, wdv, has_wd, &w);
+        span_end(p, pdt, &w);
         if (pol_row) bw_put(&bw, bits, 8);
     }
     for (; f < f1; f++) {
@@ -1010,6 +998,39 @@ static void avx2_apply_rows(void *p, int pdt, const void *g, int gdt,
     _mm256_zeroupper(); /* see AM_CLEAN_RETURN (simd.h) */
 }
 
+/* The constants of finish_flat_body. */
+typedef struct flatk {
+    __m256 tv, iv, wdv, up, down, lo, hi;
+    __m256i lanebit;
+    int has_wd, unscaled;
+} flatk;
+
+/* Elements e..e+7 of finish_flat_body (e % 8 == 0: the vector owns one
+ * whole polarity byte); returns their matches. */
+AM_INLINE int flat_vec(void *p, const int pdt, const void *g, const int gdt, float *sq,
+                       float *lr, uint8_t *pol, int64_t e, const flatk *c, const am_consts *k,
+                       int64_t step, rngwin *w) {
+    __m256 v, lrv;
+    __m256 u = flat_u(am_ld8(g, gdt, e), _mm256_loadu_ps(sq + e), k, &v);
+    unsigned pb, mb;
+    pb = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(u, c->tv, _CMP_GE_OQ));
+    if (!c->unscaled) u = _mm256_mul_ps(u, c->iv); /* x * 1 == x exactly */
+    mb = ~(pb ^ pol[e >> 3]) & 0xffu;
+    _mm256_storeu_ps(sq + e, v);
+    pol[e >> 3] = (uint8_t)pb;
+    lrv = _mm256_loadu_ps(lr + e);
+    if (step > 0) {
+        __m256i mm = _mm256_and_si256(_mm256_set1_epi32((int)mb), c->lanebit);
+        __m256 match = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mm, c->lanebit));
+        lrv = _mm256_mul_ps(lrv, _mm256_blendv_ps(c->down, c->up, match));
+        lrv = _mm256_blendv_ps(lrv, c->lo, _mm256_cmp_ps(lrv, c->lo, _CMP_NGE_UQ)); /* NaN: min_lr (am_lr_scale) */
+        lrv = _mm256_blendv_ps(lrv, c->hi, _mm256_cmp_ps(lrv, c->hi, _CMP_GT_OQ));
+        _mm256_storeu_ps(lr + e, lrv);
+    }
+    st8(p, pdt, e, apply8(am_ld8(p, pdt, e), u, lrv, c->wdv, c->has_wd), w);
+    return __builtin_popcount(mb);
+}
+
 AM_INLINE int64_t finish_flat_body(void *p, const int pdt, const void *g,
                                    const int gdt, float *sq, float *lr,
                                    uint8_t *pol, int64_t e0, int64_t e1,
@@ -1018,37 +1039,32 @@ AM_INLINE int64_t finish_flat_body(void *p, const int pdt, const void *g,
                                    int64_t step, int64_t noff) {
     /* the SPEC's sign of u / scale as u >= tv; the apply's u * (1 / scale)
      * (as ref_finish_flat) */
-    const __m256 tv = _mm256_set1_ps(am_pos_threshold(scale)), iv = _mm256_set1_ps(1.0f / scale);
-    const __m256 wdv = _mm256_set1_ps(k->wd);
-    const __m256 up = _mm256_set1_ps(k->bump_up), down = _mm256_set1_ps(k->bump_down);
-    const __m256 lo = _mm256_set1_ps(k->min_lr), hi = _mm256_set1_ps(k->max_lr);
-    const __m256i lanebit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    const int has_wd = k->wd != 0.0f, unscaled = scale == 1.0f;
+    flatk c;
     int64_t e = e0, matches = 0;
     rngwin w;
+    c.tv = _mm256_set1_ps(am_pos_threshold(scale));
+    c.iv = _mm256_set1_ps(1.0f / scale);
+    c.wdv = _mm256_set1_ps(k->wd);
+    c.up = _mm256_set1_ps(k->bump_up);
+    c.down = _mm256_set1_ps(k->bump_down);
+    c.lo = _mm256_set1_ps(k->min_lr);
+    c.hi = _mm256_set1_ps(k->max_lr);
+    c.lanebit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    c.has_wd = k->wd != 0.0f;
+    c.unscaled = scale == 1.0f;
     rng_init(&w, seed, param_id, step, noff);
-    /* e0 % 8 == 0: every full vector owns one whole polarity byte */
+    /* e0 % 8 == 0; spans of 64, then of 8 */
+    for (; e + 64 <= e1; e += 64) {
+        int v;
+        span16(&w, pdt, e, 64);
+        for (v = 0; v < 8; v++)
+            matches += flat_vec(p, pdt, g, gdt, sq, lr, pol, e + 8 * v, &c, k, step, &w);
+        span_end(p, pdt, &w);
+    }
     for (; e + 8 <= e1; e += 8) {
-        __m256 v, lrv;
-        __m256 u = flat_u(am_ld8(g, gdt, e), _mm256_loadu_ps(sq + e), k, &v);
-        unsigned pb, mb;
-        pb = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(u, tv, _CMP_GE_OQ));
-        if (!unscaled) u = _mm256_mul_ps(u, iv); /* x * 1 == x exactly */
-        mb = ~(pb ^ pol[e >> 3]) & 0xffu;
-        _mm256_storeu_ps(sq + e, v);
-        matches += __builtin_popcount(mb);
-        pol[e >> 3] = (uint8_t)pb;
-        lrv = _mm256_loadu_ps(lr + e);
-        if (step > 0) {
-            __m256i mm = _mm256_and_si256(_mm256_set1_epi32((int)mb), lanebit);
-            __m256 match = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mm, lanebit));
-            lrv = _mm256_mul_ps(lrv, _mm256_blendv_ps(down, up, match));
-            lrv = _mm256_blendv_ps(lrv, lo, _mm256_cmp_ps(lrv, lo, _CMP_NGE_UQ)); /* NaN: min_lr (am_lr_scale) */
-            lrv = _mm256_blendv_ps(lrv, hi, _mm256_cmp_ps(lrv, hi, _CMP_GT_OQ));
-            _mm256_storeu_ps(lr + e, lrv);
-        }
-        st8(p, pdt, e, apply8(am_ld8(p, pdt, e), u, lrv, wdv, has_wd),
-            &w);
+        span16(&w, pdt, e, 8);
+        matches += flat_vec(p, pdt, g, gdt, sq, lr, pol, e, &c, k, step, &w);
+        span_end(p, pdt, &w);
     }
     if (e < e1) { /* the tail of the tensor: the reference's loop (SSE code) */
         _mm256_zeroupper();

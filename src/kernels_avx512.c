@@ -22,6 +22,7 @@
 
 #include "am_bits.h"
 #include "avx512_load.h"
+#include "noisewin.h"
 
 #define AM_INLINE static inline __attribute__((always_inline))
 #define AM_NOINLINE __attribute__((noinline))
@@ -38,90 +39,13 @@ AM_INLINE __m512i high_idx(void) {
                             31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
 }
 
-/* The noise windows of one apply (see rngwin in kernels_avx2.c): w holds
- * the 16-bit noise of elements [8 * q0, wend). An apply walks its elements
- * in ascending order, so only the end of the window is checked, once per
- * span of 16 or 64 elements, and the generator is called between spans:
- * no call inside a span, so the compiler keeps the span's vectors in
- * registers. float16 values that need the scalar rule (half subnormals,
- * zeros, inf, NaN) are set aside in fv/fixmask and rounded after their span
- * (f16_fixup). */
-typedef struct rng512 {
-    am_philox_fn gen;
-    uint64_t seed;
-    uint32_t pid;
-    int64_t step, q0, wend, span0;
-    int64_t off;                  /* element f's noise is f + off's (a shard's first) */
-    uint64_t fixmask;             /* bit l: element span0 + l is in fv[l] */
-    uint32_t w[4 * (32 + 8)];     /* up to 8 quads kept + 32 generated */
-    am_widewin wide;
-    float fv[64];
-} rng512;
-
-/* An empty window for the noise of (seed, param_id, step, noff). */
-static void rng_init(rng512 *w, uint64_t seed, uint32_t param_id, int64_t step, int64_t noff) {
-    w->gen = am_philox32_avx512();
-    w->off = noff;
-    w->seed = seed;
-    w->pid = param_id;
-    w->step = step;
-    w->q0 = 0;
-    w->wend = INT64_MIN; /* the first rng_need fills it */
-    am_widewin_init(&w->wide);
-    w->span0 = 0;
-    w->fixmask = 0;
-}
-
-/* Makes the window hold elements [f, f + 64) (in fact at least 249 from
- * f): the quads from f's on that are already there (at most 8, as
- * rng_need refills only when fewer than 64 elements are left) move to the
- * front, so no noise is generated twice; the next 32 quads follow them. */
-static AM_NOINLINE void rng_refill(rng512 *w, int64_t f) {
-    const int64_t q = f >> 3;
-    int64_t keep = w->wend / 8 - q; /* quads q.. already generated (wend is a
-                                     * multiple of 8; negative: none) */
-    if (keep < 0) keep = 0;
-    if (keep > 0) memmove(w->w, w->w + 4 * (q - w->q0), (size_t)(16 * keep));
-    w->gen(w->seed, w->pid, w->step, q + keep, w->w + 4 * keep);
-    w->q0 = q;
-    w->wend = 8 * (q + keep + 32);
-}
-
-/* Makes the window hold elements [f, f + n), n <= 64. */
-AM_INLINE void rng_need(rng512 *w, int64_t f, int64_t n) {
-    f += w->off; /* the window's indices are the whole parameter's */
-    if (f + n > w->wend) rng_refill(w, f);
-}
+/* The noise window of one apply: am_noisewin (noisewin.h). */
+typedef am_noisewin rng512;
 
 /* The 16-bit noise of elements f..f+15 (am_sr_noise), one 32-bit lane each;
- * the window holds them (rng_need). */
+ * the window holds them (am_noise_span). */
 AM_INLINE __m512i rnd16(const rng512 *w, int64_t f) {
-    return _mm512_cvtepu16_epi32(
-        _mm256_loadu_si256((const __m256i *)((const uint16_t *)w->w + (f + w->off - 8 * w->q0))));
-}
-
-/* The 32-bit wide-stream noise of element e (float16 half subnormals). */
-static uint32_t wide_word(rng512 *w, int64_t e) {
-    return am_wide_word(&w->wide, w->gen, w->seed, w->pid, w->step, e + w->off);
-}
-
-/* The scalar rule (am_sr_f16) for the float16 elements set aside in the
- * span just stored, with the wide stream for the half subnormal range. */
-static AM_NOINLINE void f16_fixup(uint16_t *p, rng512 *w) {
-    uint64_t m = w->fixmask;
-    while (m) {
-        const int l = __builtin_ctzll(m);
-        const int64_t e = w->span0 + l;
-        const float v = w->fv[l];
-        uint16_t h; /* the window's 16-bit noise of e, by memcpy (its words
-                     * are uint32_t: no read through another type) */
-        uint32_t rnd;
-        memcpy(&h, (const unsigned char *)w->w + 2 * (e + w->off - 8 * w->q0), 2);
-        rnd = am_f16_wide(v) ? wide_word(w, e) : h;
-        p[e] = am_sr_f16(v, rnd);
-        m &= m - 1;
-    }
-    w->fixmask = 0;
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)am_noise_at(w, f)));
 }
 
 /* Stores v into 16-bit elements i..i+15, stochastically rounded with the
@@ -161,7 +85,7 @@ AM_INLINE void st16(void *base, const int dt, int64_t i, __m512 v, rng512 *w) {
         _mm256_storeu_si256((__m256i *)out,
                             _mm512_cvtps_ph(_mm512_castsi512_ps(t),
                                             _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC));
-        if (bad) { /* rare: rounded after the span (f16_fixup) */
+        if (bad) { /* rare: rounded after the span (am_noise_fix16) */
             _mm512_storeu_ps(w->fv + (i - w->span0), v);
             w->fixmask |= (uint64_t)bad << (i - w->span0);
         }
@@ -614,10 +538,7 @@ am_stats_fn am_avx512_stats(int l2) { return l2 ? avx512_stats_l2 : avx512_stats
     const int64_t l2ahead = AM_L2_PREFETCH_BYTES / es
 #define AM_SHORT_SPAN(at64)                                                   \
     do {                                                                      \
-        if (pdt != AM_DTYPE_FLOAT32) {                                        \
-            rng_need(w, base, 16);                                            \
-            w->span0 = base;                                                  \
-        }                                                                     \
+        if (pdt != AM_DTYPE_FLOAT32) am_noise_span(w, base, 16);              \
         if (at64) {                                                           \
             if (pf) {                                                         \
                 _mm_prefetch((const char *)p + (base + AM_PREFETCH) * es, _MM_HINT_T0); \
@@ -650,7 +571,7 @@ AM_INLINE void apply_rows16(void *p, const int pdt, const void *g, const int gdt
                                  _mm512_mul_ps(_mm512_set1_ps(rf[r]), cfv), iv,
                                  _mm512_set1_ps(lrs[r - r0]), wdv, scaled, wd, w);
         if (pol_row) memcpy(pol_row + 2 * (r - r0), &bits, 2);
-        if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) f16_fixup((uint16_t *)p, w);
+        if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) am_noise_fix16((uint16_t *)p, w);
         if (r + 1 == bend && r + 1 < r1) { /* the next matrix's column factors */
             cfb += 16;
             cfv = _mm512_loadu_ps(cfb);
@@ -685,7 +606,7 @@ AM_INLINE void apply_rows8(void *p, const int pdt, const void *g, const int gdt,
         bits = (uint16_t)apply16(p, pdt, g, gdt, base, _mm512_mul_ps(rfv, cfv), iv, lrv, wdv,
                                  scaled, wd, w);
         if (pol_row) memcpy(pol_row + (r - r0), &bits, 2);
-        if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) f16_fixup((uint16_t *)p, w);
+        if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) am_noise_fix16((uint16_t *)p, w);
     }
 }
 
@@ -717,7 +638,7 @@ AM_INLINE void apply_rows4(void *p, const int pdt, const void *g, const int gdt,
             old = (old & 0xf0f0f0f0u) | nib;
             memcpy(pol_row + (r - r0), &old, 4);
         }
-        if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) f16_fixup((uint16_t *)p, w);
+        if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) am_noise_fix16((uint16_t *)p, w);
     }
 }
 
@@ -845,8 +766,7 @@ AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
         for (j = 0; j < n64; j += 64) {
             uint64_t bits;
             if (pdt != AM_DTYPE_FLOAT32) { /* float32 is stored unrounded */
-                rng_need(w, base + j, 64);
-                w->span0 = base + j;
+                am_noise_span(w, base + j, 64);
             }
             if (pf) { /* am_sw_prefetch (simd.h) */
                 _mm_prefetch((const char *)p + (base + j + AM_PREFETCH) * es, _MM_HINT_T0);
@@ -866,17 +786,16 @@ AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
             bits = (uint64_t)AM_APPLY16(j) | (uint64_t)AM_APPLY16(j + 16) << 16 |
                    (uint64_t)AM_APPLY16(j + 32) << 32 | (uint64_t)AM_APPLY16(j + 48) << 48;
             if (pol_row) bw_put64(&bw, bits);
-            if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) f16_fixup((uint16_t *)p, w);
+            if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) am_noise_fix16((uint16_t *)p, w);
         }
         for (; j < n16; j += 16) {
             unsigned bits;
             if (pdt != AM_DTYPE_FLOAT32) {
-                rng_need(w, base + j, 16);
-                w->span0 = base + j;
+                am_noise_span(w, base + j, 16);
             }
             bits = AM_APPLY16(j);
             if (pol_row) bw_put(&bw, bits, 16);
-            if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) f16_fixup((uint16_t *)p, w);
+            if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) am_noise_fix16((uint16_t *)p, w);
         }
 #undef AM_APPLY16
         for (; j < C; j++) {
@@ -898,7 +817,7 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
                           float lr, const float *lrs, const am_consts *k, uint64_t seed,
                           uint32_t param_id, int64_t step, int64_t noff, uint8_t *pol_row) {
     rng512 w;
-    rng_init(&w, seed, param_id, step, noff);
+    am_noise_init(&w, am_philox32_avx512(), seed, param_id, step, noff);
 #define AM_MODE(S, W)                                                         \
     apply_mode(p, pdt, g, gdt, R, C, r0, r1, rf, cf, inv, lr, lrs, k, seed,   \
                param_id, step, noff, pol_row, S, W, &w)
@@ -1127,11 +1046,10 @@ AM_INLINE int64_t mats_mode(void *p, const int pdt, const void *g, const int gdt
 #define AM_VEC(F, FAC)                                                                     \
     do {                                                                                   \
         uint16_t bits_;                                                                    \
-        if (pdt != AM_DTYPE_FLOAT32) rng_need(w, F, 16);                                   \
-        w->span0 = F;                                                                      \
+        if (pdt != AM_DTYPE_FLOAT32) am_noise_span(w, F, 16);                              \
         bits_ = (uint16_t)apply16(p, pdt, g, gdt, F, FAC, iv, lrv, wdv, scaled, wd, w);    \
         if (pol_row) memcpy(pol_row + ((F)-f0) / 8, &bits_, 2);                           \
-        if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) f16_fixup((uint16_t *)p, w);            \
+        if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) am_noise_fix16((uint16_t *)p, w);       \
     } while (0)
     if (R == 3 && C == 3) { /* runs of 16 matrices: 144 elements, 48 rf and cf */
         const float *rb = rf + r0, *cb = cf + r0; /* cf of matrix r0 / 3: (r0 / 3) * 3 */
@@ -1168,7 +1086,7 @@ AM_INLINE int64_t mats_body(void *p, const int pdt, const void *g, const int gdt
                             const am_consts *k, uint64_t seed, uint32_t param_id,
                             int64_t step, int64_t noff, uint8_t *pol_row) {
     rng512 w;
-    rng_init(&w, seed, param_id, step, noff);
+    am_noise_init(&w, am_philox32_avx512(), seed, param_id, step, noff);
     int64_t rows = 0;
 #define AM_MODE(S, W)                                                         \
     rows = mats_mode(p, pdt, g, gdt, R, C, r0, r1, rf, cf, inv, lr, k, pol_row, S, W, &w)
@@ -1314,8 +1232,7 @@ AM_INLINE int64_t flat_mode(void *p, const int pdt, const void *g, const int gdt
             _mm_prefetch((const char *)g + (e + AM_FLAT_PREFETCH) * (gdt == AM_DTYPE_FLOAT32 ? 4 : 2), _MM_HINT_T0);
         }
         if (pdt != AM_DTYPE_FLOAT32) { /* float32 is stored unrounded */
-            rng_need(w, e, 16);
-            w->span0 = e;
+            am_noise_span(w, e, 16);
         }
         pb = (uint16_t)_mm512_cmp_ps_mask(u, tv, _CMP_GE_OQ);
         if (scaled) u = _mm512_mul_ps(u, iv);
@@ -1333,7 +1250,7 @@ AM_INLINE int64_t flat_mode(void *p, const int pdt, const void *g, const int gdt
         pv = am_ld16(p, pdt, e);
         t = wd ? _mm512_add_ps(u, _mm512_mul_ps(wdv, pv)) : u;
         st16(p, pdt, e, _mm512_sub_ps(pv, _mm512_mul_ps(lrv, t)), w);
-        if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) f16_fixup((uint16_t *)p, w);
+        if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) am_noise_fix16((uint16_t *)p, w);
     }
     if (e < e1) { /* the last 1..15 elements: the reference's loop (SSE code) */
         _mm256_zeroupper();
@@ -1348,7 +1265,7 @@ AM_INLINE int64_t flat_body(void *p, const int pdt, const void *g, const int gdt
                             float scale, const am_consts *k, uint64_t seed,
                             uint32_t param_id, int64_t step, int64_t noff) {
     rng512 w;
-    rng_init(&w, seed, param_id, step, noff);
+    am_noise_init(&w, am_philox32_avx512(), seed, param_id, step, noff);
     int64_t matches = 0;
 #define AM_MODE(S, W)                                                         \
     matches = flat_mode(p, pdt, g, gdt, sq, lr, pol, e0, e1, scale, k, seed,  \
