@@ -208,16 +208,18 @@ static void gather_lrs(const sharded *s, float *lrs) {
                 MPI_FLOAT, 0, MPI_COMM_WORLD);
 }
 
-/* The replica's update with the same gradient (its status in *status);
+/* The replica's update of parameter param_id with the same gradient (its status in *status);
  * returns the largest difference from the sharded parameter relative to
  * its largest magnitude, and counts the lrs (lrs: every shard's, gathered)
  * that differ. */
-static double replica_step(replica *r, const sharded *s, const float *lrs, const am_hparams *hp,
-                           int *lr_diff, am_status *status) {
+static double replica_step(replica *r, const sharded *s, uint32_t param_id, const float *lrs,
+                           const am_hparams *hp, int *lr_diff, am_status *status) {
     am_tensor pt = {r->data, AM_DTYPE_FLOAT32, s->whole}, gt = {s->grad, AM_DTYPE_FLOAT32, s->whole};
     double dmax = 0.0, amax = 0.0;
     int64_t i;
-    *status = am_update(&pt, &gt, &r->st, hp, (am_rng_key){1, 0}, r->ws,
+    /* the sharded update's key (seed 1, parameter param_id): with 16-bit
+     * weights the two would round with the same noise */
+    *status = am_update(&pt, &gt, &r->st, hp, (am_rng_key){1, param_id}, r->ws,
                         (size_t)r->sz.workspace_bytes, NULL);
     check(*status, "am_update");
     for (i = 0; i < r->sz.numel; i++) {
@@ -303,7 +305,7 @@ int main(int argc, char **argv) {
         for (i = 0; i < 2; i++) {
             gather_lrs(&ps[i], lrs);
             if (g_rank == 0) {
-                const double d = replica_step(&rep[i], &ps[i], lrs, &hp, &lr_diff, &rstatus);
+                const double d = replica_step(&rep[i], &ps[i], (uint32_t)i, lrs, &hp, &lr_diff, &rstatus);
                 worst = fmax(worst, d);
                 if (rstatus != status[i]) {
                     fprintf(stderr, "FAIL: step %d: the whole update returned %d, the shards %d\n",

@@ -462,8 +462,9 @@ typedef struct am_shard {
  * ndim >= 3 and 1-D shards: the same bits, but for the clip scale where
  * the clip binds, which may differ in its last bit (u2_sum is added in
  * another order: seen on 1-D shards whose bounds cut the whole's tiles of
- * 16384 elements, a few hundred of 100,003 float32 elements 1 ulp apart;
- * tested bit-identical on one tile). The rounding noise of
+ * 16384 elements, a few hundred of 100,003 float32 elements 1 ulp apart,
+ * and within one tile too, 4 of 1,000 elements split 1 + 500 + 499;
+ * where the clip does not bind, the same bits). The rounding noise of
  * bfloat16/float16 parameters is keyed by the element's index in the whole
  * parameter (SPEC 5: dim0_offset places it), so every shard passes the
  * whole parameter's key and the noise does not depend on the split.

@@ -97,6 +97,9 @@ def convert_state(saved: dict, p: torch.Tensor, polarity_bytes: int, where: str)
     shapes = expected_shapes(p, polarity_bytes)
     saved = dict(saved)
     if "last_polarity" in saved:  # the reference class's format
+        if "polarity" in saved:
+            raise CheckpointError("%s: both 'polarity' (ours) and 'last_polarity' (the "
+                                  "reference's) are present; a state holds one" % where)
         lp = saved.pop("last_polarity")
         if not isinstance(lp, torch.Tensor) or lp.shape != p.shape or lp.is_complex():
             raise CheckpointError("%s: last_polarity must be a bool tensor of shape %s"
@@ -123,6 +126,13 @@ def convert_state(saved: dict, p: torch.Tensor, polarity_bytes: int, where: str)
             if t.dtype != torch.uint8:
                 raise CheckpointError("%s: polarity must be uint8, got %s" % (where, t.dtype))
             out[key] = t.to(device=p.device, copy=True).contiguous()
+            # as the C loader (checkpoint.c): each lr-row's padding bits are 0
+            rows = p.shape[0] if p.dim() >= 2 else 1
+            m = p.numel() // rows if rows else 0
+            if m % 8 and rows and bool((out[key].reshape(rows, -1)[:, -1]
+                                         & (0xFF << (m % 8)) & 0xFF).any()):
+                raise CheckpointError("%s: polarity has padding bits set (not a packed "
+                                      "state of this shape)" % where)
         else:
             if not t.is_floating_point():
                 raise CheckpointError("%s: %s must be floating point, got %s"

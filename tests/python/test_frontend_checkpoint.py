@@ -106,6 +106,36 @@ def test_bad_state_dict_changes_nothing():
     assert_unchanged(m, opt, snap)
 
 
+def test_polarity_padding_bits_and_two_polarities_are_refused():
+    # As the C loader (checkpoint.c): an lr-row's padding bits (past its
+    # m % 8 elements in its last byte) are 0 in any state this code or the
+    # reference wrote; a dict with them set was accepted and kept them.
+    # A state with both 'polarity' and the reference's 'last_polarity'
+    # loaded the latter silently over ours (found by a review, thirty-first
+    # session).
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(5, 3))
+    b = torch.nn.Parameter(torch.randn(3))
+    opt = automagic.Automagic3([w, b], fused=False)
+    for _ in range(2):
+        ((w * w).sum() + (b * b).sum()).backward()
+        opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    snap = {k: v.clone() for k, v in opt.state[w].items() if isinstance(v, torch.Tensor)}
+    for i in (0, 1):  # (5, 3): 3 bits a row; (3,): 3 bits
+        bad = copy.deepcopy(sd)
+        bad["state"][i]["polarity"] = bad["state"][i]["polarity"] | 0xF8
+        with pytest.raises(CheckpointError, match="padding bits"):
+            opt.load_state_dict(bad)
+    bad = copy.deepcopy(sd)
+    bad["state"][0]["last_polarity"] = torch.zeros(5, 3, dtype=torch.bool)
+    with pytest.raises(CheckpointError, match="both 'polarity'"):
+        opt.load_state_dict(bad)
+    for k, v in snap.items():
+        assert torch.equal(opt.state[w][k], v)
+    opt.load_state_dict(sd)  # the dict as saved loads
+
+
 def test_polarity_packing_layout():
     g = torch.Generator().manual_seed(0)
     for shape in [(), (1,), (9,), (3, 5), (2, 3, 3), (4, 0), (0, 3), (2, 1, 1, 9)]:
