@@ -6,7 +6,8 @@
  * elements, never inside one, so a span's vector code makes no call (a call
  * clobbers every vector register: the compiler then keeps the span's
  * constants on the stack). float16 values that need the scalar rule (half
- * subnormals, zeros, inf, NaN, values that may overflow) are set aside
+ * subnormals, zeros, inf, NaN; in the AVX-512 kernels also values that may
+ * overflow, which the AVX2 ones round in the vector code) are set aside
  * while their span is stored and rounded after it (am_noise_fix16). Plain
  * C: no intrinsics.
  */
@@ -52,7 +53,7 @@ static inline void am_noise_init(am_noisewin *w, am_philox_fn gen, uint64_t seed
  * already there (at most 8, as am_noise_need refills only when fewer than
  * 64 elements are left) move to the front, so no noise is generated twice;
  * the next 32 quads follow them. */
-static __attribute__((noinline)) void am_noise_refill(am_noisewin *w, int64_t f) {
+static __attribute__((noinline, unused)) void am_noise_refill(am_noisewin *w, int64_t f) {
     const int64_t q = f >> 3;
     int64_t keep = w->wend / 8 - q; /* quads q.. already generated (wend is a
                                      * multiple of 8; negative: none) */
@@ -78,7 +79,7 @@ static inline const uint16_t *am_noise_at(const am_noisewin *w, int64_t f) {
 
 /* The scalar rule (am_sr_f16) for the float16 elements set aside in the
  * span just stored, with the wide stream for the half subnormal range. */
-static __attribute__((noinline)) void am_noise_fix16(uint16_t *p, am_noisewin *w) {
+static __attribute__((noinline, unused)) void am_noise_fix16(uint16_t *p, am_noisewin *w) {
     uint64_t m = w->fixmask;
     while (m) {
         const int l = __builtin_ctzll(m);

@@ -725,6 +725,54 @@ static void test_rows4_apply(void **unused) {
             }
 }
 
+/* The plain AVX2 apply of many short lr-rows (apply_rows_short, C = 8, 16,
+ * 32; apply_rows4, C = 4): enough rows that the noise window is refilled
+ * mid-call (256+ elements), from noise offsets on and off a quad, so a
+ * span started shorter than its row reads noise the window does not hold. */
+static void test_short_rows_windows(void **unused) {
+    static const int64_t widths[] = {4, 8, 16, 32};
+    static const int64_t noffs[] = {0, 5, 1000003};
+    enum { R = 5, NR = 70 };
+    const am_kernels *a = &am_kernels_ref, *b = plain_avx2_or_skip();
+    am_hparams hp = am_hparams_default();
+    am_consts k;
+    uint64_t s = g_seed ^ 0x73686f72ull;
+    float rf[NR], cf[(NR + R - 1) / R * 32], lrs[NR];
+    size_t wi, ni;
+    int pdt;
+    (void)unused;
+    k = am_consts_from(&hp);
+    for (wi = 0; wi < sizeof widths / sizeof widths[0]; wi++)
+        for (ni = 0; ni < sizeof noffs / sizeof noffs[0]; ni++)
+            for (pdt = 1; pdt < 3; pdt++) {
+                const int64_t C = widths[wi], N = NR * C;
+                void *g = xmalloc((size_t)N * 4), *p1 = xmalloc((size_t)N * 2),
+                     *p2 = xmalloc((size_t)N * 2);
+                uint8_t q1[NR * 4 + 1], q2[NR * 4 + 1];
+                int64_t i;
+                fill(g, AM_DTYPE_FLOAT32, N, &s, 0);
+                fill(p1, pdt, N, &s, 1);
+                memcpy(p2, p1, (size_t)N * 2);
+                for (i = 0; i < NR; i++) {
+                    rf[i] = 0.5f + rng_unit(&s) * 0.25f;
+                    lrs[i] = 1e-3f * (float)(i % 7 + 1);
+                }
+                for (i = 0; i < (int64_t)(sizeof cf / sizeof cf[0]); i++)
+                    cf[i] = 1e3f * (1.5f + rng_unit(&s));
+                memset(q1, 0x5a, sizeof q1);
+                memset(q2, 0x5a, sizeof q2);
+                a->apply_rows(p1, pdt, g, AM_DTYPE_FLOAT32, R, C, 0, NR, rf, cf, 1.5f, 0.5f, lrs,
+                              &k, 99, 7, 10, noffs[ni], q1);
+                b->apply_rows(p2, pdt, g, AM_DTYPE_FLOAT32, R, C, 0, NR, rf, cf, 1.5f, 0.5f, lrs,
+                              &k, 99, 7, 10, noffs[ni], q2);
+                assert_memory_equal(p1, p2, (size_t)N * 2);
+                assert_memory_equal(q1, q2, sizeof q1);
+                free(g);
+                free(p1);
+                free(p2);
+            }
+}
+
 static void test_mats_slots(void **unused) {
     static const int64_t shapes[][2] = {{1, 1}, {3, 3}, {1, 3}, {3, 1}, {2, 5}, {4, 16},
                                         {8, 8}, {7, 9}, {1, 64}, {64, 1}, {9, 8}, {65, 1},
@@ -1443,6 +1491,7 @@ int main(void) {
         cmocka_unit_test(test_avx512_stats_levels),
         cmocka_unit_test(test_narrow_stats),
         cmocka_unit_test(test_rows4_apply),
+        cmocka_unit_test(test_short_rows_windows),
         cmocka_unit_test(test_mats_slots),
         cmocka_unit_test(test_agree_underflow),
         cmocka_unit_test(test_flat_underflow),
