@@ -836,17 +836,7 @@ static void avx512_apply_rows(void *p, int pdt, const void *g, int gdt,
                               const float *rf, const float *cf, float inv,
                               float lr, const float *lrs, const am_consts *k, uint64_t seed,
                               uint32_t param_id, int64_t step, int64_t noff, uint8_t *pol_row) {
-    switch (pdt * 3 + gdt) {
-    case 0: AM_512_CASE(0, 0); break;
-    case 1: AM_512_CASE(0, 1); break;
-    case 2: AM_512_CASE(0, 2); break;
-    case 3: AM_512_CASE(1, 0); break;
-    case 4: AM_512_CASE(1, 1); break;
-    case 5: AM_512_CASE(1, 2); break;
-    case 6: AM_512_CASE(2, 0); break;
-    case 7: AM_512_CASE(2, 1); break;
-    default: AM_512_CASE(2, 2); break;
-    }
+    AM_DTYPE_PAIRS(pdt, gdt, AM_512_CASE);
     _mm256_zeroupper(); /* see AM_CLEAN_RETURN (simd.h) */
 }
 
@@ -1104,17 +1094,7 @@ static int64_t avx512_apply_mats(void *p, int pdt, const void *g, int gdt, int64
                                  const float *cf, float inv, float lr,
                                  const am_consts *k, uint64_t seed, uint32_t param_id,
                                  int64_t step, int64_t noff, uint8_t *pol_row) {
-    switch (pdt * 3 + gdt) {
-    case 0: AM_MATS512_CASE(0, 0);
-    case 1: AM_MATS512_CASE(0, 1);
-    case 2: AM_MATS512_CASE(0, 2);
-    case 3: AM_MATS512_CASE(1, 0);
-    case 4: AM_MATS512_CASE(1, 1);
-    case 5: AM_MATS512_CASE(1, 2);
-    case 6: AM_MATS512_CASE(2, 0);
-    case 7: AM_MATS512_CASE(2, 1);
-    default: AM_MATS512_CASE(2, 2);
-    }
+    AM_DTYPE_PAIRS(pdt, gdt, AM_MATS512_CASE);
 }
 
 am_apply_mats_fn am_avx512_apply_mats(void) { return avx512_apply_mats; }
@@ -1284,17 +1264,7 @@ static int64_t avx512_finish_flat(void *p, int pdt, const void *g, int gdt, floa
                                   float *lr, uint8_t *pol, int64_t e0, int64_t e1,
                                   float scale, const am_consts *k, uint64_t seed,
                                   uint32_t param_id, int64_t step, int64_t noff) {
-    switch (pdt * 3 + gdt) {
-    case 0: AM_FLAT512_CASE(0, 0);
-    case 1: AM_FLAT512_CASE(0, 1);
-    case 2: AM_FLAT512_CASE(0, 2);
-    case 3: AM_FLAT512_CASE(1, 0);
-    case 4: AM_FLAT512_CASE(1, 1);
-    case 5: AM_FLAT512_CASE(1, 2);
-    case 6: AM_FLAT512_CASE(2, 0);
-    case 7: AM_FLAT512_CASE(2, 1);
-    default: AM_FLAT512_CASE(2, 2);
-    }
+    AM_DTYPE_PAIRS(pdt, gdt, AM_FLAT512_CASE);
 }
 
 am_flat_fn am_avx512_flat(void) { return avx512_finish_flat; }

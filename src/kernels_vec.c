@@ -519,17 +519,7 @@ static void vec_apply_rows(void *p, int pdt, const void *g, int gdt, int64_t R, 
                            float inv, float lr, const float *lrs, const am_consts *k,
                            uint64_t seed, uint32_t param_id, int64_t step, int64_t noff,
                            uint8_t *pol_row) {
-    switch (pdt * 3 + gdt) {
-    case 0: AM_VEC_APPLY(0, 0); break;
-    case 1: AM_VEC_APPLY(0, 1); break;
-    case 2: AM_VEC_APPLY(0, 2); break;
-    case 3: AM_VEC_APPLY(1, 0); break;
-    case 4: AM_VEC_APPLY(1, 1); break;
-    case 5: AM_VEC_APPLY(1, 2); break;
-    case 6: AM_VEC_APPLY(2, 0); break;
-    case 7: AM_VEC_APPLY(2, 1); break;
-    default: AM_VEC_APPLY(2, 2); break;
-    }
+    AM_DTYPE_PAIRS(pdt, gdt, AM_VEC_APPLY);
 }
 #undef AM_VEC_APPLY
 

@@ -342,6 +342,23 @@ void am_kernels_select(int which);
  * (every non-x86 CPU); NULL when the compiler lacks the extensions. */
 const am_kernels *am_kernels_portable(void);
 
+/* CASE(PD, GD) with the parameter and gradient dtypes (pdt, gdt: 0 float32,
+ * 1 bfloat16, 2 float16) as constants: a kernel entry point's dispatch to
+ * the body instantiated for each of the nine pairs, so the inner loops do
+ * not branch on them. CASE may return. */
+#define AM_DTYPE_PAIRS(pdt, gdt, CASE)                                        \
+    switch ((pdt) * 3 + (gdt)) {                                              \
+    case 0: CASE(0, 0); break;                                                \
+    case 1: CASE(0, 1); break;                                                \
+    case 2: CASE(0, 2); break;                                                \
+    case 3: CASE(1, 0); break;                                                \
+    case 4: CASE(1, 1); break;                                                \
+    case 5: CASE(1, 2); break;                                                \
+    case 6: CASE(2, 0); break;                                                \
+    case 7: CASE(2, 1); break;                                                \
+    default: CASE(2, 2); break;                                               \
+    }
+
 /* Returns the value of expr (of type T) from a SIMD kernel entry point with
  * the upper halves of the vector registers zeroed (vzeroupper). Every
  * kernel slot returns through it or ends with _mm256_zeroupper(): the code
