@@ -108,18 +108,6 @@ static void rng_init(rngwin *w, uint64_t seed, uint32_t pid, int64_t step, int64
     am_noise_init(w, g_philox, seed, pid, step, off);
 }
 
-/* Starts a span of n <= 64 elements from f of a 16-bit parameter
- * (am_noise_span; float32 takes no noise). */
-AM_INLINE void span16(rngwin *w, const int dt, int64_t f, int64_t n) {
-    if (dt != AM_DTYPE_FLOAT32) am_noise_span(w, f, n);
-}
-
-/* Ends a span: the float16 values st8 set aside, rounded by the scalar
- * rule (am_noise_fix16). */
-AM_INLINE void span_end(void *p, const int dt, rngwin *w) {
-    if (dt == AM_DTYPE_FLOAT16 && w->fixmask) am_noise_fix16((uint16_t *)p, w);
-}
-
 /* Stores v into elements i..i+7, stochastically rounded with the noise of
  * w for 16-bit types (w unused for float32); same bits as am_store_sr with
  * am_sr_noise. */
@@ -161,7 +149,7 @@ AM_INLINE void st8(void *base, const int dt, int64_t i, __m256 v, rngwin *w) {
         h = _mm256_cvtps_ph(_mm256_castsi256_ps(t), _MM_FROUND_TO_NEAREST_INT);
         if (!_mm256_testz_si256(bad, bad)) {
             /* Rare: half subnormals, zeros, inf, NaN — set aside, rounded
-             * by the scalar rule after the span (span_end) */
+             * by the scalar rule after the span (am_noise_end) */
             _mm256_storeu_ps(w->fv + (i - w->span0), v);
             w->fixmask |= (uint64_t)(uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(bad))
                           << (i - w->span0);
@@ -777,7 +765,7 @@ AM_INLINE void apply_rows_short(void *p, const int pdt, const void *g, const int
         int v;
         if ((base & 63) == 0) /* as apply_body's 64-element blocks */
             short_prefetch(p, g, base, es, ges, pf, l2ahead);
-        span16(w, pdt, base, C);
+        am_noise_span(w, pdt, base, C);
         bits = apply_vec(p, pdt, g, gdt, base, _mm256_mul_ps(rfv, _mm256_loadu_ps(cfb)), iv,
                          unscaled, lrv, wdv, has_wd, w);
         for (v = 1; v < C / 8; v++)
@@ -785,7 +773,7 @@ AM_INLINE void apply_rows_short(void *p, const int pdt, const void *g, const int
                               _mm256_mul_ps(rfv, _mm256_loadu_ps(cfb + 8 * v)), iv, unscaled,
                               lrv, wdv, has_wd, w)
                     << (8 * v);
-        span_end(p, pdt, w);
+        am_noise_end(p, pdt, w);
         if (pol_row) memcpy(pol_row + (r - r0) * (C / 8), &bits, (size_t)(C / 8));
         if (r + 1 == bend) { /* the next matrix's column factors */
             cfb += C;
@@ -824,9 +812,9 @@ AM_INLINE int64_t apply_rows4(void *p, const int pdt, const void *g, const int g
                                    _mm_set1_ps(lrs[r + 1 - r0]), 1);
         if ((base & 63) == 0) /* as apply_body's 64-element blocks */
             short_prefetch(p, g, base, es, ges, pf, l2ahead);
-        span16(w, pdt, base, 8);
+        am_noise_span(w, pdt, base, 8);
         bits = apply_vec(p, pdt, g, gdt, base, fac, iv, unscaled, lrv, wdv, has_wd, w);
-        span_end(p, pdt, w);
+        am_noise_end(p, pdt, w);
         if (pol_row) {
             uint8_t *b = pol_row + (r - r0);
             b[0] = (uint8_t)((b[0] & 0xf0u) | (bits & 0xfu));
@@ -909,16 +897,16 @@ AM_INLINE void apply_body(void *p, const int pdt, const void *g, const int gdt,
                 am_prefetch_l2((const char *)g + (base + j + l2ahead) * esize(gdt),
                                64 * (int)esize(gdt));
             }
-            span16(&w, pdt, base + j, 64);
+            am_noise_span(&w, pdt, base + j, 64);
             for (v = 0; v < 8; v++) bits |= (uint64_t)AM_APPLY_VEC(j + 8 * v) << (8 * v);
-            span_end(p, pdt, &w);
+            am_noise_end(p, pdt, &w);
             if (pol_row) bw_put64(&bw, bits);
         }
         for (; j < nv; j += 8) {
             uint32_t bits;
-            span16(&w, pdt, base + j, 8);
+            am_noise_span(&w, pdt, base + j, 8);
             bits = AM_APPLY_VEC(j);
-            span_end(p, pdt, &w);
+            am_noise_end(p, pdt, &w);
             if (pol_row) bw_put(&bw, bits, 8);
         }
 #undef AM_APPLY_VEC
@@ -952,9 +940,9 @@ AM_INLINE void apply_small(void *p, const int pdt, const void *g, const int gdt,
     for (; f + 8 <= f1; f += 8) {
         __m256 fac = f < ffend ? ff_next8(&ff) : fw_next8(&fw);
         uint32_t bits;
-        span16(&w, pdt, f, 8);
+        am_noise_span(&w, pdt, f, 8);
         bits = apply_vec(p, pdt, g, gdt, f, fac, iv, unscaled, lrv, wdv, has_wd, &w);
-        span_end(p, pdt, &w);
+        am_noise_end(p, pdt, &w);
         if (pol_row) bw_put(&bw, bits, 8);
     }
     for (; f < f1; f++) {
@@ -1046,15 +1034,15 @@ AM_INLINE int64_t finish_flat_body(void *p, const int pdt, const void *g,
     /* e0 % 8 == 0; spans of 64, then of 8 */
     for (; e + 64 <= e1; e += 64) {
         int v;
-        span16(&w, pdt, e, 64);
+        am_noise_span(&w, pdt, e, 64);
         for (v = 0; v < 8; v++)
             matches += flat_vec(p, pdt, g, gdt, sq, lr, pol, e + 8 * v, &c, k, step, &w);
-        span_end(p, pdt, &w);
+        am_noise_end(p, pdt, &w);
     }
     for (; e + 8 <= e1; e += 8) {
-        span16(&w, pdt, e, 8);
+        am_noise_span(&w, pdt, e, 8);
         matches += flat_vec(p, pdt, g, gdt, sq, lr, pol, e, &c, k, step, &w);
-        span_end(p, pdt, &w);
+        am_noise_end(p, pdt, &w);
     }
     if (e < e1) { /* the tail of the tensor: the reference's loop (SSE code) */
         _mm256_zeroupper();

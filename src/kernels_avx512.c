@@ -538,7 +538,7 @@ am_stats_fn am_avx512_stats(int l2) { return l2 ? avx512_stats_l2 : avx512_stats
     const int64_t l2ahead = AM_L2_PREFETCH_BYTES / es
 #define AM_SHORT_SPAN(at64)                                                   \
     do {                                                                      \
-        if (pdt != AM_DTYPE_FLOAT32) am_noise_span(w, base, 16);              \
+        am_noise_span(w, pdt, base, 16);                                      \
         if (at64) {                                                           \
             if (pf) {                                                         \
                 _mm_prefetch((const char *)p + (base + AM_PREFETCH) * es, _MM_HINT_T0); \
@@ -571,7 +571,7 @@ AM_INLINE void apply_rows16(void *p, const int pdt, const void *g, const int gdt
                                  _mm512_mul_ps(_mm512_set1_ps(rf[r]), cfv), iv,
                                  _mm512_set1_ps(lrs[r - r0]), wdv, scaled, wd, w);
         if (pol_row) memcpy(pol_row + 2 * (r - r0), &bits, 2);
-        if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) am_noise_fix16((uint16_t *)p, w);
+        am_noise_end(p, pdt, w);
         if (r + 1 == bend && r + 1 < r1) { /* the next matrix's column factors */
             cfb += 16;
             cfv = _mm512_loadu_ps(cfb);
@@ -606,7 +606,7 @@ AM_INLINE void apply_rows8(void *p, const int pdt, const void *g, const int gdt,
         bits = (uint16_t)apply16(p, pdt, g, gdt, base, _mm512_mul_ps(rfv, cfv), iv, lrv, wdv,
                                  scaled, wd, w);
         if (pol_row) memcpy(pol_row + (r - r0), &bits, 2);
-        if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) am_noise_fix16((uint16_t *)p, w);
+        am_noise_end(p, pdt, w);
     }
 }
 
@@ -638,7 +638,7 @@ AM_INLINE void apply_rows4(void *p, const int pdt, const void *g, const int gdt,
             old = (old & 0xf0f0f0f0u) | nib;
             memcpy(pol_row + (r - r0), &old, 4);
         }
-        if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) am_noise_fix16((uint16_t *)p, w);
+        am_noise_end(p, pdt, w);
     }
 }
 
@@ -765,9 +765,7 @@ AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
             scaled, wd, w)
         for (j = 0; j < n64; j += 64) {
             uint64_t bits;
-            if (pdt != AM_DTYPE_FLOAT32) { /* float32 is stored unrounded */
-                am_noise_span(w, base + j, 64);
-            }
+            am_noise_span(w, pdt, base + j, 64);
             if (pf) { /* am_sw_prefetch (simd.h) */
                 _mm_prefetch((const char *)p + (base + j + AM_PREFETCH) * es, _MM_HINT_T0);
                 _mm_prefetch((const char *)g + (base + j + AM_PREFETCH) * ges, _MM_HINT_T0);
@@ -786,16 +784,14 @@ AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
             bits = (uint64_t)AM_APPLY16(j) | (uint64_t)AM_APPLY16(j + 16) << 16 |
                    (uint64_t)AM_APPLY16(j + 32) << 32 | (uint64_t)AM_APPLY16(j + 48) << 48;
             if (pol_row) bw_put64(&bw, bits);
-            if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) am_noise_fix16((uint16_t *)p, w);
+            am_noise_end(p, pdt, w);
         }
         for (; j < n16; j += 16) {
             unsigned bits;
-            if (pdt != AM_DTYPE_FLOAT32) {
-                am_noise_span(w, base + j, 16);
-            }
+            am_noise_span(w, pdt, base + j, 16);
             bits = AM_APPLY16(j);
             if (pol_row) bw_put(&bw, bits, 16);
-            if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) am_noise_fix16((uint16_t *)p, w);
+            am_noise_end(p, pdt, w);
         }
 #undef AM_APPLY16
         for (; j < C; j++) {
@@ -1036,10 +1032,10 @@ AM_INLINE int64_t mats_mode(void *p, const int pdt, const void *g, const int gdt
 #define AM_VEC(F, FAC)                                                                     \
     do {                                                                                   \
         uint16_t bits_;                                                                    \
-        if (pdt != AM_DTYPE_FLOAT32) am_noise_span(w, F, 16);                              \
+        am_noise_span(w, pdt, F, 16);                                                      \
         bits_ = (uint16_t)apply16(p, pdt, g, gdt, F, FAC, iv, lrv, wdv, scaled, wd, w);    \
         if (pol_row) memcpy(pol_row + ((F)-f0) / 8, &bits_, 2);                           \
-        if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) am_noise_fix16((uint16_t *)p, w);       \
+        am_noise_end(p, pdt, w);                                                           \
     } while (0)
     if (R == 3 && C == 3) { /* runs of 16 matrices: 144 elements, 48 rf and cf */
         const float *rb = rf + r0, *cb = cf + r0; /* cf of matrix r0 / 3: (r0 / 3) * 3 */
@@ -1211,9 +1207,7 @@ AM_INLINE int64_t flat_mode(void *p, const int pdt, const void *g, const int gdt
             _mm_prefetch((const char *)p + (e + AM_FLAT_PREFETCH) * (pdt == AM_DTYPE_FLOAT32 ? 4 : 2), _MM_HINT_T0);
             _mm_prefetch((const char *)g + (e + AM_FLAT_PREFETCH) * (gdt == AM_DTYPE_FLOAT32 ? 4 : 2), _MM_HINT_T0);
         }
-        if (pdt != AM_DTYPE_FLOAT32) { /* float32 is stored unrounded */
-            am_noise_span(w, e, 16);
-        }
+        am_noise_span(w, pdt, e, 16);
         pb = (uint16_t)_mm512_cmp_ps_mask(u, tv, _CMP_GE_OQ);
         if (scaled) u = _mm512_mul_ps(u, iv);
         memcpy(&old, pol + (e >> 3), 2);
@@ -1230,7 +1224,7 @@ AM_INLINE int64_t flat_mode(void *p, const int pdt, const void *g, const int gdt
         pv = am_ld16(p, pdt, e);
         t = wd ? _mm512_add_ps(u, _mm512_mul_ps(wdv, pv)) : u;
         st16(p, pdt, e, _mm512_sub_ps(pv, _mm512_mul_ps(lrv, t)), w);
-        if (pdt == AM_DTYPE_FLOAT16 && w->fixmask) am_noise_fix16((uint16_t *)p, w);
+        am_noise_end(p, pdt, w);
     }
     if (e < e1) { /* the last 1..15 elements: the reference's loop (SSE code) */
         _mm256_zeroupper();

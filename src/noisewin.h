@@ -65,9 +65,11 @@ static __attribute__((noinline, unused)) void am_noise_refill(am_noisewin *w, in
 }
 
 /* Makes the window hold the span [f, f + n), n <= 64, of ascending spans,
- * and starts it: float16 values set aside from here on are its. */
-static inline __attribute__((always_inline)) void am_noise_span(am_noisewin *w, int64_t f,
-                                                                 int64_t n) {
+ * and starts it: float16 values set aside from here on are its. Nothing for
+ * float32 parameters (dt), which are stored unrounded. */
+static inline __attribute__((always_inline)) void am_noise_span(am_noisewin *w, const int dt,
+                                                                 int64_t f, int64_t n) {
+    if (dt == AM_DTYPE_FLOAT32) return;
     if (f + w->off + n > w->wend) am_noise_refill(w, f + w->off);
     w->span0 = f;
 }
@@ -96,6 +98,13 @@ static __attribute__((noinline, unused)) void am_noise_fix16(uint16_t *p, am_noi
         m &= m - 1;
     }
     w->fixmask = 0;
+}
+
+/* Ends a span of parameter p (dtype dt): the float16 values set aside in
+ * it, rounded by the scalar rule (am_noise_fix16). */
+static inline __attribute__((always_inline)) void am_noise_end(void *p, const int dt,
+                                                                am_noisewin *w) {
+    if (dt == AM_DTYPE_FLOAT16 && w->fixmask) am_noise_fix16((uint16_t *)p, w);
 }
 
 #endif
