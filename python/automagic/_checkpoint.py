@@ -27,15 +27,21 @@ class CheckpointError(ValueError):
     """A state_dict does not fit the parameters it is loaded for."""
 
 
+def _lr_rows(shape) -> tuple:
+    """(lr-rows, elements of each) of a parameter of this shape: dims[0]
+    rows for ndim >= 2, one row otherwise (the C polarity layout)."""
+    shape = torch.Size(shape)
+    rows = shape[0] if len(shape) >= 2 else 1
+    return rows, (shape.numel() // rows if rows else 0)
+
+
 def pack_polarity(bits: torch.Tensor) -> torch.Tensor:
     """bool tensor of p's shape -> uint8 bytes in the C polarity layout.
 
     ndim <= 1: bit i % 8 of byte i // 8 is element i. ndim >= 2: each lr-row
     (the numel/shape[0] elements of one output channel) starts on a byte.
     """
-    rows = bits.shape[0] if bits.dim() >= 2 else 1
-    n = bits.numel()
-    m = n // rows if rows else 0
+    rows, m = _lr_rows(bits.shape)
     mb = (m + 7) // 8
     b = bits.reshape(rows, m).to(torch.uint8)
     padded = torch.zeros(rows, mb * 8, dtype=torch.uint8, device=bits.device)
@@ -49,9 +55,7 @@ def pack_polarity(bits: torch.Tensor) -> torch.Tensor:
 def unpack_polarity(packed: torch.Tensor, shape) -> torch.Tensor:
     """Inverse of pack_polarity (used by tests and for inspection)."""
     shape = torch.Size(shape)
-    rows = shape[0] if len(shape) >= 2 else 1
-    n = shape.numel()
-    m = n // rows if rows else 0
+    rows, m = _lr_rows(shape)
     mb = (m + 7) // 8
     bytes_ = packed.reshape(rows, mb).to(torch.int32)
     bits = (bytes_.unsqueeze(-1) >> torch.arange(8, device=packed.device)) & 1
@@ -127,8 +131,7 @@ def convert_state(saved: dict, p: torch.Tensor, polarity_bytes: int, where: str)
                 raise CheckpointError("%s: polarity must be uint8, got %s" % (where, t.dtype))
             out[key] = t.to(device=p.device, copy=True).contiguous()
             # as the C loader (checkpoint.c): each lr-row's padding bits are 0
-            rows = p.shape[0] if p.dim() >= 2 else 1
-            m = p.numel() // rows if rows else 0
+            rows, m = _lr_rows(p.shape)
             if m % 8 and rows and bool((out[key].reshape(rows, -1)[:, -1]
                                          & (0xFF << (m % 8)) & 0xFF).any()):
                 raise CheckpointError("%s: polarity has padding bits set (not a packed "
