@@ -178,12 +178,13 @@ class _FusedMixin:
         jobs, error, hyper = [], None, {}
         with torch.no_grad():
             for p, group in batch:
-                if p.grad is None:  # dropped since it was queued
+                grad = p.grad
+                if grad is None:  # dropped since it was queued
                     continue
                 try:
                     if "base_lr" not in group:  # (put into param_groups by hand)
                         self._fill_group(group)
-                    self._check(p, p.grad)
+                    self._check(p, grad)
                     if not self.batch_updates:  # one at a time: each checked first
                         self._precheck_plan(p, group)
                     if id(group) not in hyper:

@@ -257,20 +257,28 @@ class _UpdateMixin:
                 # contiguous copy: strided tensors, and those whose address is
                 # not a multiple of the element size (torch.frombuffer at an
                 # odd offset: the C update refuses them, and step() raised
-                # until the twenty-sixth session).
-                if not grad.is_contiguous() or grad.data_ptr() % grad.element_size():
+                # until the twenty-sixth session). Each address is read once
+                # (an address that is a multiple of 4 suits every dtype: the
+                # element size is asked for only otherwise).
+                gp = grad.data_ptr()
+                if (gp & 3 and gp % grad.element_size()) or not grad.is_contiguous():
                     grad = grad.clone(memory_format=torch.contiguous_format)
+                    gp = grad.data_ptr()
                 # scale 0: the state advances but the parameter must not move, so
                 # the update is written to a copy that is then dropped.
                 # (one copy: contiguous() of a channels_last p is one already)
-                target = (p if scale != 0.0 and p.is_contiguous()
-                          and p.data_ptr() % p.element_size() == 0
-                          else p.clone(memory_format=torch.contiguous_format))
+                pp = p.data_ptr()
+                if (scale != 0.0 and p.is_contiguous()
+                        and not (pp & 3 and pp % p.element_size())):
+                    target, tp = p, pp
+                else:
+                    target = p.clone(memory_format=torch.contiguous_format)
+                    tp = target.data_ptr()
                 index = index_of.get(p)
                 if index is None:
                     index = self._index_of(p)
                 plan = plans.get(index)
-                sig = _plan_signature(p, state, seed)
+                sig = _plan_signature(p, state, seed, pp)
                 if plan is None or plan.sig != sig:
                     if plan is not None:
                         # the batch items of other keys may hold the old view
@@ -282,10 +290,13 @@ class _UpdateMixin:
                 if plan.hsig != hsig:
                     plan.hp = _hparams(group)
                     plan.hsig = hsig
-                plan.pt.data = target.data_ptr()
+                plan.pt.data = tp
                 gt = plan.gt
-                gt.data = grad.data_ptr()
-                gt.dtype = _DTYPES[grad.dtype]
+                gt.data = gp
+                gdt = grad.dtype
+                if gdt is not plan.gdt:  # (the same as the last update's, mostly)
+                    gt.dtype = _DTYPES[gdt]
+                    plan.gdt = gdt
                 s0 = plan.st.step = int(state["step"])
                 if scale == 1.0 or scale == 0.0:
                     calls.append((p, plan, target, grad, plan.hp, None, state, scale, s0))
@@ -451,9 +462,15 @@ class _UpdateMixin:
             return
         statuses = torch.frombuffer(items, dtype=torch.int32).view(n, -1)[:, _STATUS_WORD]
         if not bool(statuses.any()):  # all AM_OK: the common case, in bulk
+            finish_ok = self._finish_ok
             for call in calls:
-                self._finish_ok(call)
-                call[0].grad = None
+                p, plan, target, _, _, lr_before, state, _, _ = call
+                if lr_before is None and target is p:
+                    # _finish_ok's work when it has only the step to record
+                    state["step"] = plan.st.step
+                else:
+                    finish_ok(call)
+                p.grad = None
             # the memory changed behind autograd's back (_finish_call)
             torch.autograd.graph.increment_version([call[0] for call in calls])
             return

@@ -125,18 +125,21 @@ def _hparams(group: dict) -> _lib.HParams:
     return hp
 
 
-def _plan_signature(p: torch.Tensor, state: dict, seed: int) -> tuple:
+def _plan_signature(p: torch.Tensor, state: dict, seed: int, ptr=None) -> tuple:
     """Everything a _Plan's structures hold: the parameter's storage, dtype and
     shape, the state tensors' storage (by address: share_memory_(), .data =
-    or set_() move it without changing the tensor object), and the seed."""
+    or set_() move it without changing the tensor object), and the seed. ptr:
+    p.data_ptr() when the caller has it."""
     # written out, not a loop over the keys: this runs for every parameter
     # at every step (1.2 -> 0.7 us)
+    if ptr is None:
+        ptr = p.data_ptr()
     try:
         if p.dim() >= 2:
-            return (p.data_ptr(), p.dtype, p.shape, seed, state["lr"].data_ptr(),
+            return (ptr, p.dtype, p.shape, seed, state["lr"].data_ptr(),
                     state["polarity"].data_ptr(), state["exp_avg_sq_row"].data_ptr(),
                     state["exp_avg_sq_col"].data_ptr())
-        return (p.data_ptr(), p.dtype, p.shape, seed, state["lr"].data_ptr(),
+        return (ptr, p.dtype, p.shape, seed, state["lr"].data_ptr(),
                 state["polarity"].data_ptr(), state["exp_avg_sq"].data_ptr())
     except (KeyError, AttributeError, TypeError):
         # a state key missing or not a tensor (p.data given another number
@@ -152,12 +155,13 @@ class _Plan:
 
     __slots__ = ("sig", "pt", "gt", "st", "rep", "pt_ref", "gt_ref", "st_ref", "rep_ref",
                  "key", "workspace_bytes", "hp", "hsig", "item", "item_hp", "item_ws",
-                 "held", "final_lrs")
+                 "held", "final_lrs", "gdt")
 
     def __init__(self, p: torch.Tensor, state: dict, sig: tuple, key) -> None:
         self.sig = sig
         self.pt = _lib.Tensor(0, _DTYPES[p.dtype], _shape(p))
         self.gt = _lib.Tensor(0, _DTYPES[p.dtype], _shape(p))
+        self.gdt = p.dtype  # the torch dtype gt.dtype holds (the gradient's)
         self.st = _state_struct(p, state)
         # The state tensors the C view points at, held: the signature knows
         # them by address, and a replacement allocated where a freed one was
