@@ -576,7 +576,9 @@ AM_API void am_optimizer_destroy(am_optimizer *opt);
  * (int64_t[ndim]; may be NULL when ndim == 0). Its state is allocated and
  * initialised. *out_id receives the parameter id (0, 1, 2, ... in order of
  * registration), which also keys its randomness. Errors: AM_ERR_NULL_POINTER,
- * AM_ERR_INVALID_DTYPE, AM_ERR_INVALID_SHAPE, AM_ERR_OUT_OF_MEMORY,
+ * AM_ERR_INVALID_DTYPE, AM_ERR_INVALID_SHAPE (as am_state_get_sizes, or a
+ * size above 2^53, which a checkpoint's header cannot hold exactly: only a
+ * zero-element shape can have one), AM_ERR_OUT_OF_MEMORY,
  * AM_ERR_INVALID_ARGUMENT (INT32_MAX parameters already registered, or data
  * not aligned to the element size). */
 AM_API am_status am_optimizer_add_param(am_optimizer *opt, void *data,
@@ -696,7 +698,8 @@ AM_API am_status am_optimizer_set_hparams(am_optimizer *opt, const am_hparams *h
  * umask. Errors: AM_ERR_NULL_POINTER, AM_ERR_INVALID_ARGUMENT (path is ""),
  * AM_ERR_OUT_OF_MEMORY, AM_ERR_UNSUPPORTED (so many parameters, about a
  * million, that the header would pass the 100 MiB limit loaders enforce),
- * AM_ERR_IO (the log callback says what failed; the temporary file is
+ * AM_ERR_IO (path is a directory, or a device, FIFO or socket, which is
+ * left as it is; or the log callback says what failed; the temporary file is
  * removed and path is untouched, except when only the final fsync of the
  * directory failed: path then already holds the new checkpoint, whose
  * rename may not survive a power cut).

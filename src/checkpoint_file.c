@@ -97,10 +97,18 @@ am_status am_optimizer_save(const am_optimizer *o, const char *path) {
     {   /* named as such: "dir/" was "writing dir/ failed: Not a directory"
          * (the rename's error; found by a review, twenty-fourth session).
          * lstat: a symbolic link, to a directory too, is replaced by the
-         * checkpoint as before (the rename replaces the link itself) */
+         * checkpoint as before (the rename replaces the link itself). A
+         * device, FIFO or socket is refused, as the load refuses it: the
+         * rename replaced it with a regular file (/dev/null, which a
+         * trainer may pass to turn checkpoints off, as root; found by a
+         * review, thirty-second session) */
         struct stat sb;
-        AM_RETURN_IF(lstat(path, &sb) == 0 && S_ISDIR(sb.st_mode), AM_ERR_IO,
+        const int there = lstat(path, &sb) == 0;
+        AM_RETURN_IF(there && S_ISDIR(sb.st_mode), AM_ERR_IO,
                      "am_optimizer_save: %s is a directory", path);
+        AM_RETURN_IF(there && !S_ISREG(sb.st_mode) && !S_ISLNK(sb.st_mode), AM_ERR_IO,
+                     "am_optimizer_save: %s is not a regular file (a device, FIFO or "
+                     "socket): left as it is, nothing saved", path);
     }
     plen = strlen(path);
     tmp = (char *)malloc(plen + 48);

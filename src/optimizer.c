@@ -63,6 +63,14 @@ am_status am_optimizer_add_param(am_optimizer *o, void *data, am_dtype dtype,
     s.t.shape.ndim = ndim;
     for (d = 0; d < ndim; d++) s.t.shape.dims[d] = shape[d];
     AM_CHECK(am_geom_init(&s.t.shape, &g));
+    /* (a size above 2^53, possible only with zero elements, was saved but
+     * its checkpoint refused by the load: JSON numbers are doubles; found
+     * by a review, thirty-second session) */
+    for (d = 0; d < ndim; d++)
+        AM_RETURN_IF(shape[d] > ((int64_t)1 << 53), AM_ERR_INVALID_SHAPE,
+                     "am_optimizer_add_param: shape[%d] = %lld is above 2^53, the largest "
+                     "size a checkpoint's header holds exactly",
+                     (int)d, (long long)shape[d]);
     AM_RETURN_IF(g.numel > 0 && !data, AM_ERR_NULL_POINTER,
                  "am_optimizer_add_param: data is NULL");
     AM_CHECK(am_check_aligned(data, am_dtype_size(dtype), "am_optimizer_add_param: data"));

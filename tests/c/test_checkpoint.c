@@ -480,6 +480,34 @@ static void test_extreme_state_roundtrips(void **unused) {
     am_optimizer_destroy(b.opt);
 }
 
+/* A size above 2^53 (a zero-element shape's only) is refused when the
+ * parameter is registered: its checkpoint was saved and then refused by the
+ * load (JSON numbers are doubles; found by a review, thirty-second
+ * session); 2^53 itself round-trips. */
+static void test_huge_zero_element_size(void **unused) {
+    am_hparams hp = am_hparams_default();
+    am_optimizer *a, *b;
+    const int64_t ok[3] = {0, (int64_t)1 << 53, 1}, big[3] = {0, ((int64_t)1 << 53) + 1, 1};
+    int32_t id;
+    unsigned char *img;
+    size_t n;
+    (void)unused;
+    assert_int_equal(am_optimizer_create(&hp, 1, &a), AM_OK);
+    assert_int_equal(am_optimizer_create(&hp, 1, &b), AM_OK);
+    g_last_log[0] = '\0';
+    assert_int_equal(am_optimizer_add_param(a, NULL, AM_DTYPE_FLOAT32, 3, big, &id),
+                     AM_ERR_INVALID_SHAPE);
+    assert_non_null(strstr(g_last_log, "above 2^53"));
+    assert_int_equal(am_optimizer_add_param(a, NULL, AM_DTYPE_FLOAT32, 3, ok, &id), AM_OK);
+    assert_int_equal(id, 0);
+    assert_int_equal(am_optimizer_add_param(b, NULL, AM_DTYPE_FLOAT32, 3, ok, &id), AM_OK);
+    img = t_image(a, &n);
+    assert_int_equal(am_optimizer_load_memory(b, img, n), AM_OK);
+    free(img);
+    am_optimizer_destroy(a);
+    am_optimizer_destroy(b);
+}
+
 /* Replaces the first occurrence of from by to (same length) in img. */
 static void patch(unsigned char *img, size_t n, const char *from, const char *to) {
     size_t k = strlen(from), i;
@@ -605,6 +633,17 @@ static void test_file_errors(void **unused) {
     alarm(20);
     assert_int_equal(am_optimizer_load(a.opt, path), AM_ERR_IO);
     alarm(0);
+    { /* nor saved over: the rename replaced it with a regular file (a
+       * device such as /dev/null too, as root; found by a review,
+       * thirty-second session) */
+        struct stat sb;
+        g_last_log[0] = '\0';
+        assert_int_equal(am_optimizer_save(a.opt, path), AM_ERR_IO);
+        assert_non_null(strstr(g_last_log, "is not a regular file"));
+        assert_int_equal(lstat(path, &sb), 0);
+        assert_true(S_ISFIFO(sb.st_mode));
+        assert_int_equal(count_tmp_files(), 0);
+    }
     unlink(path);
     snprintf(path, sizeof path, "%s/empty", g_dir);
     f = fopen(path, "wb");
@@ -720,6 +759,7 @@ int main(void) {
         cmocka_unit_test(test_invalid_values_rejected),
         cmocka_unit_test(test_skipped_count_saturates),
         cmocka_unit_test(test_extreme_state_roundtrips),
+        cmocka_unit_test(test_huge_zero_element_size),
         cmocka_unit_test(test_loaded_start_lr_forced),
         cmocka_unit_test(test_max_step_update_all_refused_whole),
         cmocka_unit_test(test_version_and_format_named),
