@@ -250,7 +250,8 @@ class _UpdateMixin:
             for p, group, scale, hsig in jobs:
                 grad = p.grad
                 state = state_of[p]
-                if not state:
+                made = not state
+                if made:
                     state = self._init_state(p, group)
                     created.append(p)
                 # Memory the C update cannot take as it is goes through a
@@ -290,6 +291,7 @@ class _UpdateMixin:
                 if plan.hsig != hsig:
                     plan.hp = _hparams(group)
                     plan.hsig = hsig
+                plan.made = made
                 plan.pt.data = tp
                 gt = plan.gt
                 gt.data = gp
@@ -346,6 +348,12 @@ class _UpdateMixin:
         else:
             if lr_before is not None:
                 state["lr"].copy_(lr_before)
+            if plan.made:
+                # a state this update made (its first): dropped, so that the
+                # parameter has none, as before (kept, it started the rows
+                # at the skipped step's lr; found by a review, thirty-second
+                # session)
+                self.state.pop(p, None)
             if status < 0:
                 raise AutomagicError("Automagic3: update of a parameter of shape %s failed: %s"
                                      % (tuple(p.shape), _lib.last_message()
@@ -416,8 +424,11 @@ class _UpdateMixin:
                     plan.final_lrs = None
                 p.grad = None
                 applied.append(p)
-            elif lr_before is not None and int(state["step"]) == s0:
-                state["lr"].copy_(lr_before)  # not applied: lrs back (again, maybe)
+            elif int(state["step"]) == s0:  # not applied
+                if lr_before is not None:
+                    state["lr"].copy_(lr_before)  # lrs back (again, maybe)
+                if plan.made:  # a state this update made: dropped (_finish_call)
+                    self.state.pop(p, None)
         if applied:
             # (a second bump of a finished one's version changes nothing)
             torch.autograd.graph.increment_version(applied)
@@ -457,6 +468,8 @@ class _UpdateMixin:
             for call in calls:
                 if call[5] is not None:  # lr_schedule="scale": lrs back
                     call[6]["lr"].copy_(call[5])
+                if call[1].made:  # made again by the update that runs it
+                    self.state.pop(call[0], None)
             for job in jobs:
                 self._apply(*job)
             return

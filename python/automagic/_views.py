@@ -155,13 +155,14 @@ class _Plan:
 
     __slots__ = ("sig", "pt", "gt", "st", "rep", "pt_ref", "gt_ref", "st_ref", "rep_ref",
                  "key", "workspace_bytes", "hp", "hsig", "item", "item_hp", "item_ws",
-                 "held", "final_lrs", "gdt")
+                 "held", "final_lrs", "gdt", "made")
 
     def __init__(self, p: torch.Tensor, state: dict, sig: tuple, key) -> None:
         self.sig = sig
         self.pt = _lib.Tensor(0, _DTYPES[p.dtype], _shape(p))
         self.gt = _lib.Tensor(0, _DTYPES[p.dtype], _shape(p))
         self.gdt = p.dtype  # the torch dtype gt.dtype holds (the gradient's)
+        self.made = False  # the update being prepared made the state
         self.st = _state_struct(p, state)
         # The state tensors the C view points at, held: the signature knows
         # them by address, and a replacement allocated where a freed one was

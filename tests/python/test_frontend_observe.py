@@ -343,9 +343,51 @@ def test_nonfinite_raise(fused):
             opt.step()
     i = [k for k, q in enumerate(m.parameters()) if q is m.head.weight][0]
     assert torch.equal(m.head.weight, snap[0][i])
-    assert m.head.weight not in opt.state or opt.state[m.head.weight]["step"] == 0
+    # (its first update: no state, as before it; test_skipped_first_update_makes_no_state)
+    assert len(opt.state.get(m.head.weight, {})) == 0
     assert m.head.weight.grad is not None  # kept for inspection
     assert opt.nonfinite_skips == 0
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("mode", ["skip", "raise"])
+def test_skipped_first_update_makes_no_state(fused, mode):
+    """A parameter's first update skipped for a non-finite gradient leaves
+    it without state, as it was: its state was kept (step 0), its rows
+    started at the skipped step's lr, which a warmup under
+    lr_schedule="ignore" then moved past (found by a review, thirty-second
+    session). The next update equals that of an optimizer that never saw
+    the skipped step."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(4, 6))
+    q = torch.nn.Parameter(p.detach().clone())
+    opt = automagic.Automagic3([p], lr=1e-5, fused=fused, nonfinite=mode)
+    twin = automagic.Automagic3([q], lr=1e-5, fused=fused)
+    x = torch.randn(6, 3)
+    bad = torch.zeros(4, 3)
+    bad[1, 2] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            ((p @ x) * (1 + bad)).sum().backward()
+            if not fused:
+                opt.step()
+        except automagic.NonFiniteGradientError:
+            assert mode == "raise"
+    assert len(opt.state.get(p, {})) == 0, "a skipped first update left a state"
+    p.grad = None
+    for o in (opt, twin):  # a warmup: the rows start from the next step's lr
+        o.param_groups[0]["lr"] = 2e-5
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (group['lr'] changed under "ignore": said once)
+        for t, o in ((p, opt), (q, twin)):
+            (t @ x).sum().backward()
+            if not fused:
+                o.step()
+    assert torch.equal(p.detach(), q.detach())
+    assert opt.state[p]["step"] == 1
+    assert torch.equal(opt.state[p]["lr"], twin.state[q]["lr"])
+    assert torch.equal(opt.state[p]["lr"], torch.full((4,), 2e-5))
 
 
 def test_periodic_faults_equal_clean_run_that_skips_the_same_steps():
