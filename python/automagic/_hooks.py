@@ -41,6 +41,35 @@ class _FusedMixin:
                 self._hook_ids[index] = handle.id
                 self._hook_cdata[index] = p._cdata
 
+    def _check_other_optimizers(self) -> None:
+        """At this optimizer's first backward hook or step(): warns (once)
+        when one of its parameters has the backward hook of another
+        Automagic3 in fused mode that is still alive. That hook runs first,
+        updates the parameter and drops its gradient, so this optimizer
+        never updates it: an old optimizer kept alive (by an lr scheduler, a
+        notebook's output) and a new one created for the same model, which
+        silently did nothing (found by a review, thirty-second session).
+        Not at construction: `opt = Automagic3(model.parameters())` run
+        again builds the new one while the old one is still bound to opt,
+        which is dropped (and its hooks removed) right after."""
+        self._other_checked = True
+        for group in self.param_groups:
+            for p in group["params"]:
+                hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+                for fn in (hooks.values() if hooks else ()):
+                    ref = getattr(fn, "_automagic_optimizer", None)
+                    other = ref() if ref is not None else None
+                    if other is not None and other is not self:
+                        self._warn_once(
+                            "other", "a parameter of shape %s has the backward hook of "
+                            "another Automagic3 optimizer in fused mode, which is still "
+                            "alive: its hook updates the parameter and drops its gradient "
+                            "first, so this optimizer does not update it. Call "
+                            "remove_hooks() on the other optimizer, or drop it and what "
+                            "holds it (an lr scheduler, say) (warned once)"
+                            % (tuple(p.shape),))
+                        return
+
     def _rehook_swapped(self, ps) -> set:
         """Of ps (parameters with a gradient, fused mode), the ids of those
         whose tensor was swapped since their hook was registered
@@ -109,6 +138,7 @@ class _FusedMixin:
                         return
             opt._warn_once("nogroup", "a parameter of shape %s with a backward hook is in no "
                            "parameter group: not updated" % (tuple(p.shape),))
+        _hook._automagic_optimizer = ref  # (for _warn_other_optimizer)
         return _hook
 
     # ----------------------------------------------------------- fused
@@ -116,6 +146,8 @@ class _FusedMixin:
         """A hook fired for parameter index: update now, queue a small CPU
         parameter's update for the next batch, or leave p.grad to
         accumulate."""
+        if not self._other_checked:
+            self._check_other_optimizers()
         steps = self._steps
         task = steps.enter()
         batch = key = None

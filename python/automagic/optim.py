@@ -161,6 +161,7 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
 
     def _init_runtime(self) -> None:
         """Attributes that are rebuilt, not copied, by pickle and deepcopy."""
+        self._other_checked = False    # _check_other_optimizers has run
         self._hook_handles = []
         self._hook_cdata = {}          # index -> p._cdata when its hook was registered
         self._hook_ids = {}            # index -> its hook's handle id
@@ -389,6 +390,8 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self._other_checked:
+            self._check_other_optimizers()
         if self.fused:
             self._steps.close()
             if self._micro != 0:

@@ -3,6 +3,7 @@ script drops them, in fused mode too (its backward hooks hold no strong
 reference to the optimizer)."""
 import copy
 import gc
+import warnings
 import weakref
 
 import pytest
@@ -48,11 +49,14 @@ def test_optimizer_and_model_are_freed(fused):
 def test_recreated_fused_optimizer_trains_alone():
     # Creating the optimizer again (each epoch, say) left the old one's
     # hooks on the parameters: the old optimizer went on updating them and
-    # the new one updated only at its first step.
+    # the new one updated only at its first step. (No warning of another
+    # optimizer's hooks: the old one is dropped before the new one trains.)
     m = _model()
     for epoch in range(3):
         opt = automagic.Automagic3(m.parameters())
-        _train(m, opt, 3, True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _train(m, opt, 3, True)
         gc.collect()
         assert all(_hooks(p) == 1 for p in m.parameters()), epoch
         assert all(opt.state[p]["step"] == 3 for p in m.parameters()), epoch
@@ -295,3 +299,29 @@ def test_swapped_parameters_found_by_zero_grad(swap_on_conversion):
     m(torch.randn(2, 4)).sum().backward()
     assert all(opt.state[p]["step"] == 2 for p in m.parameters())
     assert all(p.grad is None for p in m.parameters())
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_second_optimizer_on_hooked_parameters_warns(fused):
+    """A fused optimizer still alive keeps updating its parameters in its
+    hooks and dropping their gradients: a second optimizer created for the
+    same model (the first kept alive by an lr scheduler, say) never updates
+    them. That was silent (found by a review, thirty-second session); it
+    warns now, and not once the first one's hooks are gone."""
+    m = _model()
+    first = automagic.Automagic3(m.parameters(), fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(first, lambda s: 1.0)  # holds it
+    second = automagic.Automagic3(m.parameters(), fused=fused)
+    with pytest.warns(UserWarning, match="hook of another Automagic3 optimizer"):
+        _train(m, second, 2, fused)  # (said at its first hook or step())
+    assert all(len(second.state.get(p, {})) == 0 for p in m.parameters())
+    assert all(first.state[p]["step"] == 2 for p in m.parameters())
+    # the hooks removed, or their optimizer collected: no warning
+    first.remove_hooks()
+    second.remove_hooks()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        third = automagic.Automagic3(m.parameters(), fused=True)
+        del third, sched, first
+        gc.collect()
+        automagic.Automagic3(m.parameters(), fused=fused).remove_hooks()
