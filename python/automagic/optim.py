@@ -541,7 +541,22 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
                                 "firing: zero_grad() drops the gradient it was not updated "
                                 "with; its hook is registered again, so the next backward "
                                 "updates it (warned once)")
-            if self._micro != 0:
+            if self._micro != 0 and self._passes == 0:
+                # step() came after the window's last backward pass, and now
+                # zero_grad(): the caller's loop or trainer ends its windows
+                # here (an epoch shorter than accumulation_steps, or step()
+                # and zero_grad() after every pass). Applied, as step mode
+                # applies them: discarded, such a run never updated anything
+                # behind one warning (found by a review, thirty-second
+                # session).
+                self._warn_once("stepzero", "step() and zero_grad() after %d of the %d "
+                                "backward passes of an accumulation window: the window ends "
+                                "there and its gradients are applied, as in step mode (a "
+                                "loop or trainer whose windows are shorter than "
+                                "accumulation_steps; warned once)"
+                                % (self._micro, self.accumulation_steps))
+                self._close_window(flush=True)
+            elif self._micro != 0:
                 if any(p.grad is not None for g in self.param_groups for p in g["params"]):
                     self._warn_once("zero_grad", "zero_grad() in the middle of an "
                                     "accumulation window (accumulation_steps=%d, %d backward "

@@ -810,6 +810,33 @@ def test_zero_grad_mid_window_starts_a_new_window():
     assert opt.state[m.weight]["step"] == 1 and m.weight.grad is None
 
 
+@pytest.mark.parametrize("k, per_window", [(3, 2), (2, 1)])
+def test_step_then_zero_grad_mid_window_applies_the_window(k, per_window):
+    # step() and zero_grad() after fewer backward passes than
+    # accumulation_steps (a trainer's epoch shorter than k; a loop calling
+    # both after every pass): zero_grad() discarded the window, and such a
+    # run never updated, behind one warning (found by a review,
+    # thirty-second session). The window ends there now, as in step mode.
+    def run(fused):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+        opt = automagic.Automagic3(m.parameters(), fused=fused,
+                                   accumulation_steps=k if fused else 1)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            for _ in range(per_window):
+                m(torch.randn(4, 5, generator=g)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return m, opt
+    with pytest.warns(UserWarning, match="window ends there and its gradients are applied"):
+        m1, o1 = run(True)
+    m2, o2 = run(False)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+        assert o1.state[a]["step"] == o2.state[b]["step"] == 4
+
+
 @pytest.mark.parametrize("before", ["step", "initialise", "resume"])
 def test_step_after_every_backward_keeps_accumulating_after(before):
     # a step() with no backward pass before it (a step() + zero_grad() before
