@@ -303,15 +303,21 @@ def _check_param(p, index: int) -> None:
         raise ValueError("Automagic3: parameter %d is uninitialized (a lazy module such as "
                          "nn.LazyLinear): run one forward pass through the model before "
                          "creating the optimizer" % index)
-    where = "Automagic3: parameter %d (shape %s)" % (index, tuple(getattr(p, "shape", ())))
     if not isinstance(p, torch.Tensor):
-        raise TypeError("%s is a %s, not a torch.Tensor" % (where, type(p).__name__))
+        # (no shape: "(shape ())" was said of anything; a module is named
+        # as such: found by a review, thirty-second session)
+        hint = (": pass model.parameters(), not the module"
+                if isinstance(p, torch.nn.Module) else "")
+        raise TypeError("Automagic3: parameter %d is a %s, not a torch.Tensor%s"
+                        % (index, type(p).__name__, hint))
+    where = "Automagic3: parameter %d (shape %s)" % (index, tuple(p.shape))
     if p.device.type not in _SUPPORTED_DEVICE_TYPES:
         raise ValueError("%s is on device '%s'; this build updates %s tensors only"
                          % (where, p.device, "/".join(_SUPPORTED_DEVICE_TYPES)))
     if p.dtype not in _DTYPES:
-        raise TypeError("%s has dtype %s; supported: float32, bfloat16, float16 "
-                        "(float64 would be rounded to float32 every step)" % (where, p.dtype))
+        raise TypeError("%s has dtype %s; supported: float32, bfloat16, float16%s"
+                        % (where, p.dtype, " (float64 would be rounded to float32 every step)"
+                           if p.dtype == torch.float64 else ""))
     if p.dim() > _lib.AM_MAX_DIMS:
         raise ValueError("%s has %d dims; at most %d are supported"
                          % (where, p.dim(), _lib.AM_MAX_DIMS))

@@ -18,13 +18,17 @@ def _param(*shape, dtype=torch.float32, seed=0, device="cpu"):
 @pytest.mark.parametrize("make_param, error, match", [
     (lambda: _param(3, 4, device="meta"), ValueError, "device 'meta'"),
     (lambda: _param(3, 4, dtype=torch.float64), TypeError, "float64"),
-    (lambda: torch.zeros(3, dtype=torch.int64), TypeError, "int64"),
+    (lambda: torch.zeros(3, dtype=torch.int64), TypeError, "int64; supported: float32, "
+     "bfloat16, float16$"),  # (not "float64 would be rounded", which it was told)
     (lambda: _param(3, 4, dtype=torch.complex64), TypeError, "complex64"),
     (lambda: _param(*([1] * 9)), ValueError, "9 dims"),
     (lambda: torch.nn.Parameter(torch.eye(3).to_sparse()), ValueError, "layout"),
     # two elements at one address: no update can write it (copy_ refuses)
     (lambda: torch.nn.Parameter(torch.randn(1, 4).expand(3, 4)), ValueError, "share memory"),
-    (lambda: 3.0, TypeError, "float"),
+    (lambda: 3.0, TypeError, "parameter 1 is a float, not a torch.Tensor$"),
+    # a module: named, with what to pass (it was "(shape ()) is a Linear")
+    (lambda: torch.nn.Linear(3, 3), TypeError, "Linear, not a torch.Tensor: pass "
+     "model.parameters"),
 ])
 def test_unsupported_parameters_are_refused(make_param, error, match):
     good = _param(2, 2)
