@@ -30,7 +30,10 @@
  *     flush-to-zero or denormals-are-zero, exceptions masked) on every
  *     thread, whatever the caller's floating-point control register holds
  *     (x86 MXCSR, AArch64 FPCR; e.g. after torch.set_flush_denormal(True));
- *     the caller's is as it was on return. Results do not depend on it.
+ *     the caller's control settings (rounding, flushing, exception masks)
+ *     are as they were on return, while the sticky status flags may record
+ *     the update's own inexact or invalid operations (an inf gradient's),
+ *     as after any floating-point code. Results do not depend on it.
  *
  * Thread safety: am_update() on different parameters (different buffers) may
  * run concurrently from several threads. One am_optimizer may be used from
@@ -508,12 +511,15 @@ AM_API am_status am_workspace_view_get(const am_shape *shape, void *workspace,
 /* -------------------------------------------------------- threading ----- */
 
 /* Sets the number of threads the CPU kernels may use (1 = single-threaded,
- * the default; 0 = the number of online processors; the library's own pool
- * runs at most 257, the caller's thread included, whatever n says). Results
+ * the default; 0 = the number of online processors; a parallel job runs on
+ * at most 257, the caller's thread included, whatever n says, on the
+ * library's own pool or a lent runner). Results
  * are bit-identical for every value. Process-wide. Errors:
  * AM_ERR_INVALID_ARGUMENT (n < 0). */
 AM_API am_status am_set_num_threads(int n);
-/* The current thread count (>= 1). */
+/* The thread count last set (>= 1; 0 was replaced by the number of online
+ * processors), as given: a parallel job runs on at most 257 threads, on the
+ * library's own pool or a runner lent with am_set_parallel_runner. */
 AM_API int am_get_num_threads(void);
 /* The name of the CPU kernel set in use: "scalar" (the reference),
  * "portable" (vector code for any CPU: non-x86 ones, x86 without AVX2),
@@ -590,7 +596,8 @@ AM_API int32_t am_optimizer_num_params(const am_optimizer *opt);
 
 /* Updates parameter id with grad (same shape, dtype grad_dtype): call it the
  * moment the gradient is ready, then reuse the gradient buffer. report may be
- * NULL. Returns what am_update returns, or AM_ERR_NOT_FOUND. */
+ * NULL. Returns what am_update returns, AM_ERR_NULL_POINTER (opt is NULL) or
+ * AM_ERR_NOT_FOUND. */
 AM_API am_status am_optimizer_update_param(am_optimizer *opt, int32_t id,
                                            const void *grad,
                                            am_dtype grad_dtype,

@@ -91,8 +91,9 @@ static int conflict(const span *a, const span *b) {
 /* AM_ERR_INVALID_ARGUMENT when an item's parameter or state shares memory
  * with another item's parameter, state or gradient (updated at the same
  * time they would race; in turn, one would see the other's result).
- * Gradients may share memory with each other, and an item's gradient with
- * its own parameter (am_update allows that). The spans sorted by start,
+ * Gradients may share memory with each other; an item's gradient that
+ * overlaps its own parameter or state is not looked for here (the header
+ * leaves that undefined, as for am_update). The spans sorted by start,
  * each is compared with every earlier one still open: those whose end is
  * past its start (at most one kept per kind: the open span reaching
  * furthest, and the furthest one of another item, so a span nested in one

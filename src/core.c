@@ -72,10 +72,18 @@ am_status am_set_log_callback(am_log_fn fn, void *user) {
 static _Thread_local int g_log_muted;
 static _Thread_local const char *g_log_fn_name;
 static _Thread_local int64_t g_log_index = -1;
+static _Thread_local const char *g_log_what = "item";
 
 void am_log_item(const char *fn, int64_t index) {
     g_log_fn_name = fn;
     g_log_index = index;
+    g_log_what = "item";
+}
+
+void am_log_param(const char *fn, int64_t id) {
+    g_log_fn_name = fn;
+    g_log_index = id;
+    g_log_what = "parameter";
 }
 
 int am_log_mute(int on) {
@@ -95,7 +103,8 @@ void am_log(am_log_level level, const char *fmt, ...) {
     int pre = 0;
     if (!fn || g_log_muted) return;
     if (g_log_index >= 0)
-        pre = snprintf(buf, sizeof buf, "%s: item %lld: ", g_log_fn_name, (long long)g_log_index);
+        pre = snprintf(buf, sizeof buf, "%s: %s %lld: ", g_log_fn_name, g_log_what,
+                       (long long)g_log_index);
     va_start(ap, fmt);
     n = pre + vsnprintf(buf + pre, sizeof buf - (size_t)pre, fmt, ap);
     va_end(ap);

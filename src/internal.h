@@ -33,6 +33,10 @@ int am_log_mute(int on);
  * string literal). The batch's checks run am_update's, whose messages did
  * not say which item they meant. */
 void am_log_item(const char *fn, int64_t index);
+/* The same for a registered parameter: "<fn>: parameter <id>: " (the
+ * optimizer's updates run am_update, whose messages named neither the
+ * function called nor the parameter). */
+void am_log_param(const char *fn, int64_t id);
 
 /* Returns status err with a message naming the problem when cond holds. */
 #define AM_RETURN_IF(cond, err, ...)                                          \

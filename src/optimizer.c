@@ -139,7 +139,7 @@ static void count_skip(am_param_slot *s) {
 }
 
 static am_status update_slot(am_optimizer *o, int32_t id, const void *grad,
-                             am_dtype gd, am_report *rep) {
+                             am_dtype gd, am_report *rep, const char *fn) {
     am_param_slot *s = &o->params[id];
     am_tensor gt = s->t;
     am_rng_key key;
@@ -148,7 +148,9 @@ static am_status update_slot(am_optimizer *o, int32_t id, const void *grad,
     gt.dtype = gd;
     key.seed = o->seed;
     key.param_id = (uint32_t)id;
+    am_log_param(fn, id); /* am_update's messages name fn and the parameter */
     st = am_update(&s->t, &gt, &s->st, &o->hp, key, s->ws, s->ws_bytes, rep);
+    am_log_item(NULL, -1);
     if (st == AM_SKIPPED_NONFINITE_GRAD || st == AM_SKIPPED_NONFINITE_UPDATE)
         count_skip(s);
     return st;
@@ -158,7 +160,7 @@ am_status am_optimizer_update_param(am_optimizer *o, int32_t id,
                                     const void *grad, am_dtype gd,
                                     am_report *rep) {
     AM_CHECK(find(o, id, "am_optimizer_update_param"));
-    return update_slot(o, id, grad, gd, rep);
+    return update_slot(o, id, grad, gd, rep, "am_optimizer_update_param");
 }
 
 /* Elements of a registered parameter (its shape was validated). */
@@ -270,7 +272,8 @@ am_status am_optimizer_update_all(am_optimizer *o, const void *const *grads,
             if (reps) memset(&reps[i], 0, sizeof reps[i]);
             continue;
         }
-        st = update_slot(o, i, grads[i], gds[i], reps ? &reps[i] : NULL);
+        st = update_slot(o, i, grads[i], gds[i], reps ? &reps[i] : NULL,
+                         "am_optimizer_update_all");
         if (am_status_is_error(st)) return st; /* cannot happen: checked */
         if (st != AM_OK && first_skip == AM_OK) first_skip = st;
     }

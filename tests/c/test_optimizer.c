@@ -250,6 +250,12 @@ static void test_optimizer_invalid(void **unused) {
     EXPECT_ERR(am_optimizer_update_param(o.opt, 2, o.g, AM_DTYPE_FLOAT32, &rep), AM_ERR_NOT_FOUND);
     EXPECT_ERR(am_optimizer_update_param(o.opt, INT32_MAX, o.g, AM_DTYPE_FLOAT32, &rep), AM_ERR_NOT_FOUND);
     EXPECT_ERR(am_optimizer_update_param(o.opt, 0, NULL, AM_DTYPE_FLOAT32, &rep), AM_ERR_NULL_POINTER);
+    if (strncmp(g_log.msg, "am_optimizer_update_param: parameter 0: ", 40) != 0)
+        fail_msg("the message does not name the call and the parameter: %s", g_log.msg);
+    /* and only those messages: a later error of another call has no prefix */
+    EXPECT_ERR(am_optimizer_get_lrs(o.opt, 2, lrs, 8), AM_ERR_NOT_FOUND);
+    if (strstr(g_log.msg, "parameter 0: "))
+        fail_msg("a later message keeps the prefix: %s", g_log.msg);
     EXPECT_ERR(am_optimizer_update_param(o.opt, 0, o.g, (am_dtype)5, &rep), AM_ERR_INVALID_DTYPE);
     check_same(&s, &o);
     /* update_all: checked before any update (parameter 0 untouched although
@@ -270,6 +276,10 @@ static void test_optimizer_invalid(void **unused) {
         check_same(&s, &o);
         EXPECT_ERR(am_optimizer_update_param(o.opt, 1, grads[1], AM_DTYPE_BFLOAT16, &rep),
                    AM_ERR_INVALID_ARGUMENT);
+        /* am_update's message names the function and the parameter (it
+         * named neither: found by a review, thirty-second session) */
+        if (strncmp(g_log.msg, "am_optimizer_update_param: parameter 1: ", 40) != 0)
+            fail_msg("the message does not name the call and the parameter: %s", g_log.msg);
         check_same(&s, &o);
     }
     /* get_lrs */
