@@ -23,7 +23,10 @@
  *     what a function's comment names (a workspace, a report, the items'
  *     status fields of am_update_batch).
  *   - Tensors are dense, row-major (C-contiguous). Shapes have 0 to 8 dims,
- *     sizes are int64_t. A parameter with zero elements is a no-op.
+ *     sizes are int64_t. An update of a parameter with zero elements
+ *     changes nothing, but its state and workspace are those its shape
+ *     gives (a [2^30, 0] weight has 2^30 rows, each with its lr and row
+ *     moment; am_state_get_sizes).
  *   - Nothing here exits, aborts or prints. Messages go to the optional log
  *     callback (am_set_log_callback()).
  *   - The updates compute in IEEE defaults (round to nearest even, no
