@@ -267,8 +267,11 @@ AM_API am_status am_state_init(const am_shape *shape, am_state *state,
 /* A parameter (or its gradient): data pointer, dtype and shape. data must
  * be aligned to the element size (4 bytes for float32, 2 for bfloat16 and
  * float16; AM_ERR_INVALID_ARGUMENT otherwise), as must a state's float
- * arrays (4 bytes): C compilers and GPUs assume it. A gradient must not
- * overlap its parameter or the state (the result is undefined). */
+ * arrays (4 bytes): C compilers and GPUs assume it. The parameter and the
+ * state's arrays must not share memory with each other, nor the gradient
+ * with the state: the updates refuse that (AM_ERR_INVALID_ARGUMENT, naming
+ * the two buffers). A gradient that overlaps its own parameter is not
+ * looked for: the result is undefined. */
 typedef struct am_tensor {
     void *data;      /* may be NULL only when numel == 0 */
     am_dtype dtype;
@@ -312,7 +315,7 @@ typedef struct am_report {
  * AM_ERR_INVALID_HPARAM, AM_ERR_BUFFER_SIZE (workspace too small),
  * AM_ERR_INVALID_ARGUMENT (state.step < 0, or INT64_MAX: it cannot be
  * incremented; or param, grad or a state array not aligned to its element
- * size, see am_tensor). On any status but AM_OK nothing the caller owns is modified
+ * size, or buffers that share memory, see am_tensor). On any status but AM_OK nothing the caller owns is modified
  * except the workspace and the report. */
 AM_API am_status am_update(const am_tensor *param, const am_tensor *grad,
                            am_state *state, const am_hparams *hp,

@@ -94,6 +94,47 @@ static am_status check_state(const am_geom *g, const am_state *s) {
     return AM_OK;
 }
 
+/* AM_ERR_INVALID_ARGUMENT when two of the buffers an update writes (the
+ * parameter, the state's arrays) share memory, or the gradient shares
+ * memory with the state: the update would read what it has just written
+ * (found by a review, thirty-second session: a trainer's arena with a
+ * wrong offset was updated silently). A gradient overlapping its own
+ * parameter is left undefined (the header), not looked for. */
+static am_status check_own_overlap(const am_geom *g, const am_tensor *param,
+                                   const am_tensor *grad, const am_state *state) {
+    static const char *const names[7] = {"param data", "state lr", "state polarity",
+                                         "state row", "state col", "state sq",
+                                         "grad data"};
+    const void *p[7];
+    uintptr_t lo[7], hi[7];
+    int i, j;
+    p[0] = param->data;
+    p[1] = state->lr;
+    p[2] = state->polarity;
+    p[3] = state->row;
+    p[4] = state->col;
+    p[5] = state->sq;
+    p[6] = grad->data;
+    hi[0] = (uintptr_t)(g->numel * (int64_t)am_dtype_size(param->dtype));
+    hi[1] = (uintptr_t)(4 * g->sizes.lr_count);
+    hi[2] = (uintptr_t)g->sizes.polarity_bytes;
+    hi[3] = (uintptr_t)(4 * g->sizes.row_count);
+    hi[4] = (uintptr_t)(4 * g->sizes.col_count);
+    hi[5] = (uintptr_t)(4 * g->sizes.sq_count);
+    hi[6] = (uintptr_t)(g->numel * (int64_t)am_dtype_size(grad->dtype));
+    for (i = 0; i < 7; i++) {
+        lo[i] = (uintptr_t)p[i];
+        hi[i] = p[i] && hi[i] ? lo[i] + hi[i] : lo[i]; /* empty: overlaps nothing */
+    }
+    for (i = 0; i < 7; i++)
+        for (j = i + 1; j < 7; j++)
+            AM_RETURN_IF(!(i == 0 && j == 6) && lo[i] < hi[i] && lo[j] < hi[j] &&
+                             lo[i] < hi[j] && lo[j] < hi[i],
+                         AM_ERR_INVALID_ARGUMENT, "%s and %s share memory", names[i],
+                         names[j]);
+    return AM_OK;
+}
+
 /* Every argument check but the workspace's; fills u->g. Modifies nothing. */
 static am_status validate(upd *u, const am_tensor *param, const am_tensor *grad,
                           const am_state *state, const am_hparams *hp) {
@@ -124,6 +165,7 @@ static am_status validate(upd *u, const am_tensor *param, const am_tensor *grad,
         AM_CHECK(am_check_aligned(param->data, am_dtype_size(param->dtype), "param data"));
         AM_CHECK(am_check_aligned(grad->data, am_dtype_size(grad->dtype), "grad data"));
     }
+    AM_CHECK(check_own_overlap(&u->g, param, grad, state));
     return AM_OK;
 }
 

@@ -282,19 +282,25 @@ static void test_errors(void **unused) {
     expect_rejected(s, it, ws, bytes, AM_ERR_INVALID_ARGUMENT, -1,
                     "items 2 and 4 share memory (one's gradient");
     items_of(s, it);
-    /* item 0's lrs inside its own parameter (am_update does not check an
-     * item against itself), item 5's parameter inside it too, after them:
-     * once found only by comparing each buffer with its neighbour in
-     * address order, which is item 0's lrs */
+    /* item 0's lrs inside its own parameter: refused by am_update's own
+     * check (since the thirty-second session), as item 0 */
     own = s->fix[0].st;
     own.lr = (float *)s->p[0] + 8;
     it[0].state = &own;
+    expect_rejected(s, it, ws, bytes, AM_ERR_INVALID_ARGUMENT, 0,
+                    "item 0: param data and state lr share memory");
+    items_of(s, it);
+    /* item 0's report inside its own parameter (a report is not checked
+     * against its own item's buffers), item 5's parameter inside it too,
+     * after it: once found only by comparing each buffer with its
+     * neighbour in address order, which is item 0's report */
+    it[0].report = (am_report *)((char *)s->p[0] + 64);
     inner = s->pt[5];
     inner.data = (char *)s->p[0] + 4096;
     it[5].param = &inner;
     assert_true(4096 + s->fix[5].sz.numel * (int64_t)esz(s->pdt[5]) <=
                 s->fix[0].sz.numel * (int64_t)esz(s->pdt[0]));
-    assert_true(32 + 4 * s->fix[0].sz.lr_count <= 4096);
+    assert_true(64 + sizeof(am_report) <= 4096);
     expect_rejected(s, it, ws, bytes, AM_ERR_INVALID_ARGUMENT, -1, "items 0 and 5 share");
     items_of(s, it);
     /* item 2's parameter inside its own gradient's range but running past

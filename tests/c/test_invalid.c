@@ -452,6 +452,32 @@ static void update_invalid(const am_shape *sh) {
                        AM_ERR_INVALID_ARGUMENT);
             if (!strstr(g_log.msg, "state.")) fail_msg("message '%s'", g_log.msg);
         }
+        /* buffers that share memory: a state array inside the parameter,
+         * two state arrays on one buffer, the gradient over the state (a
+         * trainer's arena with a wrong offset was updated silently; found
+         * by a review, thirty-second session) */
+        if (f.sz.numel > 0 && f.sz.lr_count > 0) {
+            bst = f.st;
+            bst.lr = (float *)p;
+            EXPECT_ERR(call_phase(which, &pt, &gt, &bst, &hp, f.ws, f.ws_bytes, &rep),
+                       AM_ERR_INVALID_ARGUMENT);
+            if (!strstr(g_log.msg, "param data and state lr share memory"))
+                fail_msg("message '%s'", g_log.msg);
+            bg = gt;
+            bg.data = f.st.lr;
+            EXPECT_ERR(call_phase(which, &pt, &bg, stp, &hp, f.ws, f.ws_bytes, &rep),
+                       AM_ERR_INVALID_ARGUMENT);
+            if (!strstr(g_log.msg, "state lr and grad data share memory"))
+                fail_msg("message '%s'", g_log.msg);
+        }
+        if (f.sz.row_count > 0 && f.sz.col_count > 0) {
+            bst = f.st;
+            bst.col = bst.row;
+            EXPECT_ERR(call_phase(which, &pt, &gt, &bst, &hp, f.ws, f.ws_bytes, &rep),
+                       AM_ERR_INVALID_ARGUMENT);
+            if (!strstr(g_log.msg, "state row and state col share memory"))
+                fail_msg("message '%s'", g_log.msg);
+        }
         /* the report of a failed update says so */
         if (which == 0 || which == 3) {
             memset(&rep, 0x77, sizeof rep);
