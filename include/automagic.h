@@ -269,9 +269,11 @@ AM_API am_status am_state_init(const am_shape *shape, am_state *state,
  * float16; AM_ERR_INVALID_ARGUMENT otherwise), as must a state's float
  * arrays (4 bytes): C compilers and GPUs assume it. The parameter and the
  * state's arrays must not share memory with each other, nor the gradient
- * with the state: the updates refuse that (AM_ERR_INVALID_ARGUMENT, naming
- * the two buffers). A gradient that overlaps its own parameter is not
- * looked for: the result is undefined. */
+ * with the state: the CPU updates refuse that (AM_ERR_INVALID_ARGUMENT,
+ * naming the two buffers; am_update_cuda does not look: undefined there).
+ * A gradient that overlaps its own parameter is not looked for: the result
+ * is undefined. A parameter with zero elements is not checked (nothing is
+ * read or written). */
 typedef struct am_tensor {
     void *data;      /* may be NULL only when numel == 0 */
     am_dtype dtype;

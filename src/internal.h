@@ -470,6 +470,17 @@ int am_set_thread_serial(int on);
 /* am_update's argument checks without the workspace: AM_OK and the
  * workspace size in *workspace_bytes, or the error am_update would
  * return (with its message). Modifies nothing. */
+/* AM_ERR_INVALID_ARGUMENT, naming the two, when two of the buffers an
+ * update writes (the parameter, the state's arrays) share memory, or the
+ * gradient shares memory with the state: the update would read what it
+ * has just written (found by a review, thirty-second session: a trainer's
+ * arena with a wrong offset was updated silently). A gradient overlapping
+ * its own parameter is left undefined (the header), not looked for; with
+ * zero elements nothing is read or written: AM_OK. sz: the shape's sizes;
+ * the pointers of the arrays the shape needs are not NULL. */
+am_status am_check_buffers(const am_state_sizes *sz, const am_tensor *param,
+                           const am_tensor *grad, const am_state *state);
+
 am_status am_update_check(const am_tensor *param, const am_tensor *grad,
                           const am_state *state, const am_hparams *hp,
                           int64_t *workspace_bytes);

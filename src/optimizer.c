@@ -263,6 +263,20 @@ am_status am_optimizer_update_all(am_optimizer *o, const void *const *grads,
                      AM_ERR_INVALID_ARGUMENT,
                      "am_optimizer_update_all: parameter %d: step = %lld cannot be "
                      "incremented", (int)i, (long long)o->params[i].st.step);
+        /* and a gradient over the parameter's own state (am_update refuses
+         * it: here too, before any parameter is updated; a review) */
+        if (grads[i]) {
+            am_state_sizes sz;
+            am_tensor gt = o->params[i].t;
+            am_status st;
+            gt.data = (void *)grads[i];
+            gt.dtype = gds[i];
+            am_state_get_sizes(&o->params[i].t.shape, &sz); /* (valid: registered) */
+            am_log_param("am_optimizer_update_all", i);
+            st = am_check_buffers(&sz, &o->params[i].t, &gt, &o->params[i].st);
+            am_log_item(NULL, -1);
+            if (st != AM_OK) return st;
+        }
     }
     if (am_get_num_threads() > 1 && update_all_batch(o, grads, gds, reps, &first_skip))
         return first_skip;

@@ -94,14 +94,9 @@ static am_status check_state(const am_geom *g, const am_state *s) {
     return AM_OK;
 }
 
-/* AM_ERR_INVALID_ARGUMENT when two of the buffers an update writes (the
- * parameter, the state's arrays) share memory, or the gradient shares
- * memory with the state: the update would read what it has just written
- * (found by a review, thirty-second session: a trainer's arena with a
- * wrong offset was updated silently). A gradient overlapping its own
- * parameter is left undefined (the header), not looked for. */
-static am_status check_own_overlap(const am_geom *g, const am_tensor *param,
-                                   const am_tensor *grad, const am_state *state) {
+/* The check of internal.h (am_check_buffers). */
+am_status am_check_buffers(const am_state_sizes *sz, const am_tensor *param,
+                           const am_tensor *grad, const am_state *state) {
     static const char *const names[7] = {"param data", "state lr", "state polarity",
                                          "state row", "state col", "state sq",
                                          "grad data"};
@@ -115,13 +110,14 @@ static am_status check_own_overlap(const am_geom *g, const am_tensor *param,
     p[4] = state->col;
     p[5] = state->sq;
     p[6] = grad->data;
-    hi[0] = (uintptr_t)(g->numel * (int64_t)am_dtype_size(param->dtype));
-    hi[1] = (uintptr_t)(4 * g->sizes.lr_count);
-    hi[2] = (uintptr_t)g->sizes.polarity_bytes;
-    hi[3] = (uintptr_t)(4 * g->sizes.row_count);
-    hi[4] = (uintptr_t)(4 * g->sizes.col_count);
-    hi[5] = (uintptr_t)(4 * g->sizes.sq_count);
-    hi[6] = (uintptr_t)(g->numel * (int64_t)am_dtype_size(grad->dtype));
+    if (sz->numel == 0) return AM_OK; /* nothing is read or written */
+    hi[0] = (uintptr_t)(sz->numel * (int64_t)am_dtype_size(param->dtype));
+    hi[1] = (uintptr_t)(4 * sz->lr_count);
+    hi[2] = (uintptr_t)sz->polarity_bytes;
+    hi[3] = (uintptr_t)(4 * sz->row_count);
+    hi[4] = (uintptr_t)(4 * sz->col_count);
+    hi[5] = (uintptr_t)(4 * sz->sq_count);
+    hi[6] = (uintptr_t)(sz->numel * (int64_t)am_dtype_size(grad->dtype));
     for (i = 0; i < 7; i++) {
         lo[i] = (uintptr_t)p[i];
         hi[i] = p[i] && hi[i] ? lo[i] + hi[i] : lo[i]; /* empty: overlaps nothing */
@@ -165,7 +161,7 @@ static am_status validate(upd *u, const am_tensor *param, const am_tensor *grad,
         AM_CHECK(am_check_aligned(param->data, am_dtype_size(param->dtype), "param data"));
         AM_CHECK(am_check_aligned(grad->data, am_dtype_size(grad->dtype), "grad data"));
     }
-    AM_CHECK(check_own_overlap(&u->g, param, grad, state));
+    AM_CHECK(am_check_buffers(&u->g.sizes, param, grad, state));
     return AM_OK;
 }
 

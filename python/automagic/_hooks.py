@@ -56,10 +56,12 @@ class _FusedMixin:
         for group in self.param_groups:
             for p in group["params"]:
                 hooks = getattr(p, "_post_accumulate_grad_hooks", None)
-                for fn in (hooks.values() if hooks else ()):
+                for fn in (hooks.values() if hooks else ()):  # (in the order they run)
                     ref = getattr(fn, "_automagic_optimizer", None)
                     other = ref() if ref is not None else None
-                    if other is not None and other is not self:
+                    if other is self:
+                        break  # ours runs first: this optimizer updates p
+                    if other is not None:
                         self._warn_once(
                             "other", "a parameter of shape %s has the backward hook of "
                             "another Automagic3 optimizer in fused mode, which is still "
@@ -138,7 +140,7 @@ class _FusedMixin:
                         return
             opt._warn_once("nogroup", "a parameter of shape %s with a backward hook is in no "
                            "parameter group: not updated" % (tuple(p.shape),))
-        _hook._automagic_optimizer = ref  # (for _warn_other_optimizer)
+        _hook._automagic_optimizer = ref  # (for _check_other_optimizers)
         return _hook
 
     # ----------------------------------------------------------- fused
@@ -273,6 +275,7 @@ class _FusedMixin:
             self._count_micro_step()
 
     def _count_micro_step(self) -> None:
+        self._stepped_mid = False  # (a backward pass since that step())
         self._passes += 1
         self._micro += 1
         if self._micro < self.accumulation_steps:
@@ -283,6 +286,7 @@ class _FusedMixin:
         """Ends the accumulation window: with flush, its gradients applied
         (_flush); without, dropped by the caller (zero_grad)."""
         self._micro = 0
+        self._stepped_mid = False
         try:
             if flush:
                 self._flush()

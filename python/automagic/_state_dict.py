@@ -191,6 +191,9 @@ class _StateDictMixin:
                  self._updated, self._window_fired, self._aligned_steps,
                  self._passes) = old_book
                 raise
+            # (a zero_grad() after the load discards the window, as it did:
+            # the gradients are not the loaded state's; found by a review)
+            self._stepped_mid = False
 
     # ---------------------------------------------- pickle and deepcopy
     def __getstate__(self) -> dict:

@@ -297,6 +297,10 @@ class _UpdateMixin:
                 gt.data = gp
                 gdt = grad.dtype
                 if gdt is not plan.gdt:  # (the same as the last update's, mostly)
+                    # (None while gt.dtype is written: an interrupt between
+                    # the two left the cache naming a dtype gt did not hold,
+                    # and later gradients were read as another dtype; a review)
+                    plan.gdt = None
                     gt.dtype = _DTYPES[gdt]
                     plan.gdt = gdt
                 s0 = plan.st.step = int(state["step"])
@@ -470,6 +474,11 @@ class _UpdateMixin:
                     call[6]["lr"].copy_(call[5])
                 if call[1].made:  # made again by the update that runs it
                     self.state.pop(call[0], None)
+            # settled: each update below settles its own (an error there
+            # had the caller's _settle take these calls, not run, and drop
+            # the states the updates below had just made and advanced;
+            # found by a review)
+            calls.clear()
             for job in jobs:
                 self._apply(*job)
             return

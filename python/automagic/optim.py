@@ -162,6 +162,11 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
     def _init_runtime(self) -> None:
         """Attributes that are rebuilt, not copied, by pickle and deepcopy."""
         self._other_checked = False    # _check_other_optimizers has run
+        # step() came in mid-window (fused mode, not at window ends) and no
+        # backward pass, window end or load since: zero_grad() applies the
+        # window (not kept by state_dict or pickle: after a load, a
+        # zero_grad() discards, as before the thirty-second session)
+        self._stepped_mid = False
         self._hook_handles = []
         self._hook_cdata = {}          # index -> p._cdata when its hook was registered
         self._hook_ids = {}            # index -> its hook's handle id
@@ -407,6 +412,9 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
                 if not self._aligned_steps:
                     self._aligned_steps = False
                     self._passes = 0
+                    # (a zero_grad() right after this ends the window: the
+                    # caller's loop ends its windows here; see zero_grad)
+                    self._stepped_mid = True
                     return loss
                 self._warn_once("partial", "step() after %d of the %d backward passes of an "
                                 "accumulation window: the window ends here, its gradients "
@@ -541,7 +549,7 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
                                 "firing: zero_grad() drops the gradient it was not updated "
                                 "with; its hook is registered again, so the next backward "
                                 "updates it (warned once)")
-            if self._micro != 0 and self._passes == 0:
+            if self._micro != 0 and self._stepped_mid:
                 # step() came after the window's last backward pass, and now
                 # zero_grad(): the caller's loop or trainer ends its windows
                 # here (an epoch shorter than accumulation_steps, or step()

@@ -565,6 +565,36 @@ static void update_invalid(const am_shape *sh) {
     free(g);
 }
 
+/* A zero-element parameter's buffers are not checked for sharing memory:
+ * nothing is read or written (a [4, 0] weight whose state arrays all point
+ * at one dummy buffer was an update that changed nothing before the check
+ * came, and stays one; a review, thirty-second session). */
+static void test_zero_elements_share_a_dummy(void **unused) {
+    static float dummy[16];
+    static unsigned char ws[1 << 16];
+    const int64_t d[2] = {4, 0};
+    am_tensor p, g;
+    am_state st;
+    am_hparams hp = am_hparams_default();
+    am_rng_key key = {1, 0};
+    am_state_sizes sz;
+    (void)unused;
+    memset(&p, 0, sizeof p);
+    p.dtype = AM_DTYPE_FLOAT32;
+    p.shape = t_shape(2, d);
+    g = p;
+    memset(&st, 0, sizeof st);
+    st.lr = dummy;
+    st.polarity = (uint8_t *)dummy;
+    st.row = dummy;
+    st.col = dummy;
+    assert_int_equal(am_state_get_sizes(&p.shape, &sz), AM_OK);
+    assert_true(sz.lr_count > 0 && sz.row_count > 0);
+    assert_true(sz.workspace_bytes <= (int64_t)sizeof ws);
+    assert_int_equal(am_update(&p, &g, &st, &hp, key, ws, sizeof ws, NULL), AM_OK);
+    assert_int_equal(st.step, 0);
+}
+
 static void test_update_invalid(void **unused) {
     const int64_t d2[2] = {6, 9}, d1[1] = {11}, d4[4] = {3, 1, 4, 5};
     am_shape s2 = t_shape(2, d2), s1 = t_shape(1, d1), s0 = t_shape(0, d1), s4 = t_shape(4, d4);
@@ -695,6 +725,7 @@ int main(void) {
         cmocka_unit_test(test_lr_bump_from_zero),
         cmocka_unit_test(test_state_get_sizes),
         cmocka_unit_test(test_state_init),
+        cmocka_unit_test(test_zero_elements_share_a_dummy),
         cmocka_unit_test(test_update_invalid),
         cmocka_unit_test(test_workspace_view),
         cmocka_unit_test(test_threads),

@@ -274,6 +274,20 @@ static void test_optimizer_invalid(void **unused) {
         grads[1] = (const char *)o.gb + 1;
         EXPECT_ERR(am_optimizer_update_all(o.opt, grads, gds, reps), AM_ERR_INVALID_ARGUMENT);
         check_same(&s, &o);
+        /* a gradient over its parameter's own state: refused before any
+         * parameter is updated (am_update refuses it; update_all updated
+         * parameter 0 first: a review, thirty-second session) */
+        {
+            am_state st1;
+            assert_int_equal(am_optimizer_get_state(o.opt, 1, &st1, NULL), AM_OK);
+            grads[1] = st1.sq;
+            gds[1] = AM_DTYPE_BFLOAT16;
+            EXPECT_ERR(am_optimizer_update_all(o.opt, grads, gds, reps), AM_ERR_INVALID_ARGUMENT);
+            if (!strstr(g_log.msg, "parameter 1: state sq and grad data share memory"))
+                fail_msg("message: %s", g_log.msg);
+            check_same(&s, &o);
+            grads[1] = (const char *)o.gb + 1;
+        }
         EXPECT_ERR(am_optimizer_update_param(o.opt, 1, grads[1], AM_DTYPE_BFLOAT16, &rep),
                    AM_ERR_INVALID_ARGUMENT);
         /* am_update's message names the function and the parameter (it

@@ -837,6 +837,37 @@ def test_step_then_zero_grad_mid_window_applies_the_window(k, per_window):
         assert o1.state[a]["step"] == o2.state[b]["step"] == 4
 
 
+@pytest.mark.parametrize("saved", ["after_step", "without_passes"])
+def test_zero_grad_after_a_load_discards(saved):
+    # a rollback (weights and optimizer loaded, then zero_grad()) must drop
+    # the gradients of the passes since: a load of a mid-window dict whose
+    # "passes" was 0 (saved right after a mid-window step(), or older,
+    # without it) made that zero_grad() apply them to the loaded weights
+    # (found by a review of the change above, thirty-second session)
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 4)
+    opt = automagic.Automagic3(m.parameters(), accumulation_steps=4)
+    x = torch.randn(8, 4)
+
+    def bwd():
+        m(x).square().sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(6):  # a whole window, then 2 passes of the next
+            bwd()
+        if saved == "after_step":
+            opt.step()
+        sd = copy.deepcopy(opt.state_dict())
+        msd = copy.deepcopy(m.state_dict())
+        if saved == "without_passes":
+            del sd["automagic"]["passes"], sd["automagic"]["window_fired"]
+        bwd()  # a pass to roll back
+        m.load_state_dict(msd)
+        opt.load_state_dict(sd)
+        opt.zero_grad()
+    assert all(torch.equal(m.state_dict()[k], msd[k]) for k in msd)
+
+
 @pytest.mark.parametrize("before", ["step", "initialise", "resume"])
 def test_step_after_every_backward_keeps_accumulating_after(before):
     # a step() with no backward pass before it (a step() + zero_grad() before

@@ -298,9 +298,16 @@ def test_an_interrupt_at_any_line_of_a_step(schedule, batch):
         opt = automagic.Automagic3(ps, fused=False, lr_schedule=schedule)
         opt.batch_updates = batch
         g = torch.Generator().manual_seed(1)
+        # the bfloat16 parameter's gradient changes dtype at the step under
+        # test and back after it: an interrupt between the writes of the
+        # gradient's C dtype and of its cache had that last gradient read as
+        # bfloat16 (found by a review, thirty-second session)
+        ps[2].grad_dtype = None
+        gdts = [torch.float32, torch.bfloat16, torch.float32]
         for step in range(2):
             for p in ps:
-                p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+                p.grad = torch.randn(p.shape, generator=g).to(
+                    gdts[step] if p is ps[2] else p.dtype)
             if step == 0:
                 opt.step()  # (states made; the step under test comes next)
         opt.param_groups[0]["lr"] = 5e-7  # (a schedule's factor under "scale")
@@ -325,6 +332,9 @@ def test_an_interrupt_at_any_line_of_a_step(schedule, batch):
             finally:
                 sys.settrace(None)
         opt.step()  # (the retry; the whole step when k == 0)
+        for p in ps:  # one more, the first step's gradient dtypes
+            p.grad = torch.randn(p.shape, generator=g).to(gdts[2] if p is ps[2] else p.dtype)
+        opt.step()
         out = [p.detach().clone() for p in ps]
         for p in ps:
             out += [v if isinstance(v, torch.Tensor) else torch.tensor(v)
@@ -340,3 +350,47 @@ def test_an_interrupt_at_any_line_of_a_step(schedule, batch):
             bad.append(k)
         k += 1
     assert k > 100 and not bad, (k, bad)
+
+
+def test_interrupt_while_the_gradient_dtype_is_written():
+    # an interrupt between the write of a gradient's C dtype and of the
+    # cache of it (_prepare_calls) left the cache naming a dtype the C view
+    # did not hold: a later gradient of the cached dtype was read as the
+    # other (found by a review, thirty-second session)
+    import inspect
+    import sys
+    from automagic import _update
+    src, first = inspect.getsourcelines(_update._UpdateMixin._prepare_calls)
+    target = [first + i for i, s in enumerate(src) if s.strip() == "plan.gdt = gdt"]
+    assert len(target) == 1
+    fn = inspect.getsourcefile(_update._UpdateMixin._prepare_calls)
+
+    def run(interrupt):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(4, 6, dtype=torch.bfloat16))
+        p.grad_dtype = None
+        opt = automagic.Automagic3([p], fused=False)
+        g = torch.randn(4, 6)
+        p.grad = g.clone()
+        opt.step()  # a float32 gradient: cached
+        if interrupt:
+            p.grad = g.to(torch.bfloat16)
+
+            def line(frame, event, arg):
+                if event == "line" and frame.f_lineno == target[0]:
+                    raise KeyboardInterrupt
+                return line
+
+            def call(frame, event, arg):
+                return line if frame.f_code.co_filename == fn else None
+            sys.settrace(call)
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    opt.step()
+            finally:
+                sys.settrace(None)
+        p.grad = (g * 2).clone()  # float32 again
+        opt.step()
+        return p.detach().clone(), opt.state[p]["step"]
+    assert run(False)[1] == run(True)[1] == 2
+    assert torch.equal(run(False)[0], run(True)[0])

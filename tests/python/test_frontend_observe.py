@@ -390,6 +390,27 @@ def test_skipped_first_update_makes_no_state(fused, mode):
     assert torch.equal(opt.state[p]["lr"], torch.full((4,), 2e-5))
 
 
+def test_batch_fallback_error_keeps_the_states_it_made():
+    # a batch refused whole runs its updates one at a time; one of them
+    # refused then: the first parameter, updated by the fallback with a
+    # state made there, lost that state to the outer clean-up (it dropped
+    # the states the refused batch had made; found by a review,
+    # thirty-second session)
+    torch.manual_seed(0)
+    p1 = torch.nn.Parameter(torch.randn(8))
+    p2 = torch.nn.Parameter(torch.randn(8))
+    opt = automagic.Automagic3([p1, p2], fused=False)
+    p2.grad = torch.randn(8)
+    opt.step()
+    before = p1.detach().clone()
+    p1.grad = torch.randn(8)
+    p2.grad = opt.state[p2]["exp_avg_sq"]  # over p2's own state: refused
+    with pytest.raises(automagic.AutomagicError, match="share memory"):
+        opt.step()
+    assert not torch.equal(before, p1.detach()) and p1.grad is None
+    assert opt.state[p1]["step"] == 1  # updated, and its state kept
+
+
 def test_periodic_faults_equal_clean_run_that_skips_the_same_steps():
     # Every 20th step a NaN reaches fc.weight's gradient. The faulty run must
     # equal a clean run in which fc.weight simply gets no gradient on those
