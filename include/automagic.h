@@ -602,6 +602,15 @@ AM_API am_status am_optimizer_add_param(am_optimizer *opt, void *data,
 /* Number of registered parameters, or 0 for NULL. */
 AM_API int32_t am_optimizer_num_params(const am_optimizer *opt);
 
+/* Points parameter id at data from now on (a trainer that moved or
+ * reallocated its weights: same shape and dtype as registered; the state,
+ * the step and the randomness key stay). data follows the rules of
+ * am_optimizer_add_param: aligned to the element size, NULL only for a
+ * zero-element parameter. Errors: AM_ERR_NULL_POINTER (opt, or data with
+ * elements), AM_ERR_NOT_FOUND, AM_ERR_INVALID_ARGUMENT (data not aligned);
+ * then nothing changes. Not to be called while that parameter is updated. */
+AM_API am_status am_optimizer_set_param_data(am_optimizer *opt, int32_t id, void *data);
+
 /* Updates parameter id with grad (same shape, dtype grad_dtype): call it the
  * moment the gradient is ready, then reuse the gradient buffer. report may be
  * NULL. Returns what am_update returns, AM_ERR_NULL_POINTER (opt is NULL) or

@@ -171,6 +171,20 @@ static int64_t slot_numel(const am_param_slot *s) {
     return n;
 }
 
+/* (a trainer that reallocated its weights had to build a new optimizer
+ * and lose the state; a review, thirty-second session) */
+am_status am_optimizer_set_param_data(am_optimizer *o, int32_t id, void *data) {
+    am_param_slot *s;
+    AM_CHECK(find(o, id, "am_optimizer_set_param_data"));
+    s = &o->params[id];
+    AM_RETURN_IF(slot_numel(s) > 0 && !data, AM_ERR_NULL_POINTER,
+                 "am_optimizer_set_param_data: data is NULL for parameter %d", (int)id);
+    AM_CHECK(am_check_aligned(data, am_dtype_size(s->t.dtype),
+                              "am_optimizer_set_param_data: data"));
+    s->t.data = data;
+    return AM_OK;
+}
+
 /* am_optimizer_update_all's updates (arguments checked) as one
  * am_update_batch call: whole parameters on separate threads, the same
  * bits. Returns 0 (nothing done) when fewer than two parameters have a

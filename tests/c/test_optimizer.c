@@ -364,10 +364,45 @@ static void test_optimizer_invalid(void **unused) {
     am_optimizer_destroy(o.opt);
 }
 
+/* am_optimizer_set_param_data: the updates move the new buffer and keep
+ * the state, as an optimizer that never moved it; refusals change nothing. */
+static void test_set_param_data(void **unused) {
+    t_opt a, b;
+    float moved[13], old[12];
+    float *const mv = moved + 1; /* 4-byte aligned, and mv + 0.5 elements is not */
+    (void)unused;
+    t_opt_make(&a);
+    t_opt_make(&b);
+    memcpy(mv, a.w, sizeof a.w);
+    memcpy(old, a.w, sizeof a.w);
+    assert_int_equal(am_optimizer_set_param_data(a.opt, a.id0, mv), AM_OK);
+    EXPECT_ERR(am_optimizer_set_param_data(NULL, 0, mv), AM_ERR_NULL_POINTER);
+    EXPECT_ERR(am_optimizer_set_param_data(a.opt, 2, mv), AM_ERR_NOT_FOUND);
+    EXPECT_ERR(am_optimizer_set_param_data(a.opt, -1, mv), AM_ERR_NOT_FOUND);
+    EXPECT_ERR(am_optimizer_set_param_data(a.opt, 0, NULL), AM_ERR_NULL_POINTER);
+    EXPECT_ERR(am_optimizer_set_param_data(a.opt, 0, (char *)mv + 2), AM_ERR_INVALID_ARGUMENT);
+    assert_int_equal(am_optimizer_update_param(a.opt, a.id0, a.g, AM_DTYPE_FLOAT32, NULL), AM_OK);
+    assert_int_equal(am_optimizer_update_param(b.opt, b.id0, b.g, AM_DTYPE_FLOAT32, NULL), AM_OK);
+    assert_memory_equal(mv, b.w, sizeof b.w);  /* the new buffer, as if never moved */
+    assert_memory_equal(a.w, old, sizeof old); /* the old one left alone */
+    assert_memory_not_equal(mv, old, sizeof old);
+    {
+        am_state sa, sb;
+        assert_int_equal(am_optimizer_get_state(a.opt, 0, &sa, NULL), AM_OK);
+        assert_int_equal(am_optimizer_get_state(b.opt, 0, &sb, NULL), AM_OK);
+        assert_int_equal(sa.step, 2);
+        assert_int_equal(sb.step, 2);
+        assert_memory_equal(sa.lr, sb.lr, 3 * sizeof(float));
+    }
+    am_optimizer_destroy(a.opt);
+    am_optimizer_destroy(b.opt);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_optimizer_api),
         cmocka_unit_test(test_optimizer_invalid),
+        cmocka_unit_test(test_set_param_data),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
