@@ -467,9 +467,6 @@ void am_parallel_for(int64_t ntasks, double cost_per_task, am_task_fn fn,
  * thread). Returns the previous setting. */
 int am_set_thread_serial(int on);
 
-/* am_update's argument checks without the workspace: AM_OK and the
- * workspace size in *workspace_bytes, or the error am_update would
- * return (with its message). Modifies nothing. */
 /* AM_ERR_INVALID_ARGUMENT, naming the two, when two of the buffers an
  * update writes (the parameter, the state's arrays) share memory, or the
  * gradient shares memory with the state: the update would read what it
@@ -481,6 +478,9 @@ int am_set_thread_serial(int on);
 am_status am_check_buffers(const am_state_sizes *sz, const am_tensor *param,
                            const am_tensor *grad, const am_state *state);
 
+/* am_update's argument checks without the workspace: AM_OK and the
+ * workspace size in *workspace_bytes, or the error am_update would
+ * return (with its message). Modifies nothing. */
 am_status am_update_check(const am_tensor *param, const am_tensor *grad,
                           const am_state *state, const am_hparams *hp,
                           int64_t *workspace_bytes);
