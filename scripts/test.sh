@@ -15,6 +15,9 @@ cmake --build build/test -j"$(nproc)"
 ctest --test-dir build/test --output-on-failure
 if [ -f build/test/libautomagic_cuda.so ]; then
   echo "== CUDA code compiled (libautomagic_cuda.so); its GPU tests need a GPU (docs/CUDA.md)"
+elif [ "${AM_REQUIRE_CUDA:-0}" = 1 ]; then
+  echo "test.sh: AM_REQUIRE_CUDA=1 but the CUDA library was not built (nvcc not found?)" >&2
+  exit 1
 else
   echo "== nvcc not found: the CUDA code was NOT compiled"
 fi

@@ -314,8 +314,8 @@ static void test_large(void **st) {
     static const int64_t wide[] = {1, 100000000}, emb[] = {50000, 4096};
     (void)st;
     if (!getenv("AM_CUDA_TEST_LARGE") || getenv("AM_CUDA_TEST_LARGE")[0] != '1') {
-        printf("test_large: not run (set AM_CUDA_TEST_LARGE=1)\n");
-        return;
+        print_message("test_large: skipped (set AM_CUDA_TEST_LARGE=1)\n");
+        skip();
     }
     run_case(2, wide, AM_DTYPE_FLOAT32, AM_DTYPE_FLOAT32, 0.0, 2);
     run_case(2, emb, AM_DTYPE_BFLOAT16, AM_DTYPE_BFLOAT16, 0.0, 2);

@@ -165,9 +165,12 @@ static void test_locales(void **unused) {
             assert_non_null(setlocale(LC_NUMERIC, "C"));
         }
     }
-    if (!tried) print_message("no locale of the list was available: nothing checked\n");
     free(ref.img);
     am_optimizer_destroy(a);
+    if (!tried) {
+        print_message("no locale of the list was available: nothing checked\n");
+        skip(); /* reported as skipped, not passed */
+    }
 }
 
 int main(void) {

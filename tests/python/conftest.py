@@ -3,7 +3,8 @@
 ``reference`` loads the original PyTorch class from
 ``<repo root>/../shared/reference/automagic3.py`` (the file the project was
 created from; it is not part of this repository) and skips the test with a
-message saying where it looked when the file is absent.
+message saying where it looked when the file is absent (a failure instead
+where ``AM_REQUIRE_REFERENCE=1``, as CI sets it).
 
 ``make_reference`` builds a reference optimizer with its stdout silenced: the
 reference prints a parameter count (and a warning for a high lr) on
@@ -16,6 +17,7 @@ quote measured figures instead of the tolerances.
 import contextlib
 import importlib.util
 import io
+import os
 import pathlib
 
 import pytest
@@ -49,6 +51,11 @@ def measured() -> Measured:
 def reference():
     """The reference ``Automagic3`` class (module-level, imported once)."""
     if not REFERENCE_PATH.is_file():
+        if os.environ.get("AM_REQUIRE_REFERENCE") == "1":
+            # CI has ../shared: a missing reference there must fail the run,
+            # not turn every comparison into a skip
+            pytest.fail("AM_REQUIRE_REFERENCE=1 but the reference implementation is "
+                        "not at %s" % REFERENCE_PATH, pytrace=False)
         pytest.skip("reference implementation not found at %s (these tests compare "
                     "against ../shared/reference/automagic3.py beside the repository)"
                     % REFERENCE_PATH)
