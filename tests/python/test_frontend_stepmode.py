@@ -107,38 +107,81 @@ def test_zero_grad_and_grad_free_params():
     assert torch.equal(m.conv.weight, frozen) and m.conv.weight not in opt.state
 
 
-def _data_parallel_run(store_path):
-    """Runs in a child process (see the test below); raises on a mismatch."""
+def _data_parallel_run(store_path, rank, world=2):
+    """Rank `rank` of test_data_parallel_reduced_gradients below; raises on a
+    mismatch."""
     dist = torch.distributed
-    store = dist.FileStore(store_path, 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
+                            world_size=world)
     try:
         data = batches(3, seed=13)
-        m1 = make()
-        m2 = copy.deepcopy(m1)
-        ddp = torch.nn.parallel.DistributedDataParallel(m2)
-        o1 = automagic.Automagic3(m1.parameters(), fused=False)
-        o2 = automagic.Automagic3(ddp.parameters(), fused=False)
+        half = len(data[0][0]) // world
+        mine = slice(rank * half, (rank + 1) * half)
+        whole, local = make(), make()
+        ddp = torch.nn.parallel.DistributedDataParallel(make())
+        # lr 1e-3: steps large enough (about 1e-3) for the comparisons below
+        o_whole = automagic.Automagic3(whole.parameters(), fused=False, lr=1e-3)
+        o_local = automagic.Automagic3(local.parameters(), fused=False, lr=1e-3)
+        o_ddp = automagic.Automagic3(ddp.parameters(), fused=False, lr=1e-3)
         for b in data:
-            loss_of(m1, b).backward()
-            o1.step()
-            o1.zero_grad()
-            loss_of(ddp, b).backward()
-            o2.step()
-            o2.zero_grad()
-        assert_same(m1, o1, m2, o2)
+            part = tuple(None if t is None else t[mine] for t in b)
+            for model, opt, batch in ((whole, o_whole, b), (local, o_local, part),
+                                      (ddp, o_ddp, part)):
+                loss_of(model, batch).backward()
+                opt.step()
+                opt.zero_grad()
+        # DDP averages the ranks' gradients (each the mean over its half):
+        # the whole batch's mean gradient, up to the float rounding of the
+        # reduction; the rank's own half alone trains elsewhere
+        far = 0.0
+        for a, b, c in zip(ddp.module.parameters(), whole.parameters(), local.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            far = max(far, (a - c).abs().max().item())
+        assert far > 1e-4, "the rank's own half trained like the reduced gradient: %g" % far
+        # and every rank applied the same update
+        flat = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])
+        seen = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(seen, flat)
+        assert all(torch.equal(t, seen[0]) for t in seen)
     finally:
         dist.destroy_process_group()
 
 
 def test_data_parallel_reduced_gradients(tmp_path):
-    # DistributedDataParallel (gloo, one process) reduces gradients during
-    # backward; step() then sees the reduced gradient. With one process the
-    # reduction divides by 1, so training must equal training without DDP.
-    # It runs in a child process with a time limit: a gloo process group was
-    # once seen to hang inside gloo on this loaded 2-core machine, and a hang
-    # must fail the test rather than stall the suite.
-    _run_in_child("_data_parallel_run", tmp_path)
+    # DistributedDataParallel, two gloo processes, each with half of every
+    # batch: step() sees the reduced (averaged) gradient and training equals
+    # one process's on the whole batch, not the rank's half alone.
+    _run_ranks("_data_parallel_run", tmp_path, 2)
+
+
+def _run_ranks(func, tmp_path, world):
+    """Runs func(store, rank) of this module on `world` gloo processes with a
+    time limit (a gloo process group was once seen to hang inside gloo on
+    this loaded 2-core machine: a hang must fail the test rather than stall
+    the suite); fails the test on an error or a hang."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available in this torch build")
+    here = os.path.dirname(os.path.abspath(__file__))
+    store = os.path.join(str(tmp_path), "store")
+    procs = []
+    for rank in range(world):
+        # os._exit after CHILD-OK: see _run_in_child
+        code = ("import sys, os; sys.path.insert(0, %r); import test_frontend_stepmode as t; "
+                "t.%s(%r, %d); print('CHILD-OK', flush=True); sys.stderr.flush(); os._exit(0)"
+                % (here, func, store, rank))
+        procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outs = []
+    try:
+        for pr in procs:
+            outs.append(pr.communicate(timeout=300)[0])
+    except subprocess.TimeoutExpired:
+        for pr in procs:
+            pr.kill()
+        pytest.fail("%s: the ranks did not finish within 300 s (hang in gloo?)" % func)
+    for pr, out in zip(procs, outs):
+        assert pr.returncode == 0 and "CHILD-OK" in out, out
 
 
 def _run_in_child(func, tmp_path):
@@ -222,27 +265,7 @@ def test_zero_redundancy_optimizer(tmp_path):
     # optimizer class (step mode), two gloo processes: each updates its own
     # share of the parameters, and training equals one process's with the
     # whole batch; its consolidated state dict resumes training exactly.
-    dist = torch.distributed
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available in this torch build")
-    here = os.path.dirname(os.path.abspath(__file__))
-    store = os.path.join(str(tmp_path), "store")
-    procs = []
-    for rank in range(2):
-        code = ("import sys; sys.path.insert(0, %r); import test_frontend_stepmode as t; "
-                "t._zero_run(%r, %d); print('CHILD-OK')" % (here, store, rank))
-        procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    outs = []
-    try:
-        for pr in procs:
-            outs.append(pr.communicate(timeout=300)[0])
-    except subprocess.TimeoutExpired:
-        for pr in procs:
-            pr.kill()
-        pytest.fail("ZeroRedundancyOptimizer ranks did not finish within 300 s (hang in gloo?)")
-    for pr, out in zip(procs, outs):
-        assert pr.returncode == 0 and "CHILD-OK" in out, out
+    _run_ranks("_zero_run", tmp_path, 2)
 
 
 def _fsdp2_run(store_path):
