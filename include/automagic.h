@@ -339,7 +339,8 @@ typedef struct am_batch_item {
 /* The workspace am_update_batch needs for these items when it runs on
  * nthreads threads (am_get_num_threads() at the call): in *bytes.
  * Returns AM_OK, or the first item's argument error as am_update_batch
- * would (AM_ERR_NULL_POINTER for items or bytes NULL with n > 0,
+ * would (AM_ERR_NULL_POINTER for bytes NULL, whatever n, or items NULL
+ * with n > 0,
  * AM_ERR_INVALID_ARGUMENT for n < 0 or nthreads < 1, or when the size
  * would exceed SIZE_MAX / 2: one slot per thread of the largest item's
  * am_update workspace, which a zero-element item of a huge shape such as
@@ -489,10 +490,19 @@ AM_API am_status am_update_stats_shard(const am_tensor *param, const am_tensor *
                                        const am_state *state, const am_hparams *hp,
                                        const am_shard *shard, void *workspace,
                                        size_t workspace_bytes);
+/* Phase 2 of an update (see am_update_stats above for the three phases,
+ * their order and what each leaves in the workspace): the new second
+ * moments, factors and sum of u^2, into the workspace. The arguments and
+ * errors of am_update_stats; nothing but the workspace is modified. */
 AM_API am_status am_update_moments(const am_tensor *param,
                                    const am_tensor *grad,
                                    const am_state *state, const am_hparams *hp,
                                    void *workspace, size_t workspace_bytes);
+/* Phase 3 (see am_update_stats above): the lr bump, the apply, the new
+ * polarity, second moments and step into param and state, and the report
+ * (NULL: none). The arguments and errors of am_update_stats, and key as
+ * am_update's; a phase that skipped (a non-finite gradient) makes this one
+ * skip too, with state and parameter unchanged. */
 AM_API am_status am_update_finish(const am_tensor *param,
                                   const am_tensor *grad, am_state *state,
                                   const am_hparams *hp, am_rng_key key,
@@ -586,7 +596,8 @@ AM_API am_status am_optimizer_create(const am_hparams *hp, uint64_t seed,
 AM_API void am_optimizer_destroy(am_optimizer *opt);
 
 /* Registers a parameter: data (updated in place, owned by the caller, must
- * outlive the optimizer or until it is destroyed), its dtype, ndim and shape
+ * stay valid while the optimizer may update it: until it is destroyed or
+ * am_optimizer_set_param_data points the parameter elsewhere), its dtype, ndim and shape
  * (int64_t[ndim]; may be NULL when ndim == 0). Its state is allocated and
  * initialised. *out_id receives the parameter id (0, 1, 2, ... in order of
  * registration), which also keys its randomness. Errors: AM_ERR_NULL_POINTER,
@@ -629,8 +640,9 @@ AM_API am_status am_optimizer_update_param(am_optimizer *opt, int32_t id,
  * (nothing updated): AM_ERR_NULL_POINTER (opt, grads or grad_dtypes NULL),
  * AM_ERR_INVALID_DTYPE (grad_dtypes[i] invalid for a non-NULL grads[i]),
  * AM_ERR_INVALID_ARGUMENT (a parameter given a gradient has step ==
- * INT64_MAX, which a checkpoint can hold but an update cannot increment, or
- * a gradient is not aligned to its element size).
+ * INT64_MAX, which a checkpoint can hold but an update cannot increment, a
+ * gradient is not aligned to its element size, or a gradient shares memory
+ * with its parameter's state).
  * On more than one thread (am_set_num_threads) the updates run as one
  * am_update_batch call (whole parameters on separate threads; the same
  * bits as one at a time). */

@@ -4,8 +4,8 @@
 #      any report fails the run (-fno-sanitize-recover, leak check on).
 #   2. valgrind memcheck: every CTest test, any error or definite/indirect
 #      leak fails the run.
-#   3. ThreadSanitizer (gcc): the thread tests (CTest names matching
-#      "thread"), any race report fails the run.
+#   3. ThreadSanitizer (gcc): the thread and batch tests (CTest names matching
+#      "thread|batch"), any race report fails the run.
 # Usage: scripts/test_sanitizers.sh [asan|valgrind|tsan]...   (default: all)
 # Tests labelled "no_valgrind" are skipped under valgrind only (for tests
 # too slow under a 20-50x slowdown); none of the reliability tests are.
