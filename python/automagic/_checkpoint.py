@@ -27,6 +27,46 @@ class CheckpointError(ValueError):
     """A state_dict does not fit the parameters it is loaded for."""
 
 
+def as_count(value) -> int:
+    """A saved count, step or parameter index -> int: an int (numpy's too),
+    a float or a one-element tensor holding a whole number. ValueError for
+    anything else (a bool, a fraction, inf or NaN, a string, a tensor of
+    several elements): such values were truncated (1.7 skips read as 1), read
+    character by character ("01" as the indices {0, 1}) or raised
+    OverflowError/RuntimeError instead of CheckpointError (found by a
+    review, thirty-third session)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            raise ValueError("%r is not one integer" % (value,))
+        value = value.item()
+    if isinstance(value, bool):
+        raise ValueError("%r is not an integer" % (value,))
+    if isinstance(value, float):
+        if not math.isfinite(value) or value != int(value):
+            raise ValueError("%r is not a whole number" % (value,))
+        return int(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    raise ValueError("%r is not an integer" % (value,))
+
+
+def as_indices(value) -> set:
+    """A saved collection of parameter indices -> a set of ints (ValueError
+    for a string or a mapping, read element by element before)."""
+    if isinstance(value, (str, bytes, dict)):
+        raise ValueError("%r is not a list of parameter indices" % (value,))
+    return set(as_count(i) for i in value)
+
+
+def _finite(v) -> bool:
+    """v >= 0 and finite, for any real number (an int beyond float's range
+    raised OverflowError in math.isfinite)."""
+    try:
+        return math.isfinite(float(v)) and v >= 0
+    except (OverflowError, TypeError, ValueError):
+        return False
+
+
 def _lr_rows(shape) -> tuple:
     """(lr-rows, elements of each) of a parameter of this shape: dims[0]
     rows for ndim >= 2, one row otherwise (the C polarity layout)."""
@@ -77,14 +117,13 @@ _STEP_MAX = (1 << 63) - 1
 
 
 def _step(value, where) -> int:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.is_floating_point() and value.item() != int(value.item()):
-            raise CheckpointError("%s: step must be one integer, got %r" % (where, value))
-        value = int(value.item())
-    if isinstance(value, float) and value == int(value):
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    try:
+        n = as_count(value)
+    except ValueError:
+        n = -1
+    if n < 0:
         raise CheckpointError("%s: step must be an integer >= 0, got %r" % (where, value))
+    value = n
     if value > _STEP_MAX:
         # (the C state's step is an int64: a larger one wrapped, silently to
         # another step's noise, or failed at the next update; found by a
@@ -129,7 +168,9 @@ def convert_state(saved: dict, p: torch.Tensor, polarity_bytes: int, where: str)
         if key == "polarity":
             if t.dtype != torch.uint8:
                 raise CheckpointError("%s: polarity must be uint8, got %s" % (where, t.dtype))
-            out[key] = t.to(device=p.device, copy=True).contiguous()
+            # (detached: a tensor that requires grad was kept with its
+            # autograd history, and deepcopy of the optimizer then failed)
+            out[key] = t.detach().to(device=p.device, copy=True).contiguous()
             # as the C loader (checkpoint.c): each lr-row's padding bits are 0
             rows, m = _lr_rows(p.shape)
             if m % 8 and rows and bool((out[key].reshape(rows, -1)[:, -1]
@@ -143,7 +184,8 @@ def convert_state(saved: dict, p: torch.Tensor, polarity_bytes: int, where: str)
             if t.dtype == torch.float64:
                 raise CheckpointError("%s: %s is float64; the state is float32" % (where, key))
             # Widening bf16/fp16 to float32 is exact; float32 is copied as is.
-            out[key] = t.to(device=p.device, dtype=torch.float32, copy=True).contiguous()
+            out[key] = t.detach().to(device=p.device, dtype=torch.float32,
+                                      copy=True).contiguous()
     # As the C checkpoint loader: lrs are clamped to [min_lr >= 0, max_lr],
     # and second moments are averages of squares, so only a negative value
     # is impossible. An lr of 0 is reached with min_lr=0 (the per-row lr
@@ -208,7 +250,8 @@ def prepare_load(state_dict, groups, hparam_keys, polarity_bytes_of, restore_lr=
             new_state[p] = convert_state(saved, p, polarity_bytes_of(p), where)
         except CheckpointError:
             raise
-        except (RuntimeError, TypeError, ValueError, AttributeError, NotImplementedError) as e:
+        except (RuntimeError, TypeError, ValueError, AttributeError, NotImplementedError,
+                OverflowError) as e:
             # a tensor torch cannot convert (sparse, on the meta device, ...)
             raise CheckpointError("%s: cannot be loaded: %s: %s"
                                   % (where, type(e).__name__, e)) from None
@@ -231,7 +274,7 @@ def prepare_load(state_dict, groups, hparam_keys, polarity_bytes_of, restore_lr=
             lr = sg["lr"]
             v = (float(lr) if isinstance(lr, torch.Tensor) and lr.numel() == 1
                  and lr.is_floating_point() else lr)
-            if not is_real_number(v) or not v >= 0 or not math.isfinite(v):
+            if not is_real_number(v) or not _finite(v):
                 raise CheckpointError("Automagic3: group %d's saved lr %r (restored: a "
                                       "schedule's) must be a finite number >= 0"
                                       % (len(new_groups), lr))
@@ -243,7 +286,7 @@ def prepare_load(state_dict, groups, hparam_keys, polarity_bytes_of, restore_lr=
                 # (found by a review, twenty-third session)
                 sb, nb = sg.get("base_lr"), g.get("base_lr")
                 if (is_real_number(sb) and is_real_number(nb) and sb > 0
-                        and math.isfinite(sb) and nb != sb):
+                        and _finite(sb) and _finite(nb) and nb != sb):
                     ratio = float(nb) / float(sb)
             if isinstance(lr, torch.Tensor):
                 # a copy, as torch.optim's load makes: the saved dict's tensor

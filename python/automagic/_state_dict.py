@@ -4,7 +4,7 @@ _checkpoint.py)."""
 import warnings
 
 from . import _lib
-from ._checkpoint import CheckpointError, prepare_load
+from ._checkpoint import CheckpointError, as_count, as_indices, prepare_load
 from ._views import _state_sizes
 
 # Group keys that are Automagic3 hyperparameters: on load_state_dict the
@@ -100,10 +100,11 @@ class _StateDictMixin:
             raise CheckpointError("Automagic3: the state_dict's 'automagic' entry has format "
                                   "%r; this version reads format %d" % (fmt, _STATE_DICT_FORMAT))
         try:
-            skips = int(extra.get("nonfinite_skips", 0))
-            skipped = {int(k): int(v) for k, v in extra.get("skipped_by_param", {}).items()}
-            micro = int(extra.get("micro_step", 0))
-            deferred = set(int(i) for i in extra.get("deferred", ()))
+            skips = as_count(extra.get("nonfinite_skips", 0))
+            skipped = {as_count(k): as_count(v)
+                       for k, v in extra.get("skipped_by_param", {}).items()}
+            micro = as_count(extra.get("micro_step", 0))
+            deferred = as_indices(extra.get("deferred", ()))
             # whether the saved run's step() calls came at window ends (a
             # resumed trainer's first step() may close a shorter window; the
             # live value stays when the dict does not say: found by a review)
@@ -119,11 +120,11 @@ class _StateDictMixin:
             # gradient no hook reported, and a trainer's evidence was lost;
             # found by a randomized review, twenty-fourth session); a dict
             # without them (older): not known, as before
-            passes = int(extra.get("passes", 0))
+            passes = as_count(extra.get("passes", 0))
             fired = extra.get("window_fired", _ABSENT)
             if fired is not None and fired is not _ABSENT:
-                fired = set(int(i) for i in fired)
-        except (TypeError, ValueError, AttributeError) as e:
+                fired = as_indices(fired)
+        except (TypeError, ValueError, AttributeError, OverflowError, RuntimeError) as e:
             raise CheckpointError("Automagic3: the state_dict's 'automagic' entry holds an "
                                   "invalid value (%s)" % e) from None
         nparams = len(self._param_index)  # indices are never reused
@@ -137,7 +138,11 @@ class _StateDictMixin:
                                   % (skips, micro, passes, skipped, sorted(deferred),
                                      sorted(fired_set)))
         seed = extra.get("seed", self.seed)
-        if seed != self.seed:
+        try:  # (a tensor of several seeds raised RuntimeError here)
+            same_seed = as_count(seed) == self.seed
+        except ValueError:
+            same_seed = False
+        if not same_seed:
             warnings.warn("Automagic3: the state_dict was saved with seed %r, this optimizer "
                           "has seed %r (kept: constructor arguments win); stochastic "
                           "rounding will differ from the saved run" % (seed, self.seed),
@@ -194,6 +199,32 @@ class _StateDictMixin:
             # (a zero_grad() after the load discards the window, as it did:
             # the gradients are not the loaded state's; found by a review)
             self._stepped_mid = False
+        self._warn_lost_window()
+
+    def _warn_lost_window(self) -> None:
+        """After a load mid-window: the gradients the window's passes so far
+        accumulated live in p.grad, which no state_dict holds. Loaded in a
+        new process without them, the window's end applied the remaining
+        passes' gradients alone, silently (found by a review, thirty-third
+        session): warned, with what to do."""
+        if self._micro == 0:
+            return
+        index = self._param_index
+        fired = self._window_fired
+        params = [p for g in self.param_groups for p in g["params"]
+                  if p.requires_grad and (fired is None or index.get(p) in fired)]
+        missing = sum(1 for p in params if p.grad is None)
+        # (the fired parameters known: each needs its gradient; not known
+        # (an older dict): only when no parameter has one)
+        if params and (missing if fired is not None else missing == len(params)):
+            warnings.warn("Automagic3: the state_dict was saved after %d of the %d backward "
+                          "passes of an accumulation window, and %d of the window's "
+                          "parameters have no .grad now: a state_dict does not hold the "
+                          "gradients accumulated so far, so the window's end will apply "
+                          "only the remaining passes' gradients. Restore each p.grad "
+                          "saved with the dict, or save at a window's end"
+                          % (self._micro, self.accumulation_steps, missing),
+                          UserWarning, stacklevel=4)
 
     # ---------------------------------------------- pickle and deepcopy
     def __getstate__(self) -> dict:

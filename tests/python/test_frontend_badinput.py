@@ -399,7 +399,16 @@ def _two(fused=False, **kw):
 @pytest.mark.parametrize("key, value", [("nonfinite_skips", None),
                                         ("skipped_by_param", {"a": 1}),
                                         ("micro_step", "x"), ("deferred", [None]),
-                                        ("deferred", [99]), ("nonfinite_skips", -1)])
+                                        ("deferred", [99]), ("nonfinite_skips", -1),
+                                        # truncated, read per character or an
+                                        # OverflowError/RuntimeError before
+                                        ("nonfinite_skips", 1.7),
+                                        ("nonfinite_skips", float("inf")),
+                                        ("skipped_by_param", {0: float("inf")}),
+                                        ("micro_step", True), ("deferred", "0"),
+                                        ("deferred", [1.9]),
+                                        ("passes", torch.tensor([1, 2])),
+                                        ("window_fired", [torch.tensor(True)])])
 def test_load_bad_bookkeeping_changes_nothing(key, value):
     # these were converted after the groups and the state had been replaced
     from automagic._checkpoint import CheckpointError
@@ -412,6 +421,57 @@ def test_load_bad_bookkeeping_changes_nothing(key, value):
     with pytest.raises(CheckpointError, match="'automagic' entry"):
         opt.load_state_dict(sd)
     assert_unchanged(m, opt, snap)
+
+
+@pytest.mark.parametrize("step", [float("inf"), torch.tensor(float("inf")), torch.tensor(True),
+                                  2.5, "3", torch.tensor([1, 2])])
+def test_load_bad_step_changes_nothing(step):
+    # inf raised OverflowError, a bool tensor loaded as step 1
+    from automagic._checkpoint import CheckpointError
+    m, opt = _two()
+    sd = copy.deepcopy(opt.state_dict())
+    snap = snapshot(m, opt)
+    sd["state"][0]["step"] = step
+    with pytest.raises(CheckpointError, match="step must be an integer"):
+        opt.load_state_dict(sd)
+    assert_unchanged(m, opt, snap)
+
+
+def test_load_refuses_a_huge_integer_scheduler_lr():
+    # math.isfinite(10**400) raised OverflowError
+    from automagic._checkpoint import CheckpointError
+    m, opt = _two()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["param_groups"][0]["initial_lr"] = 1e-6
+    sd["param_groups"][0]["lr"] = 10 ** 400
+    snap = snapshot(m, opt)
+    with pytest.raises(CheckpointError, match="must be a finite number"):
+        opt.load_state_dict(sd)
+    assert_unchanged(m, opt, snap)
+
+
+def test_load_seed_of_several_values_warns():
+    # a tensor of two seeds raised RuntimeError ("Boolean value of Tensor ...")
+    m, opt = _two()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["automagic"]["seed"] = torch.tensor([1, 2])
+    with pytest.warns(UserWarning, match="saved with seed"):
+        opt.load_state_dict(sd)
+
+
+def test_loaded_state_that_requires_grad_is_a_leaf():
+    # a state tensor with requires_grad=True was copied with its autograd
+    # history: deepcopy(opt) and deepcopy(opt.state_dict()) then failed
+    m, opt = _two()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][0]["lr"] = sd["state"][0]["lr"].clone().requires_grad_(True)
+    sd["state"][0]["exp_avg_sq_row"] = sd["state"][0]["exp_avg_sq_row"].clone().requires_grad_()
+    opt.load_state_dict(sd)
+    st = opt.state[m[0].weight]
+    assert not st["lr"].requires_grad and st["lr"].grad_fn is None
+    assert not st["exp_avg_sq_row"].requires_grad
+    copy.deepcopy(opt)
+    copy.deepcopy(opt.state_dict())
 
 
 def test_load_refuses_a_nan_scheduler_lr():

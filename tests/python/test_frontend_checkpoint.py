@@ -697,3 +697,41 @@ def test_scale_schedule_rows_at_lr_zero_recover_as_at_factor_one():
     for k, v in out.items():
         torch.testing.assert_close(v, out[("ignore", 1.0)], rtol=1e-6, atol=0, msg=str(k))
     assert bool((out[("scale", 0.5)] >= min_lr * (1 - 1e-6)).all())
+
+
+def test_a_load_mid_window_without_the_gradients_warns():
+    """A dict saved after pass 1 of 2, loaded by a fresh optimizer on fresh
+    parameters (a new process): the window's gradients so far live in p.grad,
+    which no state_dict holds, and the window's end applied pass 2's gradient
+    alone, silently (found by a review, thirty-third session). It warns; with
+    p.grad restored the run continues as the uninterrupted one, silently."""
+    import warnings
+
+    def fresh():
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(3, 4))
+        return w, automagic.Automagic3([w], lr=1e-3, accumulation_steps=2)
+
+    def bwd(w, seed):
+        (w * torch.randn(3, 4, generator=torch.Generator().manual_seed(seed))).sum().backward()
+    w, opt = fresh()
+    bwd(w, 1)
+    buf = io.BytesIO()
+    torch.save((opt.state_dict(), w.grad), buf)
+    bwd(w, 2)                                  # the uninterrupted run's window ends
+    for restore in (False, True):
+        buf.seek(0)
+        sd, grad = torch.load(buf)
+        w2, opt2 = fresh()
+        if restore:
+            w2.grad = grad
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            opt2.load_state_dict(sd)
+        lost = [x for x in seen if "accumulation window" in str(x.message)]
+        assert len(lost) == (0 if restore else 1), [str(x.message) for x in seen]
+        if not restore:
+            assert "1 of the 2 backward passes" in str(lost[0].message)
+            assert lost[0].filename == __file__   # points at the caller's load
+        bwd(w2, 2)
+        assert torch.equal(w2.detach(), w.detach()) == restore
