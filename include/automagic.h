@@ -830,8 +830,8 @@ AM_API am_status am_cuda_device_count(int *count);
  * the report says AM_SKIPPED_*; the return value is still AM_OK, which here
  * means "queued".
  *
- * Returns AM_OK (queued; also for numel 0, where nothing is queued but the
- * report is zeroed), or, with nothing queued and nothing modified:
+ * Returns AM_OK (queued; also for numel 0, where no kernel is launched and
+ * a report, if given, is zeroed by a cudaMemsetAsync on the stream), or, with nothing queued and nothing modified:
  * AM_ERR_NULL_POINTER, AM_ERR_INVALID_DTYPE, AM_ERR_INVALID_SHAPE,
  * AM_ERR_INVALID_HPARAM, AM_ERR_BUFFER_SIZE (workspace too small),
  * AM_ERR_INVALID_ARGUMENT (param, grad, a state array, step or report not
@@ -839,7 +839,10 @@ AM_API am_status am_cuda_device_count(int *count);
  * device), AM_ERR_UNSUPPORTED (library without CUDA), AM_ERR_DEVICE (the first launch
  * failed: bad stream, no device, kernel image missing for this GPU; the log
  * callback gets CUDA's message). AM_ERR_DEVICE after the first launch (the
- * runtime failing mid-sequence) may leave an update partly queued. Device
+ * runtime failing mid-sequence): nothing is launched after the launch that
+ * failed; up to the agreement kernel the plan writes the workspace only
+ * (state and parameter as they were), after it the update may be partly
+ * applied. Device
  * pointers are not validated: a wrong one is a device fault, as in any CUDA
  * library. */
 AM_API am_status am_update_cuda(const am_tensor *param, const am_tensor *grad,

@@ -3,9 +3,13 @@
 A parameter on a CUDA device is updated by libautomagic_cuda.so (shipped in
 this package when it was built with nvcc available) on
 ``torch.cuda.current_stream()``. The call queues the kernels and returns: no
-synchronisation, no device-to-host copy, and after the first step of each
-parameter no allocation, so a training step that contains it can be captured
-in a CUDA graph.
+synchronisation and no device-to-host copy, so a training step that contains
+it can be captured in a CUDA graph. The workspace is allocated at the first
+step of each (device, stream, thread) and grows only for a larger parameter;
+each update still makes small tensors through torch's caching allocator (the
+skip count's ``ne(0)``, and copies for a non-contiguous parameter or
+gradient and for ``lr_schedule="scale"``), which a capture takes from the
+graph's pool.
 
 State is the CPU front end's (same keys, same layout), except that
 ``state["step"]`` is a 0-D int64 tensor on the parameter's device: the kernels

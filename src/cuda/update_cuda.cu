@@ -7,12 +7,13 @@
  * captured in a CUDA graph.
  *
  * Built with --fmad=false, -prec-div=true, -prec-sqrt=true, -ftz=false so
- * every float operation rounds as the CPU's (CMakeLists.txt).
+ * every float operation rounds as the CPU's (cmake/cuda.cmake).
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#include <atomic>
 #include <mutex>
 
 #include <cuda_runtime.h>
@@ -38,97 +39,132 @@ unsigned counter_grid(int64_t n) {
     return g < AM_COUNTER_BLOCKS ? g : AM_COUNTER_BLOCKS;
 }
 
+/* Each launch's error is checked at once (AM_TRY_LAUNCH): a launch that
+ * fails (a kernel that could not be loaded on this device, say, with the
+ * memory held by a caching allocator) stops the plan there. Before, the
+ * plan went on and the later kernels read sums and factors a previous
+ * parameter had left in the workspace, then wrote lr, polarity and moments
+ * from them (found by a review, thirty-third session). Every kernel before
+ * AM_CK_AGREE writes the workspace only, so a failure there leaves the
+ * state and the parameter as they were. */
 template <int ID>
-void launch_elem(const am_ck_args &a, cudaStream_t s) {
+cudaError_t launch_elem(const am_ck_args &a, cudaStream_t s) {
     int64_t n = am_ck_threads(&a, ID);
     if (n > 0) am_k_elem<ID><<<grid_for(n), AM_CUDA_BLOCK, 0, s>>>(a, n);
+    return cudaGetLastError();
 }
 
 template <int ID>
-void launch_lanes(const am_ck_args &a, cudaStream_t s) {
+cudaError_t launch_lanes(const am_ck_args &a, cudaStream_t s) {
     int64_t n = am_ck_threads(&a, ID);
     if (n > 0) am_k_lanes<ID><<<grid_for(n), AM_CUDA_BLOCK, 0, s>>>(a, n);
+    return cudaGetLastError();
 }
 
 /* The flag is usually 0: every block reads it and exits; when set, a
  * grid-stride loop over at most AM_COUNTER_BLOCKS blocks counts. */
-void launch_count(const am_ck_args &a, int id, cudaStream_t s) {
+cudaError_t launch_count(const am_ck_args &a, int id, cudaStream_t s) {
     int64_t n = am_ck_threads(&a, id);
     if (n > 0) am_k_count<<<counter_grid(n), AM_CUDA_BLOCK, 0, s>>>(a, n);
+    return cudaGetLastError();
 }
 
-/* The plan after AM_CK_INIT, in the order of the AM_CK_* ids. */
-void launch_plan(const am_ck_args &a, cudaStream_t s) {
+#define AM_TRY_LAUNCH(call)                                                   \
+    do {                                                                      \
+        cudaError_t e_ = (call);                                              \
+        if (e_ != cudaSuccess) return e_;                                     \
+    } while (0)
+
+/* The plan after AM_CK_INIT, in the order of the AM_CK_* ids; the first
+ * launch error, or cudaSuccess. */
+cudaError_t launch_plan(const am_ck_args &a, cudaStream_t s) {
     int64_t n;
-    launch_lanes<AM_CK_LANES_G2>(a, s);
-    launch_elem<AM_CK_ROWS>(a, s);
-    launch_count(a, AM_CK_COUNT_FAC, s);
-    launch_elem<AM_CK_COLS_RMEAN>(a, s);
-    launch_elem<AM_CK_COLS_FINAL>(a, s);
-    launch_elem<AM_CK_WSUM>(a, s);
-    launch_elem<AM_CK_WSUM_BLOCKS>(a, s);
-    launch_elem<AM_CK_WSUM_U2>(a, s);
-    launch_lanes<AM_CK_LANES_U2>(a, s);
-    launch_elem<AM_CK_TILE_U2>(a, s);
-    launch_lanes<AM_CK_LANES_FLAT>(a, s);
-    launch_elem<AM_CK_SUM_U2>(a, s);
-    launch_count(a, AM_CK_COUNT_FLAT, s);
-    launch_elem<AM_CK_DECIDE>(a, s);
+    AM_TRY_LAUNCH(launch_lanes<AM_CK_LANES_G2>(a, s));
+    AM_TRY_LAUNCH(launch_elem<AM_CK_ROWS>(a, s));
+    AM_TRY_LAUNCH(launch_count(a, AM_CK_COUNT_FAC, s));
+    AM_TRY_LAUNCH(launch_elem<AM_CK_COLS_RMEAN>(a, s));
+    AM_TRY_LAUNCH(launch_elem<AM_CK_COLS_FINAL>(a, s));
+    AM_TRY_LAUNCH(launch_elem<AM_CK_WSUM>(a, s));
+    AM_TRY_LAUNCH(launch_elem<AM_CK_WSUM_BLOCKS>(a, s));
+    AM_TRY_LAUNCH(launch_elem<AM_CK_WSUM_U2>(a, s));
+    AM_TRY_LAUNCH(launch_lanes<AM_CK_LANES_U2>(a, s));
+    AM_TRY_LAUNCH(launch_elem<AM_CK_TILE_U2>(a, s));
+    AM_TRY_LAUNCH(launch_lanes<AM_CK_LANES_FLAT>(a, s));
+    AM_TRY_LAUNCH(launch_elem<AM_CK_SUM_U2>(a, s));
+    AM_TRY_LAUNCH(launch_count(a, AM_CK_COUNT_FLAT, s));
+    AM_TRY_LAUNCH(launch_elem<AM_CK_DECIDE>(a, s));
     n = am_ck_threads(&a, AM_CK_AGREE);
     if (n > 0) am_k_agree<<<counter_grid(n), AM_CUDA_BLOCK, 0, s>>>(a, n);
-    launch_elem<AM_CK_BUMP>(a, s);
-    launch_elem<AM_CK_APPLY>(a, s);
+    AM_TRY_LAUNCH(cudaGetLastError());
+    AM_TRY_LAUNCH(launch_elem<AM_CK_BUMP>(a, s));
+    AM_TRY_LAUNCH(launch_elem<AM_CK_APPLY>(a, s));
     n = am_ck_threads(&a, AM_CK_ROW_FINISH);
     if (n > 0)
         am_k_row_finish<<<(unsigned)(n < kMaxBlocks ? n : kMaxBlocks), AM_CUDA_BLOCK, 0, s>>>(a, n);
-    launch_elem<AM_CK_COMMIT>(a, s);
+    AM_TRY_LAUNCH(cudaGetLastError());
+    AM_TRY_LAUNCH(launch_elem<AM_CK_COMMIT>(a, s));
     n = am_ck_threads(&a, AM_CK_FINISH_FLAT);
     if (n > 0) am_k_finish_flat<<<counter_grid(n), AM_CUDA_BLOCK, 0, s>>>(a, n);
-    launch_elem<AM_CK_REPORT>(a, s);
+    AM_TRY_LAUNCH(cudaGetLastError());
+    return launch_elem<AM_CK_REPORT>(a, s);
 }
 
 /* With lazy module loading (the CUDA 12+ default) a kernel is loaded at its
- * first launch. Loading them all at the first update of the process keeps a
+ * first launch. Loading them all at the first update on each device keeps a
  * later CUDA-graph capture from being the first launch of, say, the other
- * finish path. Per process, for the device current at that first call;
- * failures are left to the launches to report. */
-template <int ID> void touch_elem() {
+ * finish path. Once per device (a module is loaded per device: only the
+ * first device was preloaded before), tried again at the next call after a
+ * failure; failures are left to the launches to report (each is checked). */
+template <int ID> cudaError_t touch_elem() {
     cudaFuncAttributes fa;
-    (void)cudaFuncGetAttributes(&fa, am_k_elem<ID>);
+    return cudaFuncGetAttributes(&fa, am_k_elem<ID>);
 }
 
-template <int ID> void touch_lanes() {
+template <int ID> cudaError_t touch_lanes() {
     cudaFuncAttributes fa;
-    (void)cudaFuncGetAttributes(&fa, am_k_lanes<ID>);
+    return cudaFuncGetAttributes(&fa, am_k_lanes<ID>);
 }
+
+const int kMaxPreloadDevices = 256;
 
 void preload_kernels() {
-    static std::once_flag once;
-    std::call_once(once, [] {
-        cudaFuncAttributes fa;
-        touch_elem<AM_CK_INIT>();
-        touch_lanes<AM_CK_LANES_G2>();
-        touch_elem<AM_CK_ROWS>();
-        touch_elem<AM_CK_COLS_RMEAN>();
-        touch_elem<AM_CK_COLS_FINAL>();
-        touch_elem<AM_CK_WSUM>();
-        touch_elem<AM_CK_WSUM_BLOCKS>();
-        touch_elem<AM_CK_WSUM_U2>();
-        touch_lanes<AM_CK_LANES_U2>();
-        touch_elem<AM_CK_TILE_U2>();
-        touch_lanes<AM_CK_LANES_FLAT>();
-        touch_elem<AM_CK_SUM_U2>();
-        touch_elem<AM_CK_DECIDE>();
-        touch_elem<AM_CK_BUMP>();
-        touch_elem<AM_CK_APPLY>();
-        touch_elem<AM_CK_COMMIT>();
-        touch_elem<AM_CK_REPORT>();
-        (void)cudaFuncGetAttributes(&fa, am_k_count);
-        (void)cudaFuncGetAttributes(&fa, am_k_agree);
-        (void)cudaFuncGetAttributes(&fa, am_k_row_finish);
-        (void)cudaFuncGetAttributes(&fa, am_k_finish_flat);
+    static std::atomic<unsigned char> done[kMaxPreloadDevices];
+    static std::mutex mu;
+    int dev = -1;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxPreloadDevices) {
         (void)cudaGetLastError();
-    });
+        return;
+    }
+    if (done[dev].load(std::memory_order_acquire)) return;
+    std::lock_guard<std::mutex> lock(mu);
+    if (done[dev].load(std::memory_order_relaxed)) return;
+    cudaFuncAttributes fa;
+    cudaError_t e = cudaSuccess, t;
+#define AM_TOUCH(call) if ((t = (call)) != cudaSuccess) e = t
+    AM_TOUCH(touch_elem<AM_CK_INIT>());
+    AM_TOUCH(touch_lanes<AM_CK_LANES_G2>());
+    AM_TOUCH(touch_elem<AM_CK_ROWS>());
+    AM_TOUCH(touch_elem<AM_CK_COLS_RMEAN>());
+    AM_TOUCH(touch_elem<AM_CK_COLS_FINAL>());
+    AM_TOUCH(touch_elem<AM_CK_WSUM>());
+    AM_TOUCH(touch_elem<AM_CK_WSUM_BLOCKS>());
+    AM_TOUCH(touch_elem<AM_CK_WSUM_U2>());
+    AM_TOUCH(touch_lanes<AM_CK_LANES_U2>());
+    AM_TOUCH(touch_elem<AM_CK_TILE_U2>());
+    AM_TOUCH(touch_lanes<AM_CK_LANES_FLAT>());
+    AM_TOUCH(touch_elem<AM_CK_SUM_U2>());
+    AM_TOUCH(touch_elem<AM_CK_DECIDE>());
+    AM_TOUCH(touch_elem<AM_CK_BUMP>());
+    AM_TOUCH(touch_elem<AM_CK_APPLY>());
+    AM_TOUCH(touch_elem<AM_CK_COMMIT>());
+    AM_TOUCH(touch_elem<AM_CK_REPORT>());
+    AM_TOUCH(cudaFuncGetAttributes(&fa, am_k_count));
+    AM_TOUCH(cudaFuncGetAttributes(&fa, am_k_agree));
+    AM_TOUCH(cudaFuncGetAttributes(&fa, am_k_row_finish));
+    AM_TOUCH(cudaFuncGetAttributes(&fa, am_k_finish_flat));
+#undef AM_TOUCH
+    (void)cudaGetLastError();
+    if (e == cudaSuccess) done[dev].store(1, std::memory_order_release);
 }
 
 am_status device_error(cudaError_t e, const char *what) {
@@ -257,11 +293,9 @@ static am_status update_cuda_impl(const am_tensor *param, const am_tensor *grad,
                     (unsigned char *)base, report);
     /* A bad stream, device or context shows up on the first launch, before
      * anything has been modified. */
-    launch_elem<AM_CK_INIT>(a, s);
-    e = cudaGetLastError();
+    e = launch_elem<AM_CK_INIT>(a, s);
     if (e != cudaSuccess) return device_error(e, "am_update_cuda: first launch");
-    launch_plan(a, s);
-    e = cudaGetLastError();
+    e = launch_plan(a, s);
     if (e != cudaSuccess) return device_error(e, "am_update_cuda");
     return AM_OK;
 }
