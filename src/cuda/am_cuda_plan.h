@@ -63,7 +63,7 @@ typedef struct am_cuda_ws_header {
 /* Workspace offsets (bytes from the aligned base) for one parameter. */
 typedef struct am_cuda_layout {
     size_t row_sumsq, col_sumsq, rowpart, colpart, new_row, new_col;
-    size_t rf, cf, rmean, agree, rowu2, tile_u2, row_matches, wrow, wpart, wblock;
+    size_t rf, cf, rmean, agree, rowu2, tile_u2, group_u2, row_matches, wrow, wpart, wblock;
     size_t total; /* bytes the caller must provide (alignment slack included) */
 } am_cuda_layout;
 
@@ -71,6 +71,12 @@ static inline size_t am_cuda_take(size_t *cur, int64_t n, size_t sz) {
     size_t off = *cur;
     *cur += ((size_t)n * sz + (AM_CUDA_ALIGN - 1)) & ~(size_t)(AM_CUDA_ALIGN - 1);
     return off;
+}
+
+/* Groups of AM_SUM_GROUP tiles summed by AM_CK_GROUP_U2; 0 when the tiles
+ * are summed in one chain (at most one group). */
+AM_HD int64_t am_ck_ngroups(int64_t ntiles) {
+    return ntiles > AM_SUM_GROUP ? (ntiles + AM_SUM_GROUP - 1) / AM_SUM_GROUP : 0;
 }
 
 /* Column blocks of AM_WSUM_JBLOCK in a row of C. */
@@ -94,12 +100,14 @@ static inline am_cuda_layout am_cuda_layout_of(const am_geom *g) {
         L.agree = am_cuda_take(&cur, g->lr_rows, sizeof(float));
         L.rowu2 = am_cuda_take(&cur, g->ncb * BR, sizeof(double));
         L.tile_u2 = am_cuda_take(&cur, g->ntiles, sizeof(double));
+        L.group_u2 = am_cuda_take(&cur, am_ck_ngroups(g->ntiles), sizeof(double));
         L.row_matches = am_cuda_take(&cur, g->lr_rows, sizeof(unsigned long long));
         L.wrow = am_cuda_take(&cur, g->wsum ? BR : 0, sizeof(float));
         L.wpart = am_cuda_take(&cur, g->wsum ? g->nrb * BC : 0, sizeof(float));
         L.wblock = am_cuda_take(&cur, g->wsum ? g->B * am_ck_njb(g->C) : 0, sizeof(double));
     } else {
         L.tile_u2 = am_cuda_take(&cur, g->ntiles, sizeof(double));
+        L.group_u2 = am_cuda_take(&cur, am_ck_ngroups(g->ntiles), sizeof(double));
     }
     L.total = cur + AM_CUDA_ALIGN; /* the caller's pointer need not be aligned */
     return L;
@@ -130,6 +138,8 @@ typedef struct am_ck_args {
     float *row_sumsq, *col_sumsq, *rowpart, *colpart, *new_row, *new_col;
     float *rf, *cf, *rmean, *agree;
     double *rowu2, *tile_u2;
+    double *group_u2;     /* [ngroups] sums of AM_SUM_GROUP tiles (GROUP_U2) */
+    int64_t ngroups;      /* am_ck_ngroups(ntiles) */
     unsigned long long *row_matches;
     float *wrow;          /* [B*R] the rows' weights 1 / nr (wsum) */
     float *wpart;         /* [nrb * B*C] the W sums of the tiles (wsum) */
@@ -160,6 +170,8 @@ enum {
                               the W sums, only when u2_pass */
     AM_CK_TILE_U2,         /* per-tile double sums of u*u (same) */
     AM_CK_LANES_FLAT,      /* unfactored: tile lane sums (lanes kernel) */
+    AM_CK_GROUP_U2,        /* sums of AM_SUM_GROUP tiles' u*u (am_sum_tiles'
+                              groups), one thread each, when more than one */
     AM_CK_SUM_U2,          /* total u*u; factored: also DECIDE's work;
                               unfactored: flag if not finite */
     AM_CK_COUNT_FLAT,      /* as COUNT_FAC, for unfactored parameters */
@@ -194,6 +206,7 @@ static inline int64_t am_ck_threads(const am_ck_args *a, int id) {
     case AM_CK_LANES_U2: return fac ? BR * a->ncb * AM_LANES : 0;
     case AM_CK_TILE_U2: return fac ? a->ntiles : 0;
     case AM_CK_LANES_FLAT: return fac ? 0 : a->ntiles * AM_LANES;
+    case AM_CK_GROUP_U2: return a->ngroups;
     case AM_CK_SUM_U2: return 1;
     case AM_CK_COUNT_FLAT: return fac ? 0 : a->numel;
     case AM_CK_DECIDE: return fac ? 0 : 1;
@@ -615,6 +628,13 @@ AM_HD void am_ck_elem(const am_ck_args *a, int id, int64_t t) {
         else h->u2_pass = 1;
         break;
     }
+    case AM_CK_GROUP_U2: {
+        if (a->wsum && !h->u2_pass) break; /* (u2 from the W sums) */
+        const int64_t k0 = t * AM_SUM_GROUP;
+        const int64_t n = a->ntiles - k0 < AM_SUM_GROUP ? a->ntiles - k0 : AM_SUM_GROUP;
+        a->group_u2[t] = am_sum_group(a->tile_u2 + k0, n);
+        break;
+    }
     case AM_CK_TILE_U2: {
         if (a->wsum && !h->u2_pass) break;
         int64_t cb = t % a->ncb, rb = (t / a->ncb) % a->nrb, b = t / (a->ncb * a->nrb);
@@ -632,7 +652,11 @@ AM_HD void am_ck_elem(const am_ck_args *a, int id, int64_t t) {
             am_ck_decide(a);
             break;
         }
-        s = am_sum_tiles(a->tile_u2, a->ntiles);
+        /* (the same bits: am_sum_groups; one thread summed every tile, a
+         * chain of 262144 for a 512x512x3x3 weight, where this one is 64
+         * times shorter; found by a review, thirty-third session) */
+        s = a->ngroups ? am_sum_groups(a->group_u2, a->ngroups)
+                       : am_sum_tiles(a->tile_u2, a->ntiles);
         h->u2_sum = s;
         if (a->ndim >= 2) am_ck_decide(a); /* non-finite elements already counted */
         else if (!isfinite(s)) h->flag = 1;
@@ -717,6 +741,7 @@ static inline void am_ck_args_init(am_ck_args *a, const am_geom *g,
         a->wblock = AM_WSP(double, wblock);
     }
     a->tile_u2 = AM_WSP(double, tile_u2);
+    a->group_u2 = AM_WSP(double, group_u2);
 #undef AM_WSP
     a->numel = g->numel;
     a->lr_rows = g->lr_rows;
@@ -728,6 +753,7 @@ static inline void am_ck_args_init(am_ck_args *a, const am_geom *g,
     a->nrb = g->nrb;
     a->ncb = g->ncb;
     a->ntiles = g->ntiles;
+    a->ngroups = am_ck_ngroups(g->ntiles);
     a->pol_row_bytes = g->pol_row_bytes;
     a->ndim = g->ndim;
     a->wsum = g->ndim >= 2 && g->wsum;

@@ -90,6 +90,7 @@ cudaError_t launch_plan(const am_ck_args &a, cudaStream_t s) {
     AM_TRY_LAUNCH(launch_lanes<AM_CK_LANES_U2>(a, s));
     AM_TRY_LAUNCH(launch_elem<AM_CK_TILE_U2>(a, s));
     AM_TRY_LAUNCH(launch_lanes<AM_CK_LANES_FLAT>(a, s));
+    AM_TRY_LAUNCH(launch_elem<AM_CK_GROUP_U2>(a, s));
     AM_TRY_LAUNCH(launch_elem<AM_CK_SUM_U2>(a, s));
     AM_TRY_LAUNCH(launch_count(a, AM_CK_COUNT_FLAT, s));
     AM_TRY_LAUNCH(launch_elem<AM_CK_DECIDE>(a, s));
@@ -152,6 +153,7 @@ void preload_kernels() {
     AM_TOUCH(touch_lanes<AM_CK_LANES_U2>());
     AM_TOUCH(touch_elem<AM_CK_TILE_U2>());
     AM_TOUCH(touch_lanes<AM_CK_LANES_FLAT>());
+    AM_TOUCH(touch_elem<AM_CK_GROUP_U2>());
     AM_TOUCH(touch_elem<AM_CK_SUM_U2>());
     AM_TOUCH(touch_elem<AM_CK_DECIDE>());
     AM_TOUCH(touch_elem<AM_CK_BUMP>());
