@@ -76,7 +76,7 @@ static double copy_bandwidth(size_t bytes, int iters) {
     return 2.0 * (double)bytes * iters / (ms * 1e-3); /* read + write */
 }
 
-typedef struct bcase { const char *name; int ndim; int64_t dims[2]; am_dtype dt; } bcase;
+typedef struct bcase { const char *name; int ndim; int64_t dims[4]; am_dtype dt; } bcase;
 
 static void run(const bcase *c, double copy_bw, int iters) {
     am_shape s;
@@ -197,6 +197,9 @@ int main(int argc, char **argv) {
         {"embedding 50000x4096", 2, {50000, 4096}, AM_DTYPE_BFLOAT16},
         {"row 1x100M", 2, {1, 100000000}, AM_DTYPE_BFLOAT16},
         {"tiny 64x64", 2, {64, 64}, AM_DTYPE_BFLOAT16},
+        /* a convolution weight: one tile per 3x3 matrix (262144 tiles) */
+        {"conv 512x512x3x3", 4, {512, 512, 3, 3}, AM_DTYPE_FLOAT32},
+        {"conv 512x512x3x3", 4, {512, 512, 3, 3}, AM_DTYPE_BFLOAT16},
     };
     int quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
     int n = 0;
