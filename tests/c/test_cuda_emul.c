@@ -260,6 +260,10 @@ static void test_flat_sizes(void **st) {
         for (i = 0; i < sizeof sizes / sizeof sizes[0]; i++)
             run_case(1, &sizes[i], kDt[d], kDt[(d + (int)i) % 3], i % 2 ? 0.1 : 0.0, 3);
     }
+    { /* 66 tiles: the sum of u^2 in GROUP_U2's groups of 64, the last partial */
+        static const int64_t many = 65 * (int64_t)AM_FLAT_CHUNK + 3;
+        run_case(1, &many, AM_DTYPE_BFLOAT16, AM_DTYPE_FLOAT32, 0.1, 2);
+    }
 }
 
 static void test_matrices(void **st) {
