@@ -43,13 +43,17 @@ am_k_elem(const am_ck_args a, int64_t n) {
 }
 
 /* Rare path: only runs past its first load when a row sum (factored) or the
- * u*u sum (unfactored) was not finite. */
+ * u*u sum (unfactored) was not finite. One atomic per warp (the warp's
+ * count of non-finite elements; an all-NaN gradient took one per element
+ * on one address before). */
 __global__ void __launch_bounds__(AM_CUDA_BLOCK)
 am_k_count(const am_ck_args a, int64_t n) {
     if (!a.h->flag) return;
     AM_GRID_LOOP(n) {
         int64_t t = t0 + threadIdx.x;
-        if (t < n && am_ck_nonfinite(&a, t)) atomicAdd(&a.h->nonfinite, 1ull);
+        const unsigned bad = __ballot_sync(AM_FULL_MASK, t < n && am_ck_nonfinite(&a, t));
+        if ((threadIdx.x & 31) == 0 && bad)
+            atomicAdd(&a.h->nonfinite, (unsigned long long)__popc(bad));
     }
 }
 
