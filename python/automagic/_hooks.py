@@ -171,7 +171,31 @@ class _FusedMixin:
                         "updated at the end of backward with its whole gradient "
                         "(warned once)" % (tuple(p.shape),))
                     return
+            if not steps.fired and self._stepped_mid and self._window_cleared(index):
+                # the first hook of a pass after a step() in a window's
+                # middle, and the window's other gradients are gone: cleared
+                # by something other than our zero_grad() (HF Trainer's
+                # model.zero_grad() after an epoch's shorter last window).
+                # Its passes are lost; the caller ends its windows at its
+                # step() calls (the window went on, and later windows
+                # straddled the caller's; found by a review, thirty-third
+                # session)
+                self._warn_once(
+                    "cleared", "the gradients of %d backward passes of an accumulation "
+                    "window were cleared after a step() in its middle, and not by this "
+                    "optimizer's zero_grad() (model.zero_grad(), as HF Trainer calls "
+                    "after an epoch's shorter last window?): those passes are lost. The "
+                    "window is taken to end at that step(); from now on a step() in a "
+                    "window's middle ends it and applies its gradients, as in step mode. "
+                    "Call the optimizer's zero_grad() to keep them (warned once)"
+                    % self._micro)
+                self._aligned_steps = True
+                self._close_window(flush=False)
             steps.fired.add(index)
+            if index in self._since_step:  # (fired in an earlier pass: see step())
+                self._refired = True
+            else:
+                self._since_step.add(index)
             if self._window_fired is not None:
                 self._window_fired.add(index)
             if (self._micro + 1 < self.accumulation_steps or index in self._deferred
@@ -195,6 +219,20 @@ class _FusedMixin:
         else:
             self._update_param(p, group)
 
+    def _window_cleared(self, index: int) -> bool:
+        """Whether every parameter but index whose hook fired in the open
+        window has lost its gradient (cleared from outside); False when none
+        or not known."""
+        fired = self._window_fired
+        if not fired or self._micro == 0 or fired == {index}:
+            return False
+        for group in self.param_groups:
+            for q in group["params"]:
+                i = self._param_index.get(q)
+                if i != index and i in fired and q.grad is not None:
+                    return False
+        return True
+
     def _take_queue(self):
         """(the queued updates, their batch's number in this step), the
         queue emptied; the lock held."""
@@ -213,7 +251,19 @@ class _FusedMixin:
         with torch.no_grad():
             for p, group in batch:
                 grad = p.grad
-                if grad is None:  # dropped since it was queued
+                if grad is None:
+                    # freed since it was queued: by a hook registered after
+                    # ours, or another optimizer (not applied: it may have
+                    # been, by that optimizer). Silent before; the
+                    # reference, which updates in its hook, had applied it
+                    # (found by a review, thirty-third session)
+                    self._warn_once(
+                        "queued_freed", "a parameter's gradient was set to None after its "
+                        "backward hook queued its update and before the update ran (by a "
+                        "hook registered after the optimizer's, or another optimizer?): "
+                        "that update was not applied. Set opt.fused_batch_bytes = 0 to "
+                        "update each parameter in its own hook, before hooks registered "
+                        "later (warned once)")
                     continue
                 try:
                     if "base_lr" not in group:  # (put into param_groups by hand)

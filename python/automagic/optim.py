@@ -6,6 +6,8 @@ C on the tensors' memory; state lives in ``opt.state[p]`` as torch tensors.
 docs/PYTORCH.md describes the options, fused mode and checkpoints.
 """
 import math
+import os
+import sys
 import threading
 import warnings
 import weakref
@@ -46,6 +48,21 @@ def _remove_hooks(handles: list) -> None:
     for h in handles:
         h.remove()
     handles.clear()
+
+
+_OWN_DIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
+             os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+
+
+def _caller_level() -> int:
+    """The stacklevel of warnings.warn, called by the caller of this
+    function, that names the first frame outside this package and torch:
+    the user's line (a fixed level named torch's no_grad wrapper or this
+    package's own code; found by a review, thirty-third session)."""
+    f, level = sys._getframe(1), 1
+    while f is not None and f.f_code.co_filename.startswith(_OWN_DIRS):
+        f, level = f.f_back, level + 1
+    return level
 
 
 class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimizer):
@@ -184,6 +201,9 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         # the last step()
         self._aligned_steps = None
         self._passes = 0
+        # indices whose hook fired since the last step(), and whether one
+        # fired in two passes of them
+        self._since_step, self._refired = set(), False
         self._updated = set()          # indices updated in this window
         # indices whose hook fired in this window (None: not known, after a
         # state_dict was loaded or the optimizer unpickled mid-window)
@@ -205,7 +225,7 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
     def _warn_once(self, key: str, msg: str, category=UserWarning) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn("Automagic3: " + msg, category, stacklevel=3)
+            warnings.warn("Automagic3: " + msg, category, stacklevel=_caller_level())
 
     # ----------------------------------------------------------- groups
     def add_param_group(self, param_group: dict) -> None:
@@ -386,7 +406,10 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
 
     @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):
-        if grad_scaler is not None:
+        # (GradScaler passes itself as grad_scaler, and says it will instead
+        # set grad_scale and found_inf on the optimizer: either is caught)
+        if grad_scaler is not None or (self.fused and getattr(self, "grad_scale", None)
+                                       is not None):
             raise AutomagicError(
                 "Automagic3: GradScaler cannot be used with fused=True: fused mode has "
                 "already applied the scaled gradients during backward, before the "
@@ -399,6 +422,8 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
             self._check_other_optimizers()
         if self.fused:
             self._steps.close()
+            refired = self._refired
+            self._since_step, self._refired = set(), False
             if self._micro != 0:
                 # Mid-window. A caller whose step() calls so far all came at
                 # window ends (a trainer with gradient accumulation: HF
@@ -421,6 +446,16 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
                                 "applied (a trainer's last window of an epoch; warned once)"
                                 % (self._micro, self.accumulation_steps))
                 self._close_window(flush=True)
+            elif self.accumulation_steps == 1 and refired:
+                # (a loop that accumulates k passes and then calls step():
+                # each pass was an update; found by a review, thirty-third
+                # session. Not for passes of different parameters, as one
+                # backward per parameter)
+                self._warn_once("passes", "step() after %d backward passes in which a "
+                                "parameter's hook fired more than once: in fused mode each "
+                                "backward pass already updated it (accumulation_steps=1). To "
+                                "accumulate gradients over k passes pass accumulation_steps=k, "
+                                "or use fused=False (warned once)" % self._passes)
             elif self._aligned_steps is None and self._passes == self.accumulation_steps:
                 # the evidence: a whole window between this step() and the
                 # last, which came at a window's end too (a step() with no
@@ -446,6 +481,15 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
                 hooked = [p for p in ps if index_of.get(p) in self._hooked]
                 if hooked:
                     swapped |= self._rehook_swapped(hooked)
+                    if self._micro == 0 and any(id(p) not in swapped for p in hooked):
+                        # (no window open: no hook reported these gradients)
+                        self._warn_once(
+                            "unreported", "step() in fused mode: a parameter holds a "
+                            "gradient no backward hook reported (assigned by hand, as after "
+                            "torch.autograd.grad, or kept by an update that failed); fused "
+                            "mode applies only what its hooks report, so it stays in .grad, "
+                            "not applied. Use fused=False to step on such gradients "
+                            "(warned once)")
                 ps = [p for p in ps if index_of.get(p) not in self._hooked or id(p) in swapped]
             if ps:
                 todo.append((group, ps))

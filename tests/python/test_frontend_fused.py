@@ -938,3 +938,111 @@ def test_a_resumed_trainer_keeps_its_shorter_windows():
     for resume in (False, True):
         for a, b in zip(run(True, resume), ref):
             assert torch.equal(a, b), resume
+
+
+def _warned(record, text):
+    return [w for w in record if text in str(w.message)]
+
+
+def test_model_zero_grad_after_a_mid_window_step_realigns():
+    """HF Trainer's epoch shorter than accumulation_steps: step() in the
+    window's middle, then model.zero_grad() (not the optimizer's). The
+    cleared passes were lost silently and every later window straddled two
+    of the trainer's (found by a review, thirty-third session): it warns,
+    and from the next window on a mid-window step() ends the window, as in
+    step mode (the step-mode run below drops the first epoch the same way)."""
+    k, per_epoch, epochs = 4, 3, 4
+    data = batches(per_epoch, seed=3)
+
+    def train(fused):
+        m = make()
+        opt = automagic.Automagic3(m.parameters(), fused=fused, lr=1e-3,
+                                   accumulation_steps=k if fused else 1)
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            for epoch in range(epochs):
+                for b in data:
+                    (loss_of(m, b) / k).backward()
+                if fused or epoch > 0:
+                    opt.step()
+                m.zero_grad()
+        return m, opt, rec
+    m1, o1, rec = train(True)
+    m2, o2, _ = train(False)
+    assert len(_warned(rec, "were cleared after a step() in its middle")) == 1
+    assert _warned(rec, "were cleared")[0].filename == __file__
+    assert_same(m1, o1, m2, o2)
+    assert all(o1.state[p]["step"] == epochs - 1 for p in m1.parameters())
+
+
+def test_a_hook_that_frees_a_queued_gradient_warns():
+    # a post-accumulate hook of the caller's, registered after the
+    # optimizer's, sets p.grad to None while the update is queued: the update
+    # was dropped silently (found by a review, thirty-third session)
+    lin = torch.nn.Linear(4, 3)
+    opt = automagic.Automagic3(lin.parameters())
+    for p in lin.parameters():
+        p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for _ in range(3):  # (the queue is used from the second step on)
+            lin(torch.randn(2, 4)).sum().backward()
+    assert len(_warned(rec, "was set to None after its backward hook queued")) == 1
+    # with each parameter updated in its own hook, every update runs
+    lin2 = torch.nn.Linear(4, 3)
+    opt2 = automagic.Automagic3(lin2.parameters())
+    opt2.fused_batch_bytes = 0
+    for p in lin2.parameters():
+        p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            lin2(torch.randn(2, 4)).sum().backward()
+    assert all(opt2.state[p]["step"] == 3 for p in lin2.parameters())
+
+
+def test_step_after_passes_that_each_updated_warns():
+    # accumulation_steps=1 and a loop that accumulates two passes, then
+    # step(): each pass was an update, silently
+    m = make()
+    opt = automagic.Automagic3(m.parameters())
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for b in batches(2):
+            loss_of(m, b).backward()
+        opt.step()
+    assert len(_warned(rec, "hook fired more than once")) == 1
+    assert _warned(rec, "hook fired more than once")[0].filename == __file__
+    # one backward per parameter, then step(): no parameter updated twice
+    a, b = torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))
+    opt = automagic.Automagic3([a, b])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            a.sum().backward()
+            b.sum().backward()
+            opt.step()
+
+
+def test_step_with_a_gradient_no_hook_reported_warns():
+    # gradient surgery (torch.autograd.grad, then p.grad = ...) and step():
+    # fused mode applies only what its hooks report: it was silent
+    lin = torch.nn.Linear(4, 3)
+    opt = automagic.Automagic3(lin.parameters())
+    grads = torch.autograd.grad(lin(torch.randn(2, 4)).sum(), list(lin.parameters()))
+    for p, g in zip(lin.parameters(), grads):
+        p.grad = g
+    before = [p.detach().clone() for p in lin.parameters()]
+    with pytest.warns(UserWarning, match="gradient no backward hook reported"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(lin.parameters(), before))
+
+
+def test_grad_scale_attribute_is_refused_in_fused_mode():
+    # GradScaler says it will set grad_scale / found_inf on the optimizer
+    # instead of passing grad_scaler=: either is refused in fused mode
+    lin = torch.nn.Linear(4, 3)
+    opt = automagic.Automagic3(lin.parameters())
+    opt.grad_scale, opt.found_inf = torch.tensor(1024.0), torch.tensor(0.0)
+    with pytest.raises(automagic.AutomagicError, match="GradScaler"):
+        opt.step()
