@@ -216,6 +216,14 @@ static void test_shapes(void **st) {
         run_case(4, s4, kDt[d], kDt[d], 0.1, 3);
         run_case(3, s3, kDt[d], AM_DTYPE_FLOAT32, 0.0, 3);
     }
+    { /* more than 64 tiles: the sum of u^2 in GROUP_U2's groups (one tile
+       * per 3x3 matrix: 600 and 4096 tiles; a 1-D parameter of 66 tiles) */
+        static const int64_t c1[] = {300, 2, 3, 3}, c2[] = {64, 64, 3, 3};
+        static const int64_t many = 65 * 16384 + 3;
+        run_case(4, c1, AM_DTYPE_FLOAT32, AM_DTYPE_FLOAT32, 0.0, 3);
+        run_case(4, c2, AM_DTYPE_BFLOAT16, AM_DTYPE_BFLOAT16, 0.1, 3);
+        run_case(1, &many, AM_DTYPE_FLOAT16, AM_DTYPE_FLOAT32, 0.0, 2);
+    }
 }
 
 static void test_skips(void **st) {
