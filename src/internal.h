@@ -462,6 +462,10 @@ typedef void (*am_task_fn)(void *ctx, int64_t task);
 void am_parallel_for(int64_t ntasks, double cost_per_task, am_task_fn fn,
                      void *ctx);
 
+/* Marks the object holding the library's code not unloadable (the pool's
+ * workers run it between jobs; src/pin_self.c). */
+void am_pin_self(void);
+
 /* 1 makes every am_parallel_for of the calling thread run serially until
  * it is set back to 0 (am_update_batch's tasks, each one update on one
  * thread). Returns the previous setting. */

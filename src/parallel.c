@@ -162,7 +162,12 @@ static void atfork_child(void) {
     g_runner_ctx = NULL;
 }
 
-static void register_atfork(void) { pthread_atfork(NULL, NULL, atfork_child); }
+/* Once per process, before the first worker: the atfork handler, and the
+ * library's code kept mapped while workers may run it (pin_self.c). */
+static void register_atfork(void) {
+    pthread_atfork(NULL, NULL, atfork_child);
+    am_pin_self();
+}
 
 /* Starts workers until there are want of them (or creation fails). Called
  * with g_busy held and no job running. */
