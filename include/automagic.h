@@ -388,7 +388,7 @@ AM_API am_status am_update_batch(am_batch_item *items, int64_t n, void *workspac
  *                     fills u2_sum, and am_update_moments has nothing to do.
  *                     Returns AM_SKIPPED_NONFINITE_GRAD when the (local)
  *                     gradient has a non-finite element.
- * (all-reduce row_sumsq, col_sumsq, nonfinite here)
+ * (a sharded engine all-reduces here what its split needs, see below)
  * am_update_moments : from the (reduced) sums and the state, the new second
  *                     moments and scale factors (kept in the workspace, state
  *                     untouched), then the sum of u*u into the view's u2_sum:
@@ -403,11 +403,15 @@ AM_API am_status am_update_batch(am_batch_item *items, int64_t n, void *workspac
  * non-zero nonfinite count, which a sharded engine may learn only from the
  * reduction), so an engine may call every phase on every shard whatever
  * they return, and nothing the caller owns but the workspace changes.
- * The sums are over the tensor the caller passes; a sharded engine passes its
- * shard and reduces. After am_update_stats, the clip's rms divides u2_sum by
- * the numel of the tensor passed, so an engine with k equal shards divides
- * the reduced u2_sum by k; after am_update_stats_shard (below) it divides by
- * the whole parameter's numel, and any split along dims[0] works.
+ * The sums are over the tensor the caller passes. am_update_stats serves a
+ * split whose shards' moments are their own: k equal dims[0] shards of a
+ * 1-D or an ndim >= 3 parameter, where only nonfinite and u2_sum are
+ * all-reduced (sums) and the reduced u2_sum is divided by k (the clip's
+ * rms divides it by the numel of the tensor passed); reducing row_sumsq or
+ * col_sumsq there adds other rows' or matrices' sums (wrong: the header
+ * said to until the thirty-third session). A 2-D parameter's rows split,
+ * or unequal shards: am_update_stats_shard (below), whose rms divides by
+ * the whole parameter's numel, for any split along dims[0].
  * Errors: those of am_update, and AM_ERR_INVALID_ARGUMENT from
  * am_update_moments (am_update_finish) when the workspace does not hold
  * am_update_stats' (am_update_moments') results for a parameter of this
@@ -464,7 +468,10 @@ typedef struct am_shard {
  * matrix gathered from 2 shards and split into 3 trains on as the whole).
  *
  * The result is am_update's on the whole parameter within float32
- * summation error: lrs and polarity bits the same, row moments (2-D) the
+ * summation error: lrs and polarity bits the same (but for an element
+ * whose u / scale is within an ulp of underflowing to 0, whose sign bit,
+ * and so its lr-row's lr, the clip scale's last bit can decide: seen by a
+ * review only with a clip_threshold of 1e-30), row moments (2-D) the
  * same bits; column moments, the row mean and so the update within about
  * R * 2^-24 relative for R rows in all (am_update sums the R row moments
  * in float32, the shards in double, and each column's R squares in
