@@ -10,13 +10,33 @@
 # -DCMAKE_CUDA_ARCHITECTURES=... (sm_75 is the oldest CUDA 13's nvcc builds
 # for; the kernels' __match_any_sync needs sm_70).
 include(CheckLanguage)
+# check_language caches a CUDA compiler it did not find: nvcc installed
+# after the first configure was never seen, and AM_CUDA kept the OFF it was
+# given then (found by a review, thirty-third session). A NOTFOUND is looked
+# for again at every configure, and AM_CUDA follows the finding unless it
+# was set to something else than the last automatic choice (-DAM_CUDA=...).
+if(DEFINED CACHE{CMAKE_CUDA_COMPILER} AND NOT CMAKE_CUDA_COMPILER)
+  unset(CMAKE_CUDA_COMPILER CACHE)
+endif()
 check_language(CUDA)
 if(CMAKE_CUDA_COMPILER)
   set(AM_CUDA_DEFAULT ON)
 else()
   set(AM_CUDA_DEFAULT OFF)
 endif()
+if(DEFINED CACHE{AM_CUDA} AND DEFINED CACHE{AM_CUDA_AUTO_CHOICE}
+   AND "${AM_CUDA}" STREQUAL "${AM_CUDA_AUTO_CHOICE}")
+  set(AM_CUDA ${AM_CUDA_DEFAULT} CACHE BOOL "Build libautomagic_cuda (needs nvcc)" FORCE)
+endif()
 option(AM_CUDA "Build libautomagic_cuda (needs nvcc)" ${AM_CUDA_DEFAULT})
+set(AM_CUDA_AUTO_CHOICE ${AM_CUDA_DEFAULT} CACHE INTERNAL "AM_CUDA's last automatic value")
+if(NOT AM_CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    message(STATUS "automagic: CUDA OFF (AM_CUDA=OFF; nvcc found at ${CMAKE_CUDA_COMPILER})")
+  else()
+    message(STATUS "automagic: CUDA OFF (no CUDA compiler found: libautomagic_cuda not built)")
+  endif()
+endif()
 
 if(AM_CUDA)
   if(NOT CMAKE_CUDA_ARCHITECTURES)

@@ -37,6 +37,14 @@ def _library_path():
     env = os.environ.get("AUTOMAGIC_CUDA_LIBRARY")
     if env:
         return env
+    cpu = os.environ.get("AUTOMAGIC_LIBRARY")
+    if cpu:
+        # the CUDA library of the same build (a build tree's CPU library was
+        # paired with the installed CUDA one; found by a review, thirty-third
+        # session), when there is one beside it
+        path = os.path.join(os.path.dirname(os.path.abspath(cpu)), "libautomagic_cuda.so")
+        if os.path.exists(path):
+            return path
     for d in _lib.package_dirs():  # (an editable install: site-packages)
         path = os.path.join(d, "libautomagic_cuda.so")
         if os.path.exists(path):
