@@ -69,3 +69,18 @@ def test_load_errors_say_what_and_where(target, match):
     assert r.returncode != 0
     assert re.search(match, r.stderr.replace("\n", " ")), r.stderr
     assert "ImportError" in r.stderr
+
+
+def test_cuda_library_beside_automagic_library(tmp_path, monkeypatch):
+    # AUTOMAGIC_LIBRARY alone (a build tree's) paired its CPU library with
+    # the installed CUDA one; the libautomagic_cuda.so beside it is taken
+    from automagic import _cuda
+    cpu = tmp_path / "libautomagic.so"
+    cpu.write_bytes(b"")
+    monkeypatch.delenv("AUTOMAGIC_CUDA_LIBRARY", raising=False)
+    monkeypatch.setenv("AUTOMAGIC_LIBRARY", str(cpu))
+    assert _cuda._library_path() != str(tmp_path / "libautomagic_cuda.so")  # none there
+    (tmp_path / "libautomagic_cuda.so").write_bytes(b"")
+    assert _cuda._library_path() == str(tmp_path / "libautomagic_cuda.so")
+    monkeypatch.setenv("AUTOMAGIC_CUDA_LIBRARY", "/elsewhere/libautomagic_cuda.so")
+    assert _cuda._library_path() == "/elsewhere/libautomagic_cuda.so"  # still wins
