@@ -39,6 +39,8 @@ def as_count(value) -> int:
         if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
             raise ValueError("%r is not one integer" % (value,))
         value = value.item()
+    elif getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        value = value.item()  # numpy's scalars and 0-d arrays
     if isinstance(value, bool):
         raise ValueError("%r is not an integer" % (value,))
     if isinstance(value, float):
@@ -48,6 +50,14 @@ def as_count(value) -> int:
     if isinstance(value, numbers.Integral):
         return int(value)
     raise ValueError("%r is not an integer" % (value,))
+
+
+def as_key(value) -> int:
+    """A parameter index as a mapping's key: as_count, or a string of
+    decimal digits (a JSON or YAML round trip makes int keys strings)."""
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        return int(value)
+    return as_count(value)
 
 
 def as_indices(value) -> set:

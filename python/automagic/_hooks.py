@@ -154,7 +154,8 @@ class _FusedMixin:
         task = steps.enter()
         batch = key = None
         with steps.lock:
-            if index in steps.fired:
+            again = index in steps.fired
+            if again:
                 # Second hook in one step: a weight used on both sides of a
                 # reentrant checkpoint. From now on wait for the end of the
                 # backward pass to update it with the whole gradient.
@@ -192,7 +193,9 @@ class _FusedMixin:
                 self._aligned_steps = True
                 self._close_window(flush=False)
             steps.fired.add(index)
-            if index in self._since_step:  # (fired in an earlier pass: see step())
+            if again:
+                pass  # (a second part in this pass: not another pass's update)
+            elif index in self._since_step:  # (fired in an earlier pass: see step())
                 self._refired = True
             else:
                 self._since_step.add(index)

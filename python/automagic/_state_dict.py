@@ -4,7 +4,8 @@ _checkpoint.py)."""
 import warnings
 
 from . import _lib
-from ._checkpoint import CheckpointError, as_count, as_indices, prepare_load
+from ._checkpoint import CheckpointError, as_count, as_indices, as_key, prepare_load
+from ._errors import caller_level
 from ._views import _state_sizes
 
 # Group keys that are Automagic3 hyperparameters: on load_state_dict the
@@ -101,7 +102,7 @@ class _StateDictMixin:
                                   "%r; this version reads format %d" % (fmt, _STATE_DICT_FORMAT))
         try:
             skips = as_count(extra.get("nonfinite_skips", 0))
-            skipped = {as_count(k): as_count(v)
+            skipped = {as_key(k): as_count(v)
                        for k, v in extra.get("skipped_by_param", {}).items()}
             micro = as_count(extra.get("micro_step", 0))
             deferred = as_indices(extra.get("deferred", ()))
@@ -199,9 +200,10 @@ class _StateDictMixin:
             # (a zero_grad() after the load discards the window, as it did:
             # the gradients are not the loaded state's; found by a review)
             self._stepped_mid = False
+            self._since_step, self._refired = set(), False  # (passes of another run)
         self._warn_lost_window()
 
-    def _warn_lost_window(self) -> None:
+    def _warn_lost_window(self, what: str = "the state_dict was saved") -> None:
         """After a load mid-window: the gradients the window's passes so far
         accumulated live in p.grad, which no state_dict holds. Loaded in a
         new process without them, the window's end applied the remaining
@@ -217,14 +219,14 @@ class _StateDictMixin:
         # (the fired parameters known: each needs its gradient; not known
         # (an older dict): only when no parameter has one)
         if params and (missing if fired is not None else missing == len(params)):
-            warnings.warn("Automagic3: the state_dict was saved after %d of the %d backward "
-                          "passes of an accumulation window, and %d of the window's "
-                          "parameters have no .grad now: a state_dict does not hold the "
+            warnings.warn("Automagic3: %s after %d of the %d backward passes of an "
+                          "accumulation window, and %d of the window's parameters have no "
+                          ".grad now: neither a state_dict nor a pickle holds the "
                           "gradients accumulated so far, so the window's end will apply "
                           "only the remaining passes' gradients. Restore each p.grad "
-                          "saved with the dict, or save at a window's end"
-                          % (self._micro, self.accumulation_steps, missing),
-                          UserWarning, stacklevel=4)
+                          "saved with it, or save at a window's end"
+                          % (what, self._micro, self.accumulation_steps, missing),
+                          UserWarning, stacklevel=caller_level())
 
     # ---------------------------------------------- pickle and deepcopy
     def __getstate__(self) -> dict:
@@ -268,3 +270,7 @@ class _StateDictMixin:
             if "min_lr" in group and "max_lr" in group:  # (a group put in by hand may lack
                 # them until its first step: _fill_group)
                 self._clamps_added[id(group)] = (float(group["min_lr"]), float(group["max_lr"]))
+        # (neither pickle nor deepcopy keeps a Parameter's .grad: copied
+        # mid-window, the window's end applied the remaining passes alone,
+        # silently)
+        self._warn_lost_window("the optimizer was pickled or copied")

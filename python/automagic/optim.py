@@ -6,8 +6,6 @@ C on the tensors' memory; state lives in ``opt.state[p]`` as torch tensors.
 docs/PYTORCH.md describes the options, fused mode and checkpoints.
 """
 import math
-import os
-import sys
 import threading
 import warnings
 import weakref
@@ -17,7 +15,7 @@ import torch
 
 from . import _cuda, _lib, _threads
 from ._checkpoint import is_real_number
-from ._errors import AutomagicError, NonFiniteGradientError
+from ._errors import AutomagicError, NonFiniteGradientError, caller_level
 from ._fused import BackwardSteps
 from ._hooks import _FusedMixin
 from ._state_dict import _StateDictMixin, _add_automagic_entry
@@ -48,21 +46,6 @@ def _remove_hooks(handles: list) -> None:
     for h in handles:
         h.remove()
     handles.clear()
-
-
-_OWN_DIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
-             os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
-
-
-def _caller_level() -> int:
-    """The stacklevel of warnings.warn, called by the caller of this
-    function, that names the first frame outside this package and torch:
-    the user's line (a fixed level named torch's no_grad wrapper or this
-    package's own code; found by a review, thirty-third session)."""
-    f, level = sys._getframe(1), 1
-    while f is not None and f.f_code.co_filename.startswith(_OWN_DIRS):
-        f, level = f.f_back, level + 1
-    return level
 
 
 class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimizer):
@@ -225,7 +208,7 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
     def _warn_once(self, key: str, msg: str, category=UserWarning) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn("Automagic3: " + msg, category, stacklevel=_caller_level())
+            warnings.warn("Automagic3: " + msg, category, stacklevel=caller_level())
 
     # ----------------------------------------------------------- groups
     def add_param_group(self, param_group: dict) -> None:
@@ -408,8 +391,13 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
     def step(self, closure=None, grad_scaler=None):
         # (GradScaler passes itself as grad_scaler, and says it will instead
         # set grad_scale and found_inf on the optimizer: either is caught)
-        if grad_scaler is not None or (self.fused and getattr(self, "grad_scale", None)
-                                       is not None):
+        if grad_scaler is not None or (self.fused and (
+                getattr(self, "grad_scale", None) is not None
+                or getattr(self, "found_inf", None) is not None)):
+            # (torch deletes the two after our step() returns: removed here,
+            # or every later step() raised)
+            for name in ("grad_scale", "found_inf"):
+                self.__dict__.pop(name, None)
             raise AutomagicError(
                 "Automagic3: GradScaler cannot be used with fused=True: fused mode has "
                 "already applied the scaled gradients during backward, before the "
@@ -584,6 +572,8 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.fused:
             self._steps.close()
+            # (the passes before it accumulated nothing: no warning at step())
+            self._since_step, self._refired = set(), False
             if self._micro == 0 and self._rehook_swapped(
                     [p for g in self.param_groups for p in g["params"] if p.grad is not None]):
                 self._warn_once("swapped_zero", "a parameter's tensor was swapped (torch.utils."

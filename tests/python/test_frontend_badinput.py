@@ -437,6 +437,21 @@ def test_load_bad_step_changes_nothing(step):
     assert_unchanged(m, opt, snap)
 
 
+def test_load_accepts_json_keys_and_numpy_counts():
+    # what the stricter parsing must still take: a JSON round trip's string
+    # keys, numpy scalars and 0-d arrays (a review of this session's changes)
+    import numpy as np
+    m, opt = _two()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["automagic"]["skipped_by_param"] = {"1": 2}
+    sd["automagic"]["nonfinite_skips"] = np.int64(2)
+    sd["automagic"]["micro_step"] = np.array(0)
+    sd["state"][0]["step"] = np.float32(1.0)
+    opt.load_state_dict(sd)
+    assert opt.nonfinite_skips == 2 and opt._skipped == {1: 2}
+    assert opt.state[m[0].weight]["step"] == 1
+
+
 def test_load_refuses_a_huge_integer_scheduler_lr():
     # math.isfinite(10**400) raised OverflowError
     from automagic._checkpoint import CheckpointError
