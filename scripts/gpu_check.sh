@@ -88,8 +88,8 @@ fi
 # every other test.
 stage ctest_cuda 120 ctest_cuda.log \
   'AM_CUDA_TEST_LARGE=1 ctest --test-dir "$BUILD" --output-on-failure --timeout 110 -R cuda'
-stage ctest 100 ctest.log \
-  'ctest --test-dir "$BUILD" --output-on-failure --timeout 90 -j"$JOBS" -E cuda'
+stage ctest 130 ctest.log \
+  'ctest --test-dir "$BUILD" --output-on-failure --timeout 125 -j"$JOBS" -E cuda'
 grep -q "test_cuda .*Skipped" "$OUT/ctest_cuda.log" && {
   echo "ctest: test_cuda was SKIPPED (no device seen by the CUDA runtime)" | tee -a "$OUT/summary.txt"
   status=1
