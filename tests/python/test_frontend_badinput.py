@@ -427,12 +427,18 @@ def test_load_bad_bookkeeping_changes_nothing(key, value):
                                   2.5, "3", torch.tensor([1, 2])])
 def test_load_bad_step_changes_nothing(step):
     # inf raised OverflowError, a bool tensor loaded as step 1
+    _load_refused(lambda sd: sd["state"][0].update(step=step), "step must be an integer")
+
+
+def _load_refused(mutate, match):
+    """A dict of _two()'s, changed by mutate, is refused with match and
+    changes nothing."""
     from automagic._checkpoint import CheckpointError
     m, opt = _two()
     sd = copy.deepcopy(opt.state_dict())
+    mutate(sd)
     snap = snapshot(m, opt)
-    sd["state"][0]["step"] = step
-    with pytest.raises(CheckpointError, match="step must be an integer"):
+    with pytest.raises(CheckpointError, match=match):
         opt.load_state_dict(sd)
     assert_unchanged(m, opt, snap)
 
@@ -454,15 +460,8 @@ def test_load_accepts_json_keys_and_numpy_counts():
 
 def test_load_refuses_a_huge_integer_scheduler_lr():
     # math.isfinite(10**400) raised OverflowError
-    from automagic._checkpoint import CheckpointError
-    m, opt = _two()
-    sd = copy.deepcopy(opt.state_dict())
-    sd["param_groups"][0]["initial_lr"] = 1e-6
-    sd["param_groups"][0]["lr"] = 10 ** 400
-    snap = snapshot(m, opt)
-    with pytest.raises(CheckpointError, match="must be a finite number"):
-        opt.load_state_dict(sd)
-    assert_unchanged(m, opt, snap)
+    _load_refused(lambda sd: sd["param_groups"][0].update(initial_lr=1e-6, lr=10 ** 400),
+                  "must be a finite number")
 
 
 def test_load_seed_of_several_values_warns():
