@@ -30,6 +30,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -313,26 +314,72 @@ def torch_case(torch, shape, dtype, threads, Ref, reps, min_time):
 
 # ------------------------------------------------------------------ main
 
+def _int_list(text):
+    """argparse type: comma-separated positive integers (checked before any
+    measuring: a bad value raised a traceback after minutes of it)."""
+    try:
+        vals = [int(t) for t in text.split(",")]
+    except ValueError:
+        vals = []
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError("%r: comma-separated positive integers expected"
+                                         % text)
+    return vals
+
+
+def _dtype_list(text):
+    vals = text.split(",")
+    bad = [v for v in vals if v not in DTYPES]
+    if bad:
+        raise argparse.ArgumentTypeError("%s: not among %s" % (",".join(bad), ",".join(DTYPES)))
+    return vals
+
+
+def _check_out(ap, out):
+    """The output folder must take bench.json, bench.md and bench.png: found
+    out only when writing them, the whole run was lost."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        for name in ("bench.json", "bench.md", "bench.png"):
+            path = os.path.join(out, name)
+            if os.path.isdir(path):
+                raise OSError("%s is a directory" % path)
+        with tempfile.NamedTemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        ap.error("--out %s cannot take the results: %s" % (out, e))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small shapes, 1 rep: a smoke test")
-    ap.add_argument("--threads", default="1,2", help="thread counts (default 1,2)")
-    ap.add_argument("--dtypes", default=",".join(DTYPES))
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--quick", action="store_true",
+                    help="small shapes, 1 rep, no GPT-2 step (which needs about 9 GB): "
+                         "a smoke test")
+    ap.add_argument("--threads", default=[1, 2], type=_int_list,
+                    help="thread counts, comma-separated (default 1,2)")
+    ap.add_argument("--dtypes", default=list(DTYPES), type=_dtype_list,
+                    help="dtypes, comma-separated (default %s)" % ",".join(DTYPES))
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"),
+                    help="folder for bench.json, bench.md and bench.png (default: "
+                         "bench/results, the committed results, overwritten)")
     # not build/bench: a CMake tree configured in build/ puts its bench
     # subdirectory there, and two trees in one folder confuse each other
-    ap.add_argument("--build-dir", default=os.path.join(ROOT, "build", "bench-release"))
+    ap.add_argument("--build-dir", default=os.path.join(ROOT, "build", "bench-release"),
+                    help="where the Release build of the library and bench_kernels goes "
+                         "(default build/bench-release)")
     ap.add_argument("--no-gpt2", action="store_true", help="skip the GPT-2 small step")
+    ap.add_argument("--gpt2", action="store_true",
+                    help="with --quick: run the GPT-2 small step all the same")
     ap.add_argument("--no-lora", action="store_true", help="skip the LoRA step")
-    ap.add_argument("--lora-ranks", default="16",
+    ap.add_argument("--lora-ranks", default=[16], type=_int_list,
                     help="LoRA ranks to time, comma-separated (default 16; e.g. 4,8,16,32,64)")
     ap.add_argument("--threshold", action="store_true",
                     help="also measure small updates with and without threads "
                          "(the threading threshold)")
     args = ap.parse_args()
+    _check_out(ap, args.out)
 
     ensure_matplotlib()
-    os.makedirs(args.out, exist_ok=True)
     exe = build_bench(args.build_dir)
     import torch
     # The front end from this tree, on the library just built (the same code
@@ -345,8 +392,7 @@ def main():
         automagic._lib.lib.am_kernel_name().decode()), flush=True)
     Ref = load_reference()
 
-    threads = [int(t) for t in args.threads.split(",")]
-    dtypes = args.dtypes.split(",")
+    threads, dtypes = args.threads, args.dtypes
     shapes = QUICK_SHAPES if args.quick else SHAPES
     min_time, reps = (0.0, 1) if args.quick else (0.5, 3)
     result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
@@ -375,10 +421,10 @@ def main():
                 r = torch_case(torch, s, d, t, Ref, reps, min_time)
                 result["torch"].append({"shape": list(s), "dtype": d, "threads": t, **r})
 
-    if not args.no_gpt2:
+    if not args.no_gpt2 and (args.gpt2 or not args.quick):
         result["gpt2"] = gpt2_bench(torch, exe, threads[-1], Ref, 1 if args.quick else 7)
     if not args.no_lora:
-        for rank in [int(r) for r in args.lora_ranks.split(",")]:
+        for rank in args.lora_ranks:
             for t in threads:
                 result["lora"].append(lora_bench(torch, t, Ref, 2 if args.quick else 15, rank))
         for t in threads:
@@ -395,7 +441,7 @@ def main():
         f.write(markdown(result))
     png = os.path.join(args.out, "bench.png")
     plot(result, png)
-    print("\nwrote %s and %s" % (path, png))
+    print("\nwrote %s, %s and %s" % (path, os.path.join(args.out, "bench.md"), png))
 
 
 def gpt2_bench(torch, exe, threads, Ref, reps):

@@ -111,7 +111,7 @@ static int parse_args(int argc, char **argv, args *a) {
         {"quiet", no_argument, NULL, 'q'},         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0}};
     long long v;
-    int c;
+    int c, help = 0;
     a->steps = 8000;
     a->batch = 128;
     a->threads = 1;
@@ -141,7 +141,7 @@ static int parse_args(int argc, char **argv, args *a) {
         case 'o': a->out = optarg; break;
         case 'r': a->runs = optarg; break;
         case 'q': a->quiet = 1; break;
-        case 'h': usage(stdout, argv[0]); return 1;
+        case 'h': help = 1; break; /* after the other arguments are checked */
         /* a short option is named by optopt (inside a cluster such as -xq,
          * argv[optind - 1] is another argument); a long one by its word
          * (optopt holds its short letter when it is missing its value) */
@@ -159,13 +159,19 @@ static int parse_args(int argc, char **argv, args *a) {
                         argv[optind - 1]);
             else if (optopt)
                 fprintf(stderr, "amdemo: unknown option '-%c' (try --help)\n", optopt);
-            else fprintf(stderr, "amdemo: unknown option '%s' (try --help)\n", argv[optind - 1]);
+            else /* (getopt_long does not tell an abbreviation of two from none) */
+                fprintf(stderr, "amdemo: unknown or ambiguous option '%s' (try --help)\n",
+                        argv[optind - 1]);
             return -1;
         }
     }
     if (optind < argc) {
         fprintf(stderr, "amdemo: unexpected argument '%s' (try --help)\n", argv[optind]);
         return -1;
+    }
+    if (help) { /* (-h extra printed the help and ignored extra) */
+        usage(stdout, argv[0]);
+        return 1;
     }
     return 0;
 }

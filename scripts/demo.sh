@@ -28,8 +28,11 @@ if ! $PY -c "import matplotlib" >/dev/null 2>&1; then
   fi
 fi
 
-cmake -S . -B build/demo -DCMAKE_BUILD_TYPE=Release -DAM_BUILD_TESTS=OFF >/dev/null
-cmake --build build/demo -j"$(nproc)" --target amdemo >/dev/null
+# (build/demo-release, not build/demo: that is the demo folder of a build/
+# tree, as the README's C quick start makes, and two trees in one folder
+# broke its cmake --install; found by a review, thirty-third session)
+cmake -S . -B build/demo-release -DCMAKE_BUILD_TYPE=Release -DAM_BUILD_TESTS=OFF >/dev/null
+cmake --build build/demo-release -j"$(nproc)" --target amdemo >/dev/null
 
 # out/demo unless the arguments name another --out (the last one wins);
 # amdemo says where it wrote (AMDEMO_OUT_DIR_FILE): re-parsing its options
@@ -39,7 +42,7 @@ told=$(mktemp)
 trap 'rm -f "$told"' EXIT
 # (run from the caller's directory: relative paths in the arguments are
 # theirs; the default output stays the repository's out/demo)
-(cd "$caller" && AMDEMO_OUT_DIR_FILE="$told" "$root/build/demo/demo/amdemo" \
+(cd "$caller" && AMDEMO_OUT_DIR_FILE="$told" "$root/build/demo-release/demo/amdemo" \
   --out "$root/out/demo" "$@")
 if [ -s "$told" ]; then
   (cd "$caller" && $PY "$root/demo/plot.py" "$(cat "$told")")

@@ -29,13 +29,21 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REFERENCE = os.path.normpath(os.path.join(HERE, "..", "..", "..", "shared", "reference",
                                           "automagic3.py"))
 VOCAB = 27  # '.' (word boundary) and a..z, as in the C demo
+MAX_DATA_BYTES = 64 << 20
+# the C demo's ranges (demo/main.c)
+LIMITS = {"steps": 100000000, "batch": 65536, "context": 16, "embed": 1024, "hidden": 16384,
+          "threads": 1024}
 
 
 def load_words(path):
     """The lines made only of a..z (the C demo's rule: only the line end is
     dropped, CR LF too; a line with a space is not a word)."""
     with open(path, encoding="utf-8", errors="replace") as f:
-        words = [w[:-1] if w.endswith("\n") else w for w in f]  # (CR LF read as LF)
+        # (at most 64 MiB, as the C demo: /dev/zero filled the memory)
+        text = f.read(MAX_DATA_BYTES + 1)
+    if len(text) > MAX_DATA_BYTES:
+        raise ValueError("larger than 64 MiB")
+    words = [w[:-1] if w.endswith("\r") else w for w in text.split("\n")]
     words = [w for w in words if w and len(w) <= 64 and all("a" <= c <= "z" for c in w)]
     if len(words) < 10:
         raise ValueError("%s has %d usable words (lines of a-z only); need at least 10"
@@ -131,9 +139,9 @@ def parse_args(argv=None):
                    help="seed of the split, init, batches and rounding (default 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = p.parse_args(argv)
-    for k in ("steps", "batch", "context", "embed", "hidden", "threads"):
-        if getattr(args, k) < 1:
-            p.error("--%s must be at least 1" % k)
+    for k, top in LIMITS.items():
+        if not 1 <= getattr(args, k) <= top:
+            p.error("--%s must be in [1, %d], as the C demo's" % (k, top))
     if not 0 < args.adamw_lr < math.inf:
         p.error("--adamw-lr must be positive and finite")
     if not 0 <= args.seed < 2 ** 64:
