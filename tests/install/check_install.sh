@@ -96,9 +96,10 @@ Cflags: $(pkg-config --cflags libcjson)
 PC
 PKG_CONFIG_PATH="$tmp/cjson/lib/pkgconfig" cmake -S "$root" -B "$tmp/build_cj" \
   -DAM_BUILD_TESTS=OFF -DAM_BUILD_EXAMPLES=OFF -DAM_BUILD_DEMO=OFF -DAM_CUDA=OFF >/dev/null
-grep -qx "Libs.private: -L$tmp/cjson/lib -lcjson -lz -lm -pthread" "$tmp/build_cj/automagic.pc" ||
+# (-ldl where CMake's CMAKE_DL_LIBS names it: src/pin_self.c's dlopen)
+grep -qxE "Libs.private: -L$tmp/cjson/lib -lcjson -lz -lm -pthread( -ldl)?" "$tmp/build_cj/automagic.pc" ||
   { grep Libs "$tmp/build_cj/automagic.pc"; echo "install: cJSON's -L missing from Libs.private"; exit 1; }
-grep -qx "Libs.private: -lcjson -lz -lm -pthread" "$tmp/prefix/lib/pkgconfig/automagic.pc" ||
+grep -qxE "Libs.private: -lcjson -lz -lm -pthread( -ldl)?" "$tmp/prefix/lib/pkgconfig/automagic.pc" ||
   { grep Libs "$tmp/prefix/lib/pkgconfig/automagic.pc"; echo "install: Libs.private changed"; exit 1; }
 echo "install: pkg-config and CMake consumers built and ran: $a"
 echo "install: shared-only consumers without libcjson's pkg-config file built and ran"
