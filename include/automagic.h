@@ -29,6 +29,11 @@
  *     moment; am_state_get_sizes).
  *   - Nothing here exits, aborts or prints. Messages go to the optional log
  *     callback (am_set_log_callback()).
+ *   - Names beginning with am_ and AM_ belong to the library: the static
+ *     library (libautomagic.a) also defines internal functions with that
+ *     prefix (am_log, am_parallel_for, ...), so a program linking it must
+ *     not define its own am_* functions. The shared library exports only
+ *     this header's functions.
  *   - The updates compute in IEEE defaults (round to nearest even, no
  *     flush-to-zero or denormals-are-zero, exceptions masked) on every
  *     thread, whatever the caller's floating-point control register holds
@@ -366,7 +371,12 @@ AM_API am_status am_update_batch_workspace(const am_batch_item *items, int64_t n
  * one thread (AM_ERR_BUFFER_SIZE), or no memory for the sharing check
  * (AM_ERR_OUT_OF_MEMORY) return that error with nothing modified but the
  * items' status fields (the failing item's holds the error, the others
- * AM_ERR_INVALID_ARGUMENT: not run). items NULL with n > 0:
+ * AM_ERR_INVALID_ARGUMENT: not run). The items' descriptors (the am_tensor
+ * structs and their dims, the am_hparams, the am_state struct) must not lie
+ * in memory the batch writes (a parameter, a state buffer, a report): an
+ * earlier item's update would change a later item's arguments after the
+ * check, and that item then fails with its own status while the call
+ * returns AM_OK. items NULL with n > 0:
  * AM_ERR_NULL_POINTER; n < 0: AM_ERR_INVALID_ARGUMENT; n == 0: AM_OK.
  * Otherwise every item is updated and its status set (AM_OK, or a skip
  * for a non-finite gradient, which leaves that item as it was), and the
@@ -741,8 +751,10 @@ AM_API am_status am_optimizer_set_hparams(am_optimizer *opt, const am_hparams *h
  * umask. Errors: AM_ERR_NULL_POINTER, AM_ERR_INVALID_ARGUMENT (path is ""),
  * AM_ERR_OUT_OF_MEMORY, AM_ERR_UNSUPPORTED (so many parameters, about a
  * million, that the header would pass the 100 MiB limit loaders enforce),
- * AM_ERR_IO (path is a directory, or a device, FIFO or socket, which is
- * left as it is; or the log callback says what failed; the temporary file is
+ * AM_ERR_IO (path is a directory, or a device, FIFO or socket, or a
+ * symbolic link to one, which is left as it is; a symbolic link to a regular
+ * file is replaced by the new file, its target left as it was; or the log
+ * callback says what failed; the temporary file is
  * removed and path is untouched, except when only the final fsync of the
  * directory failed: path then already holds the new checkpoint, whose
  * rename may not survive a power cut).

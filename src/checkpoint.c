@@ -229,7 +229,13 @@ static int add_tensor_json(cJSON *root, int32_t p, int f, const ck_tensor *t) {
     int ok = e != NULL;
     snprintf(name, sizeof name, "param.%d.%s", (int)p, k_field[f]);
     if (!ok) return 0;
-    cJSON_AddItemToObject(root, name, e);
+    /* cJSON copies the key: that allocation may fail, leaving e unattached
+     * (a header missing this tensor, saved as if whole; found by a review's
+     * allocation-failure sweep, thirty-fourth session). */
+    if (!cJSON_AddItemToObject(root, name, e)) {
+        cJSON_Delete(e);
+        return 0;
+    }
     ok = cJSON_AddStringToObject(e, "dtype", t->dtype) != NULL;
     shape = cJSON_AddArrayToObject(e, "shape");
     offs = cJSON_AddArrayToObject(e, "data_offsets");

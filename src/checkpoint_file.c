@@ -96,19 +96,25 @@ am_status am_optimizer_save(const am_optimizer *o, const char *path) {
     AM_RETURN_IF(!*path, AM_ERR_INVALID_ARGUMENT, "am_optimizer_save: path is empty");
     {   /* named as such: "dir/" was "writing dir/ failed: Not a directory"
          * (the rename's error; found by a review, twenty-fourth session).
-         * lstat: a symbolic link, to a directory too, is replaced by the
-         * checkpoint as before (the rename replaces the link itself). A
-         * device, FIFO or socket is refused, as the load refuses it: the
+         * A device, FIFO or socket is refused, as the load refuses it: the
          * rename replaced it with a regular file (/dev/null, which a
          * trainer may pass to turn checkpoints off, as root; found by a
-         * review, thirty-second session) */
-        struct stat sb;
+         * review, thirty-second session). A symbolic link to a regular
+         * file (or to nothing) is replaced by the checkpoint (the rename
+         * replaces the link, not its target); one to a directory or a
+         * device is refused like them (it was replaced: thirty-fourth
+         * session's review). */
+        struct stat sb, tb;
         const int there = lstat(path, &sb) == 0;
+        const int link = there && S_ISLNK(sb.st_mode);
+        if (link && stat(path, &tb) == 0) sb = tb; /* what the link names */
         AM_RETURN_IF(there && S_ISDIR(sb.st_mode), AM_ERR_IO,
-                     "am_optimizer_save: %s is a directory", path);
+                     "am_optimizer_save: %s is a directory%s", path,
+                     link ? " (through a symbolic link)" : "");
         AM_RETURN_IF(there && !S_ISREG(sb.st_mode) && !S_ISLNK(sb.st_mode), AM_ERR_IO,
                      "am_optimizer_save: %s is not a regular file (a device, FIFO or "
-                     "socket): left as it is, nothing saved", path);
+                     "socket%s): left as it is, nothing saved", path,
+                     link ? ", through a symbolic link" : "");
     }
     plen = strlen(path);
     tmp = (char *)malloc(plen + 48);

@@ -13,6 +13,7 @@
 #include <cmocka.h>
 
 #include "test_image.h"
+#include <cjson/cJSON.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -644,6 +645,47 @@ static void test_file_errors(void **unused) {
         assert_true(S_ISFIFO(sb.st_mode));
         assert_int_equal(count_tmp_files(), 0);
     }
+    { /* symbolic links: to the FIFO or to a directory, refused like them
+       * and left as links (they were replaced by a regular file:
+       * thirty-fourth session's review); to a regular file, replaced by
+       * the checkpoint, the target left as it was */
+        char link[160], dir[160], file[160];
+        struct stat sb;
+        FILE *t;
+        snprintf(link, sizeof link, "%s/link", g_dir);
+        snprintf(dir, sizeof dir, "%s/ldir", g_dir);
+        snprintf(file, sizeof file, "%s/target", g_dir);
+        assert_int_equal(symlink(path, link), 0);
+        g_last_log[0] = '\0';
+        assert_int_equal(am_optimizer_save(a.opt, link), AM_ERR_IO);
+        assert_non_null(strstr(g_last_log, "is not a regular file"));
+        assert_int_equal(lstat(link, &sb), 0);
+        assert_true(S_ISLNK(sb.st_mode));
+        unlink(link);
+        assert_int_equal(mkdir(dir, 0700), 0);
+        assert_int_equal(symlink(dir, link), 0);
+        g_last_log[0] = '\0';
+        assert_int_equal(am_optimizer_save(a.opt, link), AM_ERR_IO);
+        assert_non_null(strstr(g_last_log, "is a directory (through a symbolic link)"));
+        assert_int_equal(lstat(link, &sb), 0);
+        assert_true(S_ISLNK(sb.st_mode));
+        assert_int_equal(count_tmp_files(), 0);
+        unlink(link);
+        rmdir(dir);
+        t = fopen(file, "wb");
+        assert_non_null(t);
+        fputs("old", t);
+        fclose(t);
+        assert_int_equal(symlink(file, link), 0);
+        assert_int_equal(am_optimizer_save(a.opt, link), AM_OK);
+        assert_int_equal(lstat(link, &sb), 0);
+        assert_true(S_ISREG(sb.st_mode));
+        assert_int_equal(am_optimizer_load(a.opt, link), AM_OK);
+        assert_int_equal(stat(file, &sb), 0);
+        assert_int_equal(sb.st_size, 3);
+        unlink(link);
+        unlink(file);
+    }
     unlink(path);
     snprintf(path, sizeof path, "%s/empty", g_dir);
     f = fopen(path, "wb");
@@ -734,6 +776,71 @@ static void test_save_memory_sizes(void **unused) {
     am_optimizer_destroy(a.opt);
 }
 
+/* cJSON's allocations made to fail one at a time (the k-th of one save, for
+ * every k): a save either fails, leaving the previous checkpoint as it was,
+ * or writes one that loads into the same state. cJSON_AddItemToObject's copy
+ * of a tensor's key failing left that tensor out of the header of a file
+ * saved with AM_OK (thirty-fourth session's review). */
+static long g_alloc_n, g_alloc_fail_at;
+static void *failing_malloc(size_t n) {
+    if (g_alloc_fail_at > 0 && ++g_alloc_n == g_alloc_fail_at) return NULL;
+    return malloc(n);
+}
+
+static void test_save_allocation_failures(void **unused) {
+    model a;
+    char path[128];
+    cJSON_Hooks hooks = {failing_malloc, free};
+    unsigned char *good;
+    size_t ngood, m = 0;
+    long k, failed = 0, saved = 0;
+    (void)unused;
+    model_init(&a, 5);
+    train(&a, 0, 3, 2);
+    snprintf(path, sizeof path, "%s/oom.safetensors", g_dir);
+    assert_int_equal(am_optimizer_save(a.opt, path), AM_OK);
+    good = t_image(a.opt, &ngood);
+    cJSON_InitHooks(&hooks);
+    for (k = 1;; k++) {
+        am_status s, sm;
+        model b;
+        unsigned char *img = malloc(ngood);
+        assert_non_null(img);
+        g_alloc_n = 0;
+        g_alloc_fail_at = k;
+        s = am_optimizer_save(a.opt, path);
+        g_alloc_fail_at = 0;
+        if (s == AM_OK) saved++;
+        else {
+            assert_int_equal(s, AM_ERR_OUT_OF_MEMORY);
+            failed++;
+        }
+        /* the file is a whole checkpoint either way */
+        model_init(&b, 6);
+        assert_int_equal(am_optimizer_load(b.opt, path), AM_OK);
+        assert_same_image(a.opt, b.opt);
+        am_optimizer_destroy(b.opt);
+        assert_int_equal(count_tmp_files(), 0);
+        /* the same for the image in memory */
+        g_alloc_n = 0;
+        g_alloc_fail_at = k;
+        sm = am_optimizer_save_memory(a.opt, img, ngood, &m);
+        g_alloc_fail_at = 0;
+        if (sm == AM_OK) {
+            assert_int_equal(m, ngood);
+            assert_memory_equal(img, good, ngood);
+        } else
+            assert_int_equal(sm, AM_ERR_OUT_OF_MEMORY);
+        free(img);
+        if (g_alloc_n < k) break; /* no allocation left to fail */
+    }
+    cJSON_InitHooks(NULL);
+    assert_true(failed >= 10); /* every tensor's entry and key was reached */
+    assert_true(saved >= 1);
+    free(good);
+    am_optimizer_destroy(a.opt);
+}
+
 /* An optimizer without parameters round-trips too (empty data section). */
 static void test_no_params(void **unused) {
     am_optimizer *a, *b;
@@ -766,6 +873,7 @@ int main(void) {
         cmocka_unit_test(test_mismatch),
         cmocka_unit_test(test_file_errors),
         cmocka_unit_test(test_save_memory_sizes),
+        cmocka_unit_test(test_save_allocation_failures),
         cmocka_unit_test(test_no_params),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
