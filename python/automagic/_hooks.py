@@ -23,8 +23,20 @@ class _FusedMixin:
         unfrozen the copy never updated it in backward where the original
         did; found by a randomized review, twenty-fourth session)."""
         for pos, p in enumerate(group["params"]):
-            index = len(self._param_index)
-            self._param_index[p] = index
+            index = self._param_index.get(p)
+            if index is not None:
+                # Moved here from another group (removed from its list, then
+                # add_param_group): it keeps its index (its noise key) and,
+                # where its hook is still attached, that hook, which finds
+                # the group that lists it now. A second hook queued it twice
+                # and the second update found p.grad gone, inside backward
+                # (found by a review, thirty-fourth session).
+                hooks = getattr(p, "_post_accumulate_grad_hooks", None) or ()
+                if index in self._hooked and self._hook_ids.get(index) in hooks:
+                    continue
+            else:
+                index = len(self._param_index)
+                self._param_index[p] = index
             frozen_hooked = (hooked is not None and index in hooked and not p.requires_grad
                              and p.is_leaf)
             if self.fused and (p.requires_grad or frozen_hooked):

@@ -253,6 +253,7 @@ class _StateDictMixin:
         fired = d.pop("window_fired", _ABSENT)
         d.setdefault("batch_updates", True)  # pickled before these were kept
         d["_fused_batch_bytes"] = d.pop("fused_batch_bytes", 4 << 20)
+        d["_fused"] = d.pop("fused")
         super().__setstate__(d)
         self.register_state_dict_post_hook(_add_automagic_entry, prepend=True)
         self._init_runtime()

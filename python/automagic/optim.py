@@ -109,7 +109,7 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
             raise ValueError("Automagic3: lr_schedule must be 'ignore' or 'scale', got %r"
                              % (lr_schedule,))
         self.seed = seed
-        self.fused = fused
+        self._fused = bool(fused)
         self.accumulation_steps = accumulation_steps
         self.nonfinite = nonfinite
         self.lr_schedule = lr_schedule
@@ -143,6 +143,27 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
             warnings.warn("Automagic3: fused=True updates each parameter inside backward, "
                           "before data-parallel gradient reduction; use fused=False and "
                           "call step() after backward", UserWarning, stacklevel=2)
+
+    @property
+    def fused(self) -> bool:
+        """Fused mode (updates inside backward). Setting it to False is
+        remove_hooks(); setting it back to True is refused: create the
+        optimizer with fused=True (an assignment was ignored, the hooks went
+        on updating in backward; found by a review, thirty-fourth
+        session)."""
+        return self._fused
+
+    @fused.setter
+    def fused(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError("Automagic3: fused must be True or False, got %r" % (value,))
+        if value == self._fused:
+            return
+        if value:
+            raise ValueError("Automagic3: fused mode is chosen at construction "
+                             "(Automagic3(..., fused=True) registers the backward hooks); "
+                             "it cannot be switched on later")
+        self.remove_hooks()
 
     @property
     def fused_batch_bytes(self) -> int:
@@ -462,7 +483,7 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         self._fill_groups()
         if self._initialise_only():
             return loss
-        todo, index_of, swapped = [], self._param_index, set()
+        todo, index_of, swapped, seen = [], self._param_index, set(), set()
         for group in self.param_groups:
             ps = [p for p in group["params"] if p.grad is not None]
             if self.fused:
@@ -480,7 +501,26 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
                             "(warned once)")
                 ps = [p for p in ps if index_of.get(p) not in self._hooked or id(p) in swapped]
             if ps:
-                todo.append((group, ps))
+                # A parameter listed twice by hand (in two groups, or twice in
+                # one list): updated once, with its first group, as its hook
+                # does in fused mode; the second update found p.grad gone,
+                # after every parameter was updated (found by a review,
+                # thirty-fourth session).
+                once, dup = [], None
+                for p in ps:
+                    if id(p) in seen:
+                        dup = p
+                    else:
+                        seen.add(id(p))
+                        once.append(p)
+                if dup is not None:
+                    self._warn_once("listed_twice", "a parameter of shape %s is listed more "
+                                    "than once in param_groups (put in by hand): updated "
+                                    "once, with the hyperparameters of the first group that "
+                                    "lists it (warned once)" % (tuple(dup.shape),))
+                    ps = once
+                if ps:
+                    todo.append((group, ps))
         check, cpu_only = self._check, True
         for group, ps in todo:
             key = _group_key(group)
@@ -668,6 +708,6 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
             self._steps.close()
             _remove_hooks(self._hook_handles)
             self._hooked = set()
-            self.fused = False
+            self._fused = False
             self.accumulation_steps = 1
             self._micro = 0  # (a stale position was saved in the state_dict)

@@ -325,3 +325,89 @@ def test_second_optimizer_on_hooked_parameters_warns(fused):
         del third, sched, first
         gc.collect()
         automagic.Automagic3(m.parameters(), fused=fused).remove_hooks()
+
+
+@pytest.mark.parametrize("fused_batch_bytes", [4 << 20, 0])
+def test_parameter_moved_with_add_param_group_as_in_step_mode(fused_batch_bytes):
+    # torch's way to give one parameter its own hyperparameters: remove it
+    # from its group, then add_param_group. It was given a second index and
+    # a second hook: its small update was queued twice, and the second found
+    # p.grad gone, raising inside backward at every later pass (thirty-
+    # fourth session's review). Now it keeps its index (its noise key) and
+    # its hook: fused mode equals step mode, with the new group's decay.
+    results = {}
+    for mode in ("step", "fused", "unmoved"):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Linear(16, 2)).to(torch.bfloat16)
+        fused = mode != "step"
+        opt = automagic.Automagic3(m.parameters(), lr=1e-3, fused=fused)
+        opt.fused_batch_bytes = fused_batch_bytes
+        torch.manual_seed(1)
+        for i in range(6):
+            if i == 3 and mode != "unmoved":
+                w = m[0].weight
+                g0 = opt.param_groups[0]["params"]
+                g0.pop(next(k for k, q in enumerate(g0) if q is w))
+                opt.add_param_group({"params": [w], "weight_decay": 0.5})
+                assert _hooks(w) == (1 if fused else 0)
+            m(torch.randn(3, 4, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        assert [opt.state[p]["step"] for p in m.parameters()] == [6] * 4
+        results[mode] = [p.detach().clone() for p in m.parameters()]
+    for a, b in zip(results["fused"], results["step"]):
+        assert torch.equal(a, b)
+    assert not torch.equal(results["fused"][0], results["unmoved"][0])  # the decay applies
+
+
+def test_parameter_listed_twice_by_hand_is_updated_once():
+    # A parameter appended to a second group by hand without leaving the
+    # first (or twice to one list): step mode put it into its update list
+    # twice and raised an AttributeError after updating every parameter.
+    # Now updated once, with its first group, as its hook does in fused
+    # mode, and warned.
+    results = []
+    for twice in (False, True):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(4, 4)
+        with torch.no_grad():
+            m.weight.copy_(torch.arange(16.0).reshape(4, 4) / 16)
+        opt = automagic.Automagic3(m.parameters(), lr=1e-3, fused=False)
+        if twice:
+            opt.param_groups.append(dict(opt.param_groups[0], params=[m.weight],
+                                         weight_decay=0.1))
+            opt.param_groups[0]["params"].append(m.bias)
+        for i in range(3):
+            torch.manual_seed(2)
+            m(torch.randn(2, 4)).sum().backward()
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                opt.step()
+            assert any("listed more than once" in str(x.message) for x in w) == (twice and i == 0)
+            opt.zero_grad()
+        assert [opt.state[p]["step"] for p in m.parameters()] == [3, 3]
+        results.append([p.detach().clone() for p in m.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_setting_fused_false_is_remove_hooks():
+    # opt.fused = False was ignored: the hooks went on updating in backward
+    # and step() did nothing (so clip_grad_norm_ saw no gradient).
+    m = _model()
+    opt = automagic.Automagic3(m.parameters(), lr=1e-3)
+    opt.fused = True  # (no change)
+    opt.fused = False
+    assert all(_hooks(p) == 0 for p in m.parameters())
+    m(torch.randn(8, 16)).square().mean().backward()
+    assert all(p.grad is not None for p in m.parameters())
+    assert torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0) > 0
+    opt.step()
+    assert all(opt.state[p]["step"] == 1 for p in m.parameters())
+    with pytest.raises(ValueError, match="chosen at construction"):
+        opt.fused = True
+    with pytest.raises(TypeError, match="fused must be True or False"):
+        opt.fused = 0
+    assert opt.fused is False
+    opt2 = copy.deepcopy(opt)  # (pickled under its old key)
+    assert opt2.fused is False
