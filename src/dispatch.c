@@ -143,7 +143,8 @@ int am_cpu_has_avx512(void) {
 
 static char g_debug_msg[512];       /* AUTOMAGIC_DEBUG's message (choose) */
 static atomic_int g_debug_pending;  /* 1 until ensure_chosen logs it */
-static char g_warn_msg[160];        /* a bad AUTOMAGIC_TUNING (choose) */
+static char g_warn_msg[400];        /* a bad AUTOMAGIC_TUNING or _PAR_MIN_BYTES (choose) */
+static int g_warn_pmb;              /* AUTOMAGIC_PAR_MIN_BYTES was refused (choose) */
 static atomic_int g_warn_pending;   /* 1 until ensure_chosen logs it */
 
 static void choose(void) {
@@ -155,13 +156,32 @@ static void choose(void) {
     const char *no512 = getenv("AUTOMAGIC_NO_AVX512"); /* (for the message below) */
     const char *why = "no optimised kernels for this CPU";
     pthread_once(&g_cpu_once, detect);
-    if (pmb && pmb[0]) g_par_min_bytes = atof(pmb);
+    if (pmb && pmb[0]) {
+        /* a whole finite number >= 0; anything else is ignored with a
+         * warning (atof took "abc" and "2MiB" as 0 and 2, which sent every
+         * loop to the pool, and "nan" or "inf" turned threading off;
+         * found by a review, thirty-fourth session) */
+        char *end;
+        const double v = strtod(pmb, &end);
+        if (end != pmb && *end == '\0' && v >= 0 && v <= 1e300)
+            g_par_min_bytes = v;
+        else
+            g_warn_pmb = 1;
+    }
     atomic_store(&g_sw_prefetch, pf && (pf[0] == '0' || pf[0] == '1') ? pf[0] == '1' : !g_is_amd);
-    if (g_tuning_env < 0) {
-        snprintf(g_warn_msg, sizeof g_warn_msg,
-                 "automagic: AUTOMAGIC_TUNING='%.40s' is not zen4 or zen5: ignored (the "
-                 "CPU's default, %s, is used)",
-                 g_tuning_bad, atomic_load(&g_zen4) ? "zen4" : "zen5");
+    if (g_tuning_env < 0 || g_warn_pmb) {
+        int n = 0;
+        if (g_tuning_env < 0)
+            n = snprintf(g_warn_msg, sizeof g_warn_msg,
+                         "automagic: AUTOMAGIC_TUNING='%.40s' is not zen4 or zen5: ignored "
+                         "(the CPU's default, %s, is used)%s",
+                         g_tuning_bad, atomic_load(&g_zen4) ? "zen4" : "zen5",
+                         g_warn_pmb ? "; " : "");
+        if (g_warn_pmb && n >= 0 && (size_t)n < sizeof g_warn_msg)
+            snprintf(g_warn_msg + n, sizeof g_warn_msg - (size_t)n,
+                     "automagic: AUTOMAGIC_PAR_MIN_BYTES='%.40s' is not a number of bytes "
+                     ">= 0: ignored (%.0f is used)",
+                     pmb, g_par_min_bytes);
         atomic_store(&g_warn_pending, 1);
     }
     g_best = am_kernels_portable() ? am_kernels_portable() : &am_kernels_ref;
@@ -226,10 +246,10 @@ static void ensure_chosen(void) {
     pthread_once(&g_once, choose);
     if (atomic_load_explicit(&g_warn_pending, memory_order_relaxed) &&
         atomic_exchange(&g_warn_pending, 0))
-        am_log(AM_LOG_WARNING, "%s", g_warn_msg);
+        am_log_global(AM_LOG_WARNING, "%s", g_warn_msg);
     if (atomic_load_explicit(&g_debug_pending, memory_order_relaxed) &&
         atomic_exchange(&g_debug_pending, 0))
-        am_log(AM_LOG_INFO, "%s", g_debug_msg);
+        am_log_global(AM_LOG_INFO, "%s", g_debug_msg);
 }
 
 int am_cpu_has_avx2(void) {

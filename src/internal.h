@@ -22,6 +22,15 @@ void am_log(am_log_level level, const char *fmt, ...)
 #endif
     ;
 
+/* am_log for a process-wide message (the kernel choice, a bad environment
+ * variable): neither muted nor prefixed with the calling thread's item or
+ * parameter (am_log_mute, am_log_item). */
+void am_log_global(am_log_level level, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
 /* Mutes (on = 1) or unmutes am_log on the calling thread; returns the
  * previous setting. For a call whose failure the caller handles itself
  * (am_optimizer_update_all's batch, refused for shared memory, falls back
