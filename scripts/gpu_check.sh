@@ -76,20 +76,21 @@ echo "GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=cs
 export OUT BUILD JOBS PY
 export CMAKE_EXTRA_ARGS="${CMAKE_EXTRA[*]}"
 if ! stage build 150 build.log \
-  'cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DAM_CUDA=ON -DAM_WERROR=ON $CMAKE_EXTRA_ARGS &&
+  'cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DAM_CUDA=ON $CMAKE_EXTRA_ARGS &&
    cmake --build "$BUILD" -j"$JOBS"'; then
   echo "build failed: nothing else can run" | tee -a "$OUT/summary.txt"
   exit 1
 fi
 
-# C: the CUDA tests first, in a stage of their own (test_cuda on the GPU with
-# the 1 x 100M and 50000 x 4096 cases, the plan's emulation), so that the
-# scarce GPU time gives their result even if the CPU tests run long; then
-# every other test.
+# C: the GPU test first, in a stage of its own (test_cuda with the 1 x 100M
+# and 50000 x 4096 cases), so that the scarce GPU time gives its result even
+# if the CPU tests run long; then every other test (the CUDA plan's and
+# kernels' emulations among them). Built without -Werror here: a newer
+# compiler's new warning must not cost the one GPU run (CI keeps -Werror).
 stage ctest_cuda 120 ctest_cuda.log \
-  'AM_CUDA_TEST_LARGE=1 ctest --test-dir "$BUILD" --output-on-failure --timeout 110 -R cuda'
+  'AM_CUDA_TEST_LARGE=1 ctest --test-dir "$BUILD" --output-on-failure --timeout 110 -R "^test_cuda$"'
 stage ctest 130 ctest.log \
-  'ctest --test-dir "$BUILD" --output-on-failure --timeout 125 -j"$JOBS" -E cuda'
+  'ctest --test-dir "$BUILD" --output-on-failure --timeout 125 -j"$JOBS" -E "^test_cuda$"'
 grep -q "test_cuda .*Skipped" "$OUT/ctest_cuda.log" && {
   echo "ctest: test_cuda was SKIPPED (no device seen by the CUDA runtime)" | tee -a "$OUT/summary.txt"
   status=1

@@ -153,9 +153,16 @@ def _skips(opt, device):
 
 def nonfinite_skips(opt) -> int:
     """Updates of CUDA parameters skipped for a non-finite gradient or update
-    (synchronises with the devices that hold the counts)."""
+    (synchronises with the devices that hold the counts: every stream, as
+    an update on a side stream adds to its count there, which .item() on
+    the current stream alone did not wait for; found by a review,
+    thirty-fourth session)."""
     table = opt.__dict__.get("_am_cuda_skips", {})
-    return int(sum(int(t.item()) for t in table.values()))
+    total = 0
+    for t in table.values():
+        torch.cuda.synchronize(t.device)
+        total += int(t.item())
+    return total
 
 
 def library_present() -> bool:

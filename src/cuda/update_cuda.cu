@@ -24,6 +24,7 @@ extern "C" {
 }
 
 #include "kernels.cuh"
+#include "am_cuda_launch.h"
 
 namespace {
 
@@ -39,7 +40,7 @@ unsigned counter_grid(int64_t n) {
     return g < AM_COUNTER_BLOCKS ? g : AM_COUNTER_BLOCKS;
 }
 
-/* Each launch's error is checked at once (AM_TRY_LAUNCH): a launch that
+/* Each launch's error is checked at once (gpu_launcher): a launch that
  * fails (a kernel that could not be loaded on this device, say, with the
  * memory held by a caching allocator) stops the plan there. Before, the
  * plan went on and the later kernels read sums and factors a previous
@@ -69,45 +70,43 @@ cudaError_t launch_count(const am_ck_args &a, int id, cudaStream_t s) {
     return cudaGetLastError();
 }
 
-#define AM_TRY_LAUNCH(call)                                                   \
-    do {                                                                      \
-        cudaError_t e_ = (call);                                              \
-        if (e_ != cudaSuccess) return e_;                                     \
-    } while (0)
+/* The launcher of am_cuda_launch.h: the kernels on stream s, each launch's
+ * error checked at once. */
+struct gpu_launcher {
+    typedef cudaError_t error;
+    cudaStream_t s;
+    static cudaError_t ok() { return cudaSuccess; }
+    template <int ID>
+    cudaError_t elem(const am_ck_args &a) { return launch_elem<ID>(a, s); }
+    template <int ID>
+    cudaError_t lanes(const am_ck_args &a) { return launch_lanes<ID>(a, s); }
+    cudaError_t count(const am_ck_args &a, int id) { return launch_count(a, id, s); }
+    cudaError_t agree(const am_ck_args &a) {
+        int64_t n = am_ck_threads(&a, AM_CK_AGREE);
+        if (n > 0) am_k_agree<<<counter_grid(n), AM_CUDA_BLOCK, 0, s>>>(a, n);
+        return cudaGetLastError();
+    }
+    /* one lr-row per block */
+    cudaError_t row_finish(const am_ck_args &a) {
+        int64_t n = am_ck_threads(&a, AM_CK_ROW_FINISH);
+        if (n > 0)
+            am_k_row_finish<<<(unsigned)(n < kMaxBlocks ? n : kMaxBlocks), AM_CUDA_BLOCK, 0,
+                              s>>>(a, n);
+        return cudaGetLastError();
+    }
+    cudaError_t finish_flat(const am_ck_args &a) {
+        int64_t n = am_ck_threads(&a, AM_CK_FINISH_FLAT);
+        if (n > 0) am_k_finish_flat<<<counter_grid(n), AM_CUDA_BLOCK, 0, s>>>(a, n);
+        return cudaGetLastError();
+    }
+};
 
-/* The plan after AM_CK_INIT, in the order of the AM_CK_* ids; the first
- * launch error, or cudaSuccess. */
+/* The plan after AM_CK_INIT (am_cuda_launch.h); the first launch error, or
+ * cudaSuccess. */
 cudaError_t launch_plan(const am_ck_args &a, cudaStream_t s) {
-    int64_t n;
-    AM_TRY_LAUNCH(launch_lanes<AM_CK_LANES_G2>(a, s));
-    AM_TRY_LAUNCH(launch_elem<AM_CK_ROWS>(a, s));
-    AM_TRY_LAUNCH(launch_count(a, AM_CK_COUNT_FAC, s));
-    AM_TRY_LAUNCH(launch_elem<AM_CK_COLS_RMEAN>(a, s));
-    AM_TRY_LAUNCH(launch_elem<AM_CK_COLS_FINAL>(a, s));
-    AM_TRY_LAUNCH(launch_elem<AM_CK_WSUM>(a, s));
-    AM_TRY_LAUNCH(launch_elem<AM_CK_WSUM_BLOCKS>(a, s));
-    AM_TRY_LAUNCH(launch_elem<AM_CK_WSUM_U2>(a, s));
-    AM_TRY_LAUNCH(launch_lanes<AM_CK_LANES_U2>(a, s));
-    AM_TRY_LAUNCH(launch_elem<AM_CK_TILE_U2>(a, s));
-    AM_TRY_LAUNCH(launch_lanes<AM_CK_LANES_FLAT>(a, s));
-    AM_TRY_LAUNCH(launch_elem<AM_CK_GROUP_U2>(a, s));
-    AM_TRY_LAUNCH(launch_elem<AM_CK_SUM_U2>(a, s));
-    AM_TRY_LAUNCH(launch_count(a, AM_CK_COUNT_FLAT, s));
-    AM_TRY_LAUNCH(launch_elem<AM_CK_DECIDE>(a, s));
-    n = am_ck_threads(&a, AM_CK_AGREE);
-    if (n > 0) am_k_agree<<<counter_grid(n), AM_CUDA_BLOCK, 0, s>>>(a, n);
-    AM_TRY_LAUNCH(cudaGetLastError());
-    AM_TRY_LAUNCH(launch_elem<AM_CK_BUMP>(a, s));
-    AM_TRY_LAUNCH(launch_elem<AM_CK_APPLY>(a, s));
-    n = am_ck_threads(&a, AM_CK_ROW_FINISH);
-    if (n > 0)
-        am_k_row_finish<<<(unsigned)(n < kMaxBlocks ? n : kMaxBlocks), AM_CUDA_BLOCK, 0, s>>>(a, n);
-    AM_TRY_LAUNCH(cudaGetLastError());
-    AM_TRY_LAUNCH(launch_elem<AM_CK_COMMIT>(a, s));
-    n = am_ck_threads(&a, AM_CK_FINISH_FLAT);
-    if (n > 0) am_k_finish_flat<<<counter_grid(n), AM_CUDA_BLOCK, 0, s>>>(a, n);
-    AM_TRY_LAUNCH(cudaGetLastError());
-    return launch_elem<AM_CK_REPORT>(a, s);
+    gpu_launcher l;
+    l.s = s;
+    return am_cuda_launch_plan(l, a);
 }
 
 /* With lazy module loading (the CUDA 12+ default) a kernel is loaded at its
