@@ -1100,6 +1100,69 @@ static void test_counted_agreement_underflow(void **unused) {
     free(ws);
 }
 
+/* One lr-row of 1031 x 1023 (over 2^20 elements) on two threads is split in
+ * chunks of rows (update.c, finish_split), each counting its agreement when
+ * the stats pass's count is not valid: here one positive gradient of 1e-44
+ * among values of about 100, whose u / scale underflows to 0. Dropping one
+ * chunk's count changed the lr and every later bit on two threads only, and
+ * no test saw it (a mutation test, thirty-fourth session): scalar, best on
+ * one thread and best on two must agree bit for bit. */
+static void test_split_rows_fallback_agreement(void **unused) {
+    const am_shape sh = {3, {1, 1031, 1023}};
+    static const struct { int scalar, threads; } variants[] = {{1, 1}, {0, 1}, {0, 2}};
+    am_state_sizes sz;
+    float *p0, *g, *first_p = NULL, *first_lr = NULL;
+    uint8_t *pol0, *first_pol = NULL;
+    uint64_t s = g_seed ^ 0x5151u;
+    int64_t e;
+    int v;
+    (void)unused;
+    assert_int_equal(am_state_get_sizes(&sh, &sz), AM_OK);
+    p0 = xmalloc(4 * (size_t)sz.numel);
+    g = xmalloc(4 * (size_t)sz.numel);
+    pol0 = xmalloc((size_t)sz.polarity_bytes);
+    fill(p0, AM_DTYPE_FLOAT32, sz.numel, &s, 1);
+    for (e = 0; e < sz.numel; e++) g[e] = (float)(50 + (int)(e % 97)) * ((e * 7 % 5) < 2 ? -1.0f : 1.0f);
+    g[777] = 1e-44f;
+    for (e = 0; e < sz.polarity_bytes; e++) pol0[e] = (uint8_t)(e * 37 + 11);
+    for (v = 0; v < 3; v++) {
+        am_hparams hp = am_hparams_default();
+        am_rng_key key = {9, 4};
+        am_report rep;
+        am_state st;
+        am_tensor pt = {NULL, AM_DTYPE_FLOAT32, sh}, gt = {g, AM_DTYPE_FLOAT32, sh};
+        float *p = xmalloc(4 * (size_t)sz.numel), *lr = xmalloc(4 * (size_t)sz.lr_count),
+              *row = xmalloc(4 * (size_t)sz.row_count), *col = xmalloc(4 * (size_t)sz.col_count);
+        uint8_t *pol = xmalloc((size_t)sz.polarity_bytes);
+        void *ws = xmalloc((size_t)sz.workspace_bytes);
+        memcpy(p, p0, 4 * (size_t)sz.numel);
+        pt.data = p;
+        st.lr = lr; st.polarity = pol; st.row = row; st.col = col; st.sq = NULL;
+        assert_int_equal(am_state_init(&sh, &st, 1e-4), AM_OK);
+        memcpy(pol, pol0, (size_t)sz.polarity_bytes);
+        st.step = 1; /* the lr bump applies */
+        am_kernels_select(variants[v].scalar);
+        assert_int_equal(am_set_num_threads(variants[v].threads), AM_OK);
+        assert_int_equal(am_update(&pt, &gt, &st, &hp, key, ws, (size_t)sz.workspace_bytes, &rep),
+                         AM_OK);
+        am_kernels_select(0);
+        am_set_num_threads(1);
+        assert_int_equal((pol[777 >> 3] >> (777 & 7)) & 1, 0); /* u / scale underflowed */
+        if (!first_p) {
+            first_p = p; first_lr = lr; first_pol = pol;
+        } else {
+            if (memcmp(first_p, p, 4 * (size_t)sz.numel) || memcmp(first_lr, lr, 4) ||
+                memcmp(first_pol, pol, (size_t)sz.polarity_bytes))
+                fail_msg("variant %d (threads %d) differs from the scalar path", v,
+                         variants[v].threads);
+            free(p); free(lr); free(pol);
+        }
+        free(row); free(col); free(ws);
+    }
+    free(first_p); free(first_lr); free(first_pol);
+    free(p0); free(g); free(pol0);
+}
+
 /* The same for many small matrices, whose agreement am_update counts from
  * the sign of g (count_pos) when a bound shows it is the sign of u / scale,
  * and otherwise by the exact sweep. Shape
@@ -1358,7 +1421,7 @@ static void test_zero_row_factor_range(void **unused) {
 static void test_updates(void **unused) {
     static const int64_t rows[] = {1, 3, 17};
     int failures = 0, si, ri, x;
-    am_shape extra[40];
+    am_shape extra[48];
     int nextra = 0;
     (void)unused;
     for (si = 0; si < NSIZES; si++) {
@@ -1388,6 +1451,11 @@ static void test_updates(void **unused) {
     extra[nextra++] = mk(4, 512, 512, 1, 1);
     extra[nextra++] = mk(4, 1024, 64, 1, 1);
     extra[nextra++] = mk(4, 13, 7, 1, 5);        /* 91 matrices: a tail of 3 */
+    /* 1 x k and k x 1 kernels, 64 matrices an lr-row: the AVX-512 factor
+     * window's 16 lanes all used (a mutation test found its last lane
+     * unchecked, thirty-fourth session) */
+    extra[nextra++] = mk(4, 4, 64, 1, 8);
+    extra[nextra++] = mk(4, 4, 64, 5, 1);
     extra[nextra++] = mk(4, 9, 5, 8, 8);         /* R*C = 64, the limit */
     extra[nextra++] = mk(4, 9, 5, 8, 9);         /* R*C = 72: per-matrix tiles */
     /* many short lr-rows: blocks of them per apply call (update.c,
@@ -1499,6 +1567,7 @@ int main(void) {
         cmocka_unit_test(test_wsum_choice),
         cmocka_unit_test(test_counted_agreement_underflow),
         cmocka_unit_test(test_counted_mats_underflow),
+        cmocka_unit_test(test_split_rows_fallback_agreement),
         cmocka_unit_test(test_zero_row_factor_range),
         cmocka_unit_test(test_updates),
         cmocka_unit_test(test_concurrent_callers),
