@@ -588,6 +588,21 @@ static void test_mismatch(void **unused) {
     am_optimizer_destroy(a.opt);
 }
 
+/* A save to link, a symbolic link to target, refused with a message
+ * holding msg, the link left a link and no temporary file behind. */
+static void assert_link_refused(am_optimizer *o, const char *target, const char *link,
+                                const char *msg) {
+    struct stat sb;
+    assert_int_equal(symlink(target, link), 0);
+    g_last_log[0] = '\0';
+    assert_int_equal(am_optimizer_save(o, link), AM_ERR_IO);
+    assert_non_null(strstr(g_last_log, msg));
+    assert_int_equal(lstat(link, &sb), 0);
+    assert_true(S_ISLNK(sb.st_mode));
+    assert_int_equal(count_tmp_files(), 0);
+    unlink(link);
+}
+
 static void test_file_errors(void **unused) {
     model a;
     char path[160];
@@ -655,22 +670,9 @@ static void test_file_errors(void **unused) {
         snprintf(link, sizeof link, "%s/link", g_dir);
         snprintf(dir, sizeof dir, "%s/ldir", g_dir);
         snprintf(file, sizeof file, "%s/target", g_dir);
-        assert_int_equal(symlink(path, link), 0);
-        g_last_log[0] = '\0';
-        assert_int_equal(am_optimizer_save(a.opt, link), AM_ERR_IO);
-        assert_non_null(strstr(g_last_log, "is not a regular file"));
-        assert_int_equal(lstat(link, &sb), 0);
-        assert_true(S_ISLNK(sb.st_mode));
-        unlink(link);
+        assert_link_refused(a.opt, path, link, "is not a regular file");
         assert_int_equal(mkdir(dir, 0700), 0);
-        assert_int_equal(symlink(dir, link), 0);
-        g_last_log[0] = '\0';
-        assert_int_equal(am_optimizer_save(a.opt, link), AM_ERR_IO);
-        assert_non_null(strstr(g_last_log, "is a directory (through a symbolic link)"));
-        assert_int_equal(lstat(link, &sb), 0);
-        assert_true(S_ISLNK(sb.st_mode));
-        assert_int_equal(count_tmp_files(), 0);
-        unlink(link);
+        assert_link_refused(a.opt, dir, link, "is a directory (through a symbolic link)");
         rmdir(dir);
         t = fopen(file, "wb");
         assert_non_null(t);
