@@ -157,14 +157,22 @@ static void choose(void) {
     const char *why = "no optimised kernels for this CPU";
     pthread_once(&g_cpu_once, detect);
     if (pmb && pmb[0]) {
-        /* a whole finite number >= 0; anything else is ignored with a
-         * warning (atof took "abc" and "2MiB" as 0 and 2, which sent every
-         * loop to the pool, and "nan" or "inf" turned threading off;
-         * found by a review, thirty-fourth session) */
-        char *end;
-        const double v = strtod(pmb, &end);
-        if (end != pmb && *end == '\0' && v >= 0 && v <= 1e300)
-            g_par_min_bytes = v;
+        /* a whole number of bytes (decimal digits, blanks around them);
+         * anything else is ignored with a warning (atof took "abc" and
+         * "2MiB" as 0 and 2, which sent every loop to the pool, and "nan"
+         * or "inf" turned threading off; found by a review, thirty-fourth
+         * session). Read by hand: strtod depends on the locale. */
+        const char *q = pmb;
+        uint64_t v = 0;
+        int digits = 0, ok = 1;
+        while (*q == ' ' || *q == '\t') q++;
+        for (; *q >= '0' && *q <= '9'; q++, digits++) {
+            if (v > ((uint64_t)1 << 60)) ok = 0; /* (more than any traffic) */
+            v = v * 10 + (uint64_t)(*q - '0');
+        }
+        while (*q == ' ' || *q == '\t') q++;
+        if (ok && digits && !*q)
+            g_par_min_bytes = (double)v;
         else
             g_warn_pmb = 1;
     }
@@ -179,8 +187,8 @@ static void choose(void) {
                          g_warn_pmb ? "; " : "");
         if (g_warn_pmb && n >= 0 && (size_t)n < sizeof g_warn_msg)
             snprintf(g_warn_msg + n, sizeof g_warn_msg - (size_t)n,
-                     "automagic: AUTOMAGIC_PAR_MIN_BYTES='%.40s' is not a number of bytes "
-                     ">= 0: ignored (%.0f is used)",
+                     "automagic: AUTOMAGIC_PAR_MIN_BYTES='%.40s' is not a whole number of "
+                     "bytes: ignored (%.0f is used)",
                      pmb, g_par_min_bytes);
         atomic_store(&g_warn_pending, 1);
     }

@@ -343,8 +343,12 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         listed = sum(len(g["params"]) for g in self.param_groups)
         if listed == self._listed and not force:
             return
+        seen = set()
         for group in self.param_groups:
             for p in group["params"]:
+                if id(p) in seen:
+                    self._warn_listed_twice(p)
+                seen.add(id(p))
                 if p not in self._param_index:
                     try:
                         _check_param(p, len(self._param_index))
@@ -353,6 +357,13 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
                                              "add_param_group checks it)") from None
                     self._param_index[p] = len(self._param_index)
         self._listed = listed
+
+    def _warn_listed_twice(self, p: torch.Tensor) -> None:
+        self._warn_once("listed_twice", "a parameter of shape %s is listed more than once in "
+                        "param_groups (put in by hand): it is updated once, in step mode "
+                        "with the hyperparameters of the first group that lists it, in fused "
+                        "mode with those of the group its backward hook was registered with; "
+                        "list each parameter once (warned once)" % (tuple(p.shape),))
 
     def _index_of(self, p: torch.Tensor) -> int:
         """p's index, registering a parameter put into a group by hand."""
@@ -502,10 +513,11 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
                 ps = [p for p in ps if index_of.get(p) not in self._hooked or id(p) in swapped]
             if ps:
                 # A parameter listed twice by hand (in two groups, or twice in
-                # one list): updated once, with its first group, as its hook
-                # does in fused mode; the second update found p.grad gone,
+                # one list): updated once, with the first group that lists
+                # it (its hook, in fused mode, uses the group it was
+                # registered with); the second update found p.grad gone,
                 # after every parameter was updated (found by a review,
-                # thirty-fourth session).
+                # thirty-fourth session). _adopt_listed warns.
                 once, dup = [], None
                 for p in ps:
                     if id(p) in seen:
@@ -514,10 +526,7 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
                         seen.add(id(p))
                         once.append(p)
                 if dup is not None:
-                    self._warn_once("listed_twice", "a parameter of shape %s is listed more "
-                                    "than once in param_groups (put in by hand): updated "
-                                    "once, with the hyperparameters of the first group that "
-                                    "lists it (warned once)" % (tuple(dup.shape),))
+                    self._warn_listed_twice(dup)
                     ps = once
                 if ps:
                     todo.append((group, ps))

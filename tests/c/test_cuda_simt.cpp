@@ -40,6 +40,10 @@ struct simt_dim {
 static thread_local simt_dim threadIdx, blockIdx;
 static simt_dim blockDim, gridDim;
 
+/* (each build leaves one stub unused: sm_90 has no __shfl_sync call, the
+ * sm_75 fallback no __reduce_add_sync; clang warns about it) */
+#define AM_SIMT_FN static inline __attribute__((unused))
+
 #define __global__
 #define __device__
 #define __forceinline__ inline
@@ -48,14 +52,14 @@ static simt_dim blockDim, gridDim;
 
 static pthread_barrier_t g_block_barrier;
 
-static inline void __syncthreads() { pthread_barrier_wait(&g_block_barrier); }
+AM_SIMT_FN void __syncthreads() { pthread_barrier_wait(&g_block_barrier); }
 
 /* 1 when p holds on every thread of the block. t0 clears the count before
  * the first barrier; everyone has read it before the last, so the next
  * call's clearing cannot overtake a read. */
 static int g_and_false;
 static std::mutex g_and_mutex;
-static inline int __syncthreads_and(int p) {
+AM_SIMT_FN int __syncthreads_and(int p) {
     int r;
     if (threadIdx.x == 0) g_and_false = 0;
     __syncthreads();
@@ -124,7 +128,7 @@ static uint64_t shfl_down(unsigned mask, uint64_t v, unsigned d, int width) {
     /* past the end of its width-segment a lane keeps its own value */
     return (lane % (unsigned)width) + d < (unsigned)width ? all[lane + d] : all[lane];
 }
-static inline float __shfl_down_sync(unsigned mask, float v, unsigned d, int width = 32) {
+AM_SIMT_FN float __shfl_down_sync(unsigned mask, float v, unsigned d, int width = 32) {
     uint32_t b, r;
     float f;
     memcpy(&b, &v, 4);
@@ -132,16 +136,16 @@ static inline float __shfl_down_sync(unsigned mask, float v, unsigned d, int wid
     memcpy(&f, &r, 4);
     return f;
 }
-static inline unsigned long long __shfl_down_sync(unsigned mask, unsigned long long v, unsigned d,
+AM_SIMT_FN unsigned long long __shfl_down_sync(unsigned mask, unsigned long long v, unsigned d,
                                            int width = 32) {
     return shfl_down(mask, v, d, width);
 }
-static inline unsigned __shfl_sync(unsigned mask, unsigned v, int src) {
+AM_SIMT_FN unsigned __shfl_sync(unsigned mask, unsigned v, int src) {
     uint64_t all[32];
     exchange(mask, v, all);
     return (unsigned)all[src & 31];
 }
-static inline unsigned __ballot_sync(unsigned mask, int p) {
+AM_SIMT_FN unsigned __ballot_sync(unsigned mask, int p) {
     uint64_t all[32];
     unsigned r = 0;
     exchange(mask, p != 0, all);
@@ -149,7 +153,7 @@ static inline unsigned __ballot_sync(unsigned mask, int p) {
         if (((mask >> l) & 1u) && all[l]) r |= 1u << l;
     return r;
 }
-static inline unsigned __match_any_sync(unsigned mask, unsigned long long key) {
+AM_SIMT_FN unsigned __match_any_sync(unsigned mask, unsigned long long key) {
     uint64_t all[32];
     unsigned r = 0;
     exchange(mask, key, all);
@@ -157,7 +161,7 @@ static inline unsigned __match_any_sync(unsigned mask, unsigned long long key) {
         if (((mask >> l) & 1u) && all[l] == key) r |= 1u << l;
     return r;
 }
-static inline unsigned __reduce_add_sync(unsigned mask, unsigned v) {
+AM_SIMT_FN unsigned __reduce_add_sync(unsigned mask, unsigned v) {
     uint64_t all[32];
     unsigned s = 0;
     exchange(mask, v, all);
@@ -165,11 +169,11 @@ static inline unsigned __reduce_add_sync(unsigned mask, unsigned v) {
         if ((mask >> l) & 1u) s += (unsigned)all[l];
     return s;
 }
-static inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
-static inline int __popc(unsigned x) { return __builtin_popcount(x); }
+AM_SIMT_FN int __ffs(unsigned x) { return __builtin_ffs((int)x); }
+AM_SIMT_FN int __popc(unsigned x) { return __builtin_popcount(x); }
 
 static std::mutex g_atomic_mutex;
-static inline unsigned long long atomicAdd(unsigned long long *p, unsigned long long v) {
+AM_SIMT_FN unsigned long long atomicAdd(unsigned long long *p, unsigned long long v) {
     std::lock_guard<std::mutex> lock(g_atomic_mutex);
     const unsigned long long old = *p;
     *p = old + v;

@@ -61,7 +61,7 @@ static void test_first_use_in_a_muted_batch_logs(void **unused) {
     assert_int_equal(g_warnings, 1);
     if (strncmp(g_warning, "automagic: AUTOMAGIC_TUNING='zen9'", 34) != 0)
         fail_msg("the warning reads \"%s\"", g_warning);
-    if (!strstr(g_warning, "AUTOMAGIC_PAR_MIN_BYTES='abc' is not a number of bytes >= 0: "
+    if (!strstr(g_warning, "AUTOMAGIC_PAR_MIN_BYTES='abc' is not a whole number of bytes: "
                            "ignored (2097152 is used)"))
         fail_msg("the warning reads \"%s\"", g_warning);
     am_optimizer_destroy(o);

@@ -411,3 +411,23 @@ def test_setting_fused_false_is_remove_hooks():
     assert opt.fused is False
     opt2 = copy.deepcopy(opt)  # (pickled under its old key)
     assert opt2.fused is False
+
+
+def test_parameter_listed_twice_by_hand_warns_in_fused_mode_too():
+    # Fused mode updates it once, with the group its hook was registered
+    # with; step() said nothing there (the duplicate was filtered with the
+    # hooked parameters before the check).
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 4)
+    opt = automagic.Automagic3([dict(params=[m.bias]), dict(params=[m.weight], weight_decay=0.5)])
+    opt.param_groups[0]["params"].append(m.weight)
+    w0 = m.weight.detach().clone()
+    m(torch.randn(2, 4)).sum().backward()
+    assert opt.state[m.weight]["step"] == 1
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        opt.step()
+    assert any("listed more than once" in str(x.message) and "fused mode with those of the "
+               "group its backward hook" in str(x.message) for x in w)
+    assert opt.state[m.weight]["step"] == 1
+    assert not torch.equal(m.weight.detach(), w0)
