@@ -287,7 +287,7 @@ struct simt_launcher {
     }
     int row_finish(const am_ck_args &a) {
         const int64_t n = am_ck_threads(&a, AM_CK_ROW_FINISH);
-        return launch(am_k_row_finish, (unsigned)(n < 1000000 ? n : 1000000), a, n);
+        return launch(am_k_row_finish, n < g_max_blocks ? (unsigned)n : g_max_blocks, a, n);
     }
     int finish_flat(const am_ck_args &a) {
         const int64_t n = am_ck_threads(&a, AM_CK_FINISH_FLAT);
