@@ -85,6 +85,14 @@ def _lr_rows(shape) -> tuple:
     return rows, (shape.numel() // rows if rows else 0)
 
 
+# Elements packed at a time: the bools of a reference checkpoint's
+# last_polarity are converted in pieces of this many, so that packing a
+# parameter of 2e9 elements takes a few MB beside its input and result
+# (widened to int32 at once, as until the thirty-fifth session, it took
+# about 15 bytes an element: 31 GB for a 128256 x 16384 embedding).
+_PACK_CHUNK = 1 << 22
+
+
 def pack_polarity(bits: torch.Tensor) -> torch.Tensor:
     """bool tensor of p's shape -> uint8 bytes in the C polarity layout.
 
@@ -93,13 +101,25 @@ def pack_polarity(bits: torch.Tensor) -> torch.Tensor:
     """
     rows, m = _lr_rows(bits.shape)
     mb = (m + 7) // 8
-    b = bits.reshape(rows, m).to(torch.uint8)
-    padded = torch.zeros(rows, mb * 8, dtype=torch.uint8, device=bits.device)
-    padded[:, :m] = b
-    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.int32,
-                           device=bits.device)
-    packed = (padded.reshape(rows, mb, 8).to(torch.int32) * weights).sum(-1)
-    return packed.to(torch.uint8).reshape(-1)
+    out = torch.empty(rows, mb, dtype=torch.uint8, device=bits.device)
+    if rows == 0 or m == 0:
+        return out.reshape(-1)
+    flat = bits.reshape(rows, m)
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    # whole lr-rows at a time, or pieces of one (a multiple of 8 elements)
+    nr = max(1, _PACK_CHUNK // m)
+    width = m if nr > 1 or m <= _PACK_CHUNK else max(8, _PACK_CHUNK // 8 * 8)
+    for r0 in range(0, rows, nr):
+        r1 = min(rows, r0 + nr)
+        for c0 in range(0, m, width):
+            c1 = min(m, c0 + width)
+            part = flat[r0:r1, c0:c1].to(torch.uint8)
+            if (c1 - c0) % 8:
+                part = torch.nn.functional.pad(part, (0, 8 - (c1 - c0) % 8))
+            # the eight bits of a byte are disjoint: their uint8 sum is exact
+            out[r0:r1, c0 // 8:(c1 + 7) // 8] = (
+                part.reshape(r1 - r0, -1, 8) << shifts).sum(-1, dtype=torch.uint8)
+    return out.reshape(-1)
 
 
 def unpack_polarity(packed: torch.Tensor, shape) -> torch.Tensor:
@@ -107,8 +127,8 @@ def unpack_polarity(packed: torch.Tensor, shape) -> torch.Tensor:
     shape = torch.Size(shape)
     rows, m = _lr_rows(shape)
     mb = (m + 7) // 8
-    bytes_ = packed.reshape(rows, mb).to(torch.int32)
-    bits = (bytes_.unsqueeze(-1) >> torch.arange(8, device=packed.device)) & 1
+    bytes_ = packed.reshape(rows, mb, 1)
+    bits = (bytes_ >> torch.arange(8, dtype=torch.uint8, device=packed.device)) & 1
     return bits.reshape(rows, mb * 8)[:, :m].reshape(shape).to(torch.bool)
 
 

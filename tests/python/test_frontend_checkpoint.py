@@ -152,6 +152,35 @@ def test_polarity_packing_layout():
             assert bool((byte >> (q % 8)) & 1) == bool(flat[k, q])
 
 
+def _packed_by_formula(bits):
+    """The C layout bit by bit: element q of lr-row k is bit q % 8 of byte
+    k * ceil(m / 8) + q // 8 (one lr-row for ndim <= 1)."""
+    rows = bits.shape[0] if bits.dim() >= 2 else 1
+    m = bits.numel() // rows if rows else 0
+    mb = (m + 7) // 8
+    out = bytearray(rows * mb)
+    for k, row in enumerate(bits.reshape(rows, m).tolist()):
+        for q, b in enumerate(row):
+            if b:
+                out[k * mb + q // 8] |= 1 << (q % 8)
+    return torch.tensor(list(out), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("chunk", [1, 8, 13, 64, 1 << 22])
+def test_polarity_packing_in_pieces(chunk, monkeypatch):
+    # a reference checkpoint's bools are packed a piece at a time (whole
+    # lr-rows, or pieces of one long row): every split gives the layout
+    monkeypatch.setattr(automagic._checkpoint, "_PACK_CHUNK", chunk)
+    g = torch.Generator().manual_seed(chunk)
+    for shape in [(), (1,), (9,), (1001,), (64,), (3, 5), (7, 100), (100, 7), (1, 1000),
+                  (5, 3, 17), (3, 64), (4, 0), (0, 3)]:
+        bits = torch.rand(shape, generator=g) > 0.5
+        packed = pack_polarity(bits)
+        assert packed.dtype == torch.uint8
+        assert torch.equal(packed, _packed_by_formula(bits)), (chunk, shape)
+        assert torch.equal(unpack_polarity(packed, shape), bits), (chunk, shape)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reference_checkpoint_loads_and_training_continues(dtype, capsys):
     Ref = _reference_class()
