@@ -383,6 +383,50 @@ static void test_invalid_values_rejected(void **unused) {
     am_optimizer_destroy(b.opt);
 }
 
+/* The loader checks the file's values a piece of 1024 at a time (it no
+ * longer decodes the whole state beside the file, thirty-fifth session): a
+ * negative moment far into a long tensor, and in the last, partial piece,
+ * is refused by its index as one in the first piece is; the state is then
+ * copied straight from the file (the round trip gives the same image). */
+static void test_invalid_value_in_later_piece_rejected(void **unused) {
+    enum { N = 3000 };
+    static float w[N], g[N];
+    am_optimizer *a, *b;
+    am_hparams hp = am_hparams_default();
+    const int64_t dims[1] = {N};
+    int32_t id;
+    int i, k;
+    static const int at[] = {1024, 2500, N - 1};
+    (void)unused;
+    assert_int_equal(am_optimizer_create(&hp, 7, &a), AM_OK);
+    assert_int_equal(am_optimizer_create(&hp, 7, &b), AM_OK);
+    assert_int_equal(am_optimizer_add_param(a, w, AM_DTYPE_FLOAT32, 1, dims, &id), AM_OK);
+    assert_int_equal(am_optimizer_add_param(b, w, AM_DTYPE_FLOAT32, 1, dims, &id), AM_OK);
+    for (i = 0; i < N; i++) g[i] = (float)(i % 13) - 6.0f;
+    assert_int_equal(am_optimizer_update_param(a, 0, g, AM_DTYPE_FLOAT32, NULL), AM_OK);
+    for (k = 0; k < 3; k++) {
+        char word[32];
+        const float keep = a->params[0].st.sq[at[k]];
+        a->params[0].st.sq[at[k]] = -2.0f;
+        snprintf(word, sizeof word, "sq[%d]", at[k]);
+        expect_reject(a, b, AM_ERR_FORMAT, word);
+        a->params[0].st.sq[at[k]] = keep;
+        a->params[0].st.lr[at[k]] = -1e-7f;
+        snprintf(word, sizeof word, "lr[%d]", at[k]);
+        expect_reject(a, b, AM_ERR_FORMAT, word);
+        a->params[0].st.lr[at[k]] = 1e-6f;
+    }
+    {
+        size_t n;
+        unsigned char *img = t_image(a, &n);
+        assert_int_equal(am_optimizer_load_memory(b, img, n), AM_OK);
+        free(img);
+    }
+    assert_same_image(a, b);
+    am_optimizer_destroy(a);
+    am_optimizer_destroy(b);
+}
+
 /* A checkpoint we did not write may hold a start lr above 1e-3 (valid: the
  * rule forces it, as am_optimizer_create does, rather than refusing it):
  * forced to 1e-6 with a warning, so that a parameter registered after the
@@ -866,6 +910,7 @@ int main(void) {
         cmocka_unit_test(test_roundtrip_continues_identically),
         cmocka_unit_test(test_every_corruption_rejected),
         cmocka_unit_test(test_invalid_values_rejected),
+        cmocka_unit_test(test_invalid_value_in_later_piece_rejected),
         cmocka_unit_test(test_skipped_count_saturates),
         cmocka_unit_test(test_extreme_state_roundtrips),
         cmocka_unit_test(test_huge_zero_element_size),
