@@ -182,11 +182,14 @@ def convert_state(saved: dict, p: torch.Tensor, polarity_bytes: int, where: str)
             # tensor to the parameter's dtype: a reference that resumed from
             # a checkpoint saves last_polarity as 0.0/1.0 until the
             # parameter's next update; the values, not the dtype, must be bits
-            if not bool(((lp == 0) | (lp == 1)).all()):
-                raise CheckpointError("%s: last_polarity (%s) holds values other than 0 "
-                                      "and 1" % (where, lp.dtype))
-            lp = lp != 0
-        saved["polarity"] = pack_polarity(lp.to(p.device))
+            # (a piece at a time: three bool temporaries of p's size before;
+            # pack_polarity takes the 0.0/1.0 values as they are)
+            for c in lp.reshape(-1).split(_PACK_CHUNK):
+                if not bool(((c == 0) | (c == 1)).all()):
+                    raise CheckpointError("%s: last_polarity (%s) holds values other than 0 "
+                                          "and 1" % (where, lp.dtype))
+        # packed where the dict lies, then moved (an eighth of the bools)
+        saved["polarity"] = pack_polarity(lp).to(p.device)
     out = {"step": _step(saved.get("step"), where)}
     for key, shape in shapes.items():
         t = saved.get(key)
@@ -224,7 +227,8 @@ def convert_state(saved: dict, p: torch.Tensor, polarity_bytes: int, where: str)
     # loaded, and a 1-D parameter's next update wrote NaN into it; found by a
     # review, thirtieth session.)
     for key in shapes:
-        if key != "polarity" and bool((out[key] < 0).any()):
+        if key != "polarity" and any(bool((c < 0).any())
+                                     for c in out[key].reshape(-1).split(_PACK_CHUNK)):
             raise CheckpointError("%s: %s holds a negative value" % (where, key))
     unknown = set(saved) - set(shapes) - {"step"}
     if unknown:

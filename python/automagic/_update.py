@@ -15,6 +15,18 @@ from ._views import (_DTYPES, _FLT_MIN, _STATUS_WORD, _STRIDED, _SUPPORTED_DEVIC
                      _validate_group)
 
 
+def _through_copy(p: torch.Tensor, scale: float) -> bool:
+    """Whether _prepare_calls updates p through a copy: of its gradient
+    (strided, or at an address that is not a multiple of its element size)
+    or of p itself (the same, or a schedule factor of 0). The conditions of
+    _prepare_calls; one that disagreed would cost memory, not bits."""
+    g = p.grad
+    gp, pp = g.data_ptr(), p.data_ptr()
+    return (scale == 0.0 or not p.is_contiguous() or not g.is_contiguous()
+            or bool(gp & 3 and gp % g.element_size())
+            or bool(pp & 3 and pp % p.element_size()))
+
+
 class _UpdateMixin:
     """Automagic3's update machinery (step() and the hooks call it)."""
 
@@ -383,6 +395,24 @@ class _UpdateMixin:
         parameters: one am_update_batch call for several (unless
         batch_updates is False), else one at a time."""
         if len(jobs) > 1 and self.batch_updates:
+            copied = [j for j in jobs if _through_copy(j[0], j[2])]
+            if copied:
+                # Those updated through a copy run one at a time after one
+                # batch of the others: in one batch every copy was alive at
+                # once (four channels_last convolution weights took four
+                # weights' memory, not one; a review, thirty-fifth session).
+                # The same bits either way. Every view is checked first, so
+                # that a refused one leaves every parameter as it was.
+                for p, group, _, _ in jobs:
+                    self._precheck_plan(p, group)
+                direct = [j for j in jobs if not _through_copy(j[0], j[2])]
+                if len(direct) > 1:
+                    self._apply_batch(direct, cache_key)
+                elif direct:
+                    self._apply(*direct[0])
+                for job in copied:
+                    self._apply(*job)
+                return
             self._apply_batch(jobs, cache_key)
         else:
             for job in jobs:

@@ -226,12 +226,18 @@ def _scaled_hparams(group: dict, state: dict, scale: float):
 def _scale_lrs(state: dict, scale: float) -> None:
     """The stored lrs times scale (see _scaled_hparams), in float64: scale
     may be below float32's normal range (max_lr > 1)."""
-    state["lr"].copy_(state["lr"].double() * scale)
+    for c in state["lr"].view(-1).split(_LR_PIECE):  # (float64 pieces, not the whole)
+        c.copy_(c.double() * scale)
 
 
 # float32's smallest normal value: a rate times a schedule's factor below it
 # is subnormal (fewer bits) and can round to 0 (see _unscaled_lrs)
 _FLT_MIN = 2.0 ** -126
+
+# The lrs are rescaled in float64 pieces of this many: a 1-D parameter has
+# one lr an element, and float64 temporaries of the whole took 21 bytes an
+# element at its step (8.6 in pieces; a review, thirty-fifth session).
+_LR_PIECE = 1 << 20
 
 
 def _unscaled_lrs(lr: torch.Tensor, lr_before: torch.Tensor, scale: float) -> torch.Tensor:
@@ -246,8 +252,12 @@ def _unscaled_lrs(lr: torch.Tensor, lr_before: torch.Tensor, scale: float) -> to
     which divides back to min_lr (kept, it stayed at 0 for ever once the
     factor was not 1, where lr_schedule="ignore" takes it to min_lr at its
     next bump; found by a review, thirtieth session)."""
-    kept = (lr_before.double() * scale < _FLT_MIN) & (lr_before != 0)
-    return torch.where(kept, lr_before, (lr.double() / scale).float())
+    out = torch.empty_like(lr)
+    for o, a, b in zip(out.view(-1).split(_LR_PIECE), lr.view(-1).split(_LR_PIECE),
+                       lr_before.view(-1).split(_LR_PIECE)):
+        kept = (b.double() * scale < _FLT_MIN) & (b != 0)
+        torch.where(kept, b, (a.double() / scale).float(), out=o)
+    return out
 
 
 def _validate_group(group: dict, check_lr: bool = True) -> None:

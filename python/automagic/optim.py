@@ -611,7 +611,8 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         ps = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
         # (no parameter with state at all: torch's own test before it steps)
         if (not ps or any(st for st in self.state.values())
-                or any(p.grad.layout != torch.strided or bool(p.grad.any()) for p, _ in ps)):
+                or any(p.grad.layout != torch.strided or bool(p.grad.count_nonzero())
+                       for p, _ in ps)):
             return False
         with self._steps.lock:
             for p, group in ps:
@@ -679,11 +680,16 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
             return None
         # on the CPU: a group may mix devices (torch.cat of cuda:0 and CPU
         # lrs raised; found by a review, twenty-third session)
-        v = torch.cat([t.reshape(-1).to("cpu") for t in lrs])
+        # (one CPU tensor as it is, and the mean summed in float64 a piece at a
+        # time: the cat and v.double() took 12 bytes an lr, which a 1-D
+        # parameter of 1e8 elements has; a review, thirty-fifth session)
+        v = (lrs[0].reshape(-1) if len(lrs) == 1 and lrs[0].device.type == "cpu"
+             else torch.cat([t.reshape(-1).to("cpu") for t in lrs]))
         if v.numel() == 0:
             return None
+        total = sum(float(c.sum(dtype=torch.float64)) for c in v.split(1 << 20))
         return dict(min=float(v.min()), median=float(v.median()), max=float(v.max()),
-                    mean=float(v.double().mean()), rows=v.numel())
+                    mean=total / v.numel(), rows=v.numel())
 
     def param_lr_stats(self, p: torch.Tensor) -> Optional[dict]:
         """min/median/max/mean of p's per-row lrs (None before its first

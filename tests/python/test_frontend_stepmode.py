@@ -341,3 +341,67 @@ def test_distributed_checkpoint_initialisation_updates_nothing(fused):
         assert not o2.state.get(new)
     else:
         assert o2.state[new]["step"] == 1
+
+
+def _strided_params(seed):
+    g = torch.Generator().manual_seed(seed)
+    w = [torch.randn(6, 5, 3, 3, generator=g).to(memory_format=torch.channels_last)
+         for _ in range(3)]  # channels_last convolution weights: updated through a copy
+    plain = [torch.randn(7, 4, generator=g), torch.randn(9, generator=g)]
+    return [torch.nn.Parameter(t) for t in w + plain]
+
+
+def _strided_grads(ps, seed):
+    g = torch.Generator().manual_seed(seed)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g).to(memory_format=torch.channels_last) \
+            if p.dim() == 4 else torch.randn(p.shape, generator=g)
+
+
+def test_updates_through_copies_run_one_at_a_time(monkeypatch):
+    # In one batch call every copy (a channels_last weight, a strided
+    # gradient, a schedule factor of 0) was alive at once: the copied ones
+    # now run one at a time after a batch of the others, with the bits of
+    # updates one at a time (a review, thirty-fifth session).
+    ps_a, ps_b = _strided_params(3), _strided_params(3)
+    o_a = automagic.Automagic3(ps_a, fused=False, lr=1e-3)
+    o_b = automagic.Automagic3(ps_b, fused=False, lr=1e-3)
+    o_b.batch_updates = False
+    batched, alone = [], []
+    real_batch, real_one = o_a._apply_batch, o_a._apply
+    monkeypatch.setattr(o_a, "_apply_batch",
+                        lambda jobs, key: (batched.append([j[0] for j in jobs]),
+                                           real_batch(jobs, key)))
+    monkeypatch.setattr(o_a, "_apply", lambda *job: (alone.append(job[0]), real_one(*job)))
+    for s in range(3):
+        _strided_grads(ps_a, 10 + s)
+        _strided_grads(ps_b, 10 + s)
+        o_a.step()
+        o_b.step()
+    for a, b in zip(ps_a, ps_b):
+        assert torch.equal(a, b) and torch.equal(o_a.state[a]["lr"], o_b.state[b]["lr"])
+    conv = {id(p) for p in ps_a[:3]}
+    assert all(id(p) not in conv for jobs in batched for p in jobs)
+    assert [id(p) for p in alone] == [id(p) for p in ps_a[:3]] * 3
+    assert batched == [ps_a[3:]] * 3
+
+
+def test_refused_view_with_copied_updates_changes_nothing():
+    # every view is checked before the batch of the others runs: a refused
+    # parameter leaves all of them as they were
+    ps = _strided_params(4)
+    opt = automagic.Automagic3(ps, fused=False, lr=1e-3)
+    _strided_grads(ps, 20)
+    opt.step()
+    _strided_grads(ps, 21)
+    before = [p.detach().clone() for p in ps]
+    states = [copy.deepcopy(opt.state[p]) for p in ps]
+    for bad in (1, 4):  # a copied one, and one of the batch
+        lr = opt.state[ps[bad]]["lr"]
+        opt.state[ps[bad]]["lr"] = torch.zeros(2)  # the wrong shape: refused
+        with pytest.raises(automagic.AutomagicError):
+            opt.step()
+        opt.state[ps[bad]]["lr"] = lr
+    for p, b, st in zip(ps, before, states):
+        assert torch.equal(p, b)
+        assert torch.equal(opt.state[p]["lr"], st["lr"]) and opt.state[p]["step"] == st["step"]
