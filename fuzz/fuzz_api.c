@@ -19,6 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fuzz_input.h"
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 #define CHECK(c)                                                              \
@@ -29,23 +31,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 #define MAX_NUMEL 2048
 #define MAX_WS (1 << 20)
 
-typedef struct rd {
-    const uint8_t *p;
-    size_t n;
-} rd;
-
-static uint8_t u8(rd *r) {
-    if (!r->n) return 0;
-    r->n--;
-    return *r->p++;
-}
-
-static uint64_t u64(rd *r) {
-    uint64_t v = 0;
-    int i;
-    for (i = 0; i < 8; i++) v = (v << 8) | u8(r);
-    return v;
-}
 
 static int64_t pick_i64(rd *r) {
     uint8_t b = u8(r);
