@@ -74,11 +74,14 @@ static const int64_t SIZES[] = {1,    2,    3,    4,    5,     7,     8,     9, 
 #define NSIZES ((int)(sizeof SIZES / sizeof SIZES[0]))
 
 static int64_t pick_size(rd *r, int big) {
-    uint8_t b = u8(r);
+    const uint8_t b = u8(r);
+    unsigned lo, mid, hi;
     if (b < 200) return SIZES[b % NSIZES];
-    if (big) return 1 + (int64_t)(u8(r) | ((unsigned)u8(r) << 8) | ((unsigned)u8(r) << 16)) %
-                            (BIG_NUMEL - 1);
-    return 1 + (int64_t)(u8(r) | ((unsigned)u8(r) << 8)) % 20000;
+    lo = u8(r); /* one read a statement: the order is the input's */
+    mid = u8(r);
+    if (!big) return 1 + (int64_t)(lo | mid << 8) % 20000;
+    hi = u8(r);
+    return 1 + (int64_t)(lo | mid << 8 | hi << 16) % (BIG_NUMEL - 1);
 }
 
 static double pick_from(rd *r, const double *menu, int n) {
@@ -392,7 +395,13 @@ static void run(const job *j, bufs *b, int set, int threads, int way, int batch_
                 CHECK(memcmp(ref.p, sd.p, sizeof ref.p) == 0);
                 CHECK(memcmp(ref.lr, sd.lr, sizeof ref.lr) == 0);
                 CHECK(memcmp(ref.pol, sd.pol, sizeof ref.pol) == 0);
+                CHECK(memcmp(ref.row, sd.row, sizeof ref.row) == 0);
+                CHECK(memcmp(ref.col, sd.col, sizeof ref.col) == 0);
                 CHECK(ref.st.step == sd.st.step);
+                CHECK(ref.rep.status == sd.rep.status && other->status == sd.rep.status);
+                CHECK(memcmp(&ref.rep.clip_scale, &sd.rep.clip_scale, 4) == 0);
+                CHECK(memcmp(&ref.rep.mean_agreement, &sd.rep.mean_agreement, 4) == 0);
+                CHECK(ref.rep.nonfinite_count == sd.rep.nonfinite_count);
                 am_kernels_select(set);
             }
         }

@@ -55,7 +55,7 @@ mkdir -p "$OUT/obj"
 objs=""
 for src in src/*.c src/cuda/workspace.c; do
   obj="$OUT/obj/$(basename "$src" .c).o"
-  if [ ! -e "$obj" ] || [ -n "$(find "$src" src/*.h src/cuda/*.h src/cuda/*.cuh -newer "$obj" 2>/dev/null | head -1)" ]; then
+  if [ ! -e "$obj" ] || [ -n "$(find "$src" include/*.h src/*.h src/cuda/*.h src/cuda/*.cuh -newer "$obj" 2>/dev/null | head -1)" ]; then
     # shellcheck disable=SC2086
     clang $FLAGS $(isa_flags "$src") -c -o "$obj.tmp" "$src"
     mv "$obj.tmp" "$obj"

@@ -402,16 +402,28 @@ class _UpdateMixin:
                 # once (four channels_last convolution weights took four
                 # weights' memory, not one; a review, thirty-fifth session).
                 # The same bits either way. Every view is checked first, so
-                # that a refused one leaves every parameter as it was.
+                # that a refused one leaves every parameter as it was; an
+                # update the library refuses (a step at 2^63 - 1) lets the
+                # others run and raises the first error after them, as one
+                # batch does (the copied ones were skipped: review).
                 for p, group, _, _ in jobs:
                     self._precheck_plan(p, group)
                 direct = [j for j in jobs if not _through_copy(j[0], j[2])]
-                if len(direct) > 1:
-                    self._apply_batch(direct, cache_key)
-                elif direct:
-                    self._apply(*direct[0])
+                first = None
+                try:
+                    if len(direct) > 1:
+                        self._apply_batch(direct, cache_key)
+                    elif direct:
+                        self._apply(*direct[0])
+                except AutomagicError as e:
+                    first = e
                 for job in copied:
-                    self._apply(*job)
+                    try:
+                        self._apply(*job)
+                    except AutomagicError as e:
+                        first = first or e
+                if first is not None:
+                    raise first
                 return
             self._apply_batch(jobs, cache_key)
         else:

@@ -405,3 +405,24 @@ def test_refused_view_with_copied_updates_changes_nothing():
     for p, b, st in zip(ps, before, states):
         assert torch.equal(p, b)
         assert torch.equal(opt.state[p]["lr"], st["lr"]) and opt.state[p]["step"] == st["step"]
+
+
+def test_library_refusal_in_batch_still_runs_copied_updates():
+    # an update the library refuses (a step at 2^63 - 1, which no precheck
+    # sees) raises after the others ran, as one batch does: the updates
+    # through a copy, run after the batch, were skipped with their
+    # gradients kept (a review, thirty-fifth session)
+    ps = _strided_params(5)
+    opt = automagic.Automagic3(ps, fused=False, lr=1e-3)
+    _strided_grads(ps, 30)
+    opt.step()
+    st = opt.state[ps[4]]["step"]
+    opt.state[ps[4]]["step"] = torch.tensor(2 ** 63 - 1) if torch.is_tensor(st) else 2 ** 63 - 1
+    _strided_grads(ps, 31)
+    with pytest.raises(automagic.AutomagicError, match="step"):
+        opt.step()
+    for k, p in enumerate(ps):
+        if k == 4:
+            assert p.grad is not None and int(opt.state[p]["step"]) == 2 ** 63 - 1
+        else:
+            assert p.grad is None and int(opt.state[p]["step"]) == 2, k
