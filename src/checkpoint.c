@@ -52,7 +52,6 @@ typedef struct ck_tensor {
     int32_t ndim;
     int64_t dims[AM_MAX_DIMS];
     int64_t count;       /* elements */
-    size_t at;           /* where our layout puts it (aligned) */
     size_t begin, end;   /* byte range in the file's data section */
     int seen;            /* load: found in the header */
 } ck_tensor;
@@ -143,7 +142,7 @@ static ck_tensor *plan_layout(const am_optimizer *o, size_t *data_len) {
     for (pass = 0; pass < 3; pass++)
         for (k = 0; k < n; k++) {
             if (!t[k].present || t[k].elem != order[pass]) continue;
-            t[k].at = t[k].begin = at;
+            t[k].begin = at;
             at += (size_t)t[k].count * t[k].elem;
             t[k].end = at;
         }
@@ -422,7 +421,6 @@ typedef struct ck_load {
     const unsigned char *data; /* the file's data section */
     size_t dlen;
     ck_tensor *t;              /* expected tensors, file offsets once seen */
-    size_t plan_len;           /* bytes of our layout */
     const char *meta[CK_FIXED_META + 1];
     const char **pmeta;        /* [count * 2]: dtype, shape strings */
     am_hparams hp;
@@ -795,7 +793,10 @@ static am_status load_image(am_optimizer *o, const unsigned char *img, size_t si
         CK_FAIL(AM_ERR_FORMAT, "the header is not a JSON object");
     meta = cJSON_GetObjectItemCaseSensitive(*root, "__metadata__");
     if (!cJSON_IsObject(meta)) CK_FAIL(AM_ERR_FORMAT, "__metadata__ is missing");
-    L->t = plan_layout(o, &L->plan_len);
+    {
+        size_t our_len; /* (the file's own offsets are what the load reads) */
+        L->t = plan_layout(o, &our_len);
+    }
     L->pmeta = (const char **)calloc(2 * (size_t)o->count + 1, sizeof *L->pmeta);
     AM_RETURN_IF(!L->t || !L->pmeta, AM_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
     /* In this order: what the file is; whether it is intact; whether it

@@ -108,7 +108,7 @@ def pack_polarity(bits: torch.Tensor) -> torch.Tensor:
     shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
     # whole lr-rows at a time, or pieces of one (a multiple of 8 elements)
     nr = max(1, _PACK_CHUNK // m)
-    width = m if nr > 1 or m <= _PACK_CHUNK else max(8, _PACK_CHUNK // 8 * 8)
+    width = m if m <= _PACK_CHUNK else max(8, _PACK_CHUNK // 8 * 8)
     for r0 in range(0, rows, nr):
         r1 = min(rows, r0 + nr)
         for c0 in range(0, m, width):

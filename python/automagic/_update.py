@@ -395,7 +395,9 @@ class _UpdateMixin:
         parameters: one am_update_batch call for several (unless
         batch_updates is False), else one at a time."""
         if len(jobs) > 1 and self.batch_updates:
-            copied = [j for j in jobs if _through_copy(j[0], j[2])]
+            copied, direct = [], []
+            for j in jobs:
+                (copied if _through_copy(j[0], j[2]) else direct).append(j)
             if copied:
                 # Those updated through a copy run one at a time after one
                 # batch of the others: in one batch every copy was alive at
@@ -408,7 +410,6 @@ class _UpdateMixin:
                 # batch does (the copied ones were skipped: review).
                 for p, group, _, _ in jobs:
                     self._precheck_plan(p, group)
-                direct = [j for j in jobs if not _through_copy(j[0], j[2])]
                 first = None
                 try:
                     if len(direct) > 1:
