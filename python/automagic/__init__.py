@@ -3,9 +3,15 @@
 ``automagic.Automagic3`` is a drop-in replacement for the reference PyTorch
 class, with the differences listed in the project README.
 """
-from ._lib import version as _version
-from ._checkpoint import CheckpointError
-from .optim import Automagic3, AutomagicError, NonFiniteGradientError
+import torch as _torch
+
+from . import _torch_version
+
+_torch_version.check(_torch.__version__)
+
+from ._lib import version as _version  # noqa: E402 (after the torch check)
+from ._checkpoint import CheckpointError  # noqa: E402
+from .optim import Automagic3, AutomagicError, NonFiniteGradientError  # noqa: E402
 
 __version__ = _version()
 __all__ = ["Automagic3", "AutomagicError", "NonFiniteGradientError", "CheckpointError",

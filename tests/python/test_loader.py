@@ -84,3 +84,26 @@ def test_cuda_library_beside_automagic_library(tmp_path, monkeypatch):
     assert _cuda._library_path() == str(tmp_path / "libautomagic_cuda.so")
     monkeypatch.setenv("AUTOMAGIC_CUDA_LIBRARY", "/elsewhere/libautomagic_cuda.so")
     assert _cuda._library_path() == "/elsewhere/libautomagic_cuda.so"  # still wins
+
+
+@pytest.mark.parametrize("version", ["2.6.0", "2.13.0+cpu", "2.10.1", "2.7.0a0+git1234",
+                                     "2.14.1+cu128", "local-build"])
+def test_supported_torch_versions_pass_the_import_check(version):
+    from automagic import _torch_version
+    _torch_version.check(version)
+
+
+@pytest.mark.parametrize("version", ["2.5.1", "2.4.1+cu121", "1.13.1", "2.1.0a0"])
+def test_older_torch_is_refused_at_import_naming_both_versions(version):
+    # torch 2.4.1 ran the front end into errors mid-step (README, "Dependencies")
+    from automagic import _torch_version
+    with pytest.raises(ImportError, match=r"needs torch 2\.6 or newer; this is torch "
+                       + re.escape(version)):
+        _torch_version.check(version)
+
+
+def test_package_requires_the_torch_the_import_checks():
+    from automagic import _torch_version
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        floor = re.search(r'"torch>=(\d+)\.(\d+)"', f.read()).groups()
+    assert tuple(int(x) for x in floor) == _torch_version.MIN_TORCH
