@@ -332,20 +332,42 @@ def test_step_mode_refuses_accumulation_steps():
 
 
 def test_torch_compile_fused():
+    """Fused mode on a compiled model gives step mode's parameters on the
+    same compiled model, bit for bit, and eager's within rounding where
+    torch's compiled gradients are eager's within rounding."""
     data = batches(3, seed=8)
     m_eager = make()
-    m_comp = copy.deepcopy(m_eager)
+    m_comp, m_step = copy.deepcopy(m_eager), copy.deepcopy(m_eager)
+    # torch's own compiled backward against eager, before any update: on
+    # torch 2.6.0 the embedding's gradient differs by 0.02 (no optimizer
+    # involved), and the comparison with eager below would test torch
+    m_probe = copy.deepcopy(m_eager)
+    loss_of(m_probe, data[0]).backward()
+    grads = [p.grad for p in m_probe.parameters()]
+    m_probe.zero_grad()
+    loss_of(torch.compile(m_probe), data[0]).backward()
+    compile_is_eager = all(torch.allclose(p.grad, g, rtol=1e-5, atol=1e-7)
+                           for p, g in zip(m_probe.parameters(), grads))
     o_eager = automagic.Automagic3(m_eager.parameters())
     o_comp = automagic.Automagic3(m_comp.parameters())
-    compiled = torch.compile(m_comp)
+    o_step = automagic.Automagic3(m_step.parameters(), fused=False)
+    compiled, compiled_step = torch.compile(m_comp), torch.compile(m_step)
     for b in data:
         loss_of(m_eager, b).backward()
         loss_of(compiled, b).backward()
-    for (n, a), b in zip(m_eager.named_parameters(), m_comp.parameters()):
+        loss_of(compiled_step, b).backward()
+        o_step.step()
+    for (n, a), b, s in zip(m_eager.named_parameters(), m_comp.parameters(),
+                            m_step.parameters()):
         assert o_comp.state[b]["step"] == 3, n
         assert b.grad is None, n
-        # Inductor may fuse differently from eager: equal within rounding.
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7, msg=n)
+        assert torch.equal(b, s), n
+        if compile_is_eager:
+            # Inductor may fuse differently from eager: equal within rounding.
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7, msg=n)
+    if not compile_is_eager:
+        warnings.warn("torch %s: the compiled model's gradients differ from eager's "
+                      "beyond rounding; compared with step mode only" % torch.__version__)
 
 
 def test_fused_warns_under_data_parallel(monkeypatch):

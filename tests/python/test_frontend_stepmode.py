@@ -107,6 +107,14 @@ def test_zero_grad_and_grad_free_params():
     assert torch.equal(m.conv.weight, frozen) and m.conv.weight not in opt.state
 
 
+# The ranks' DDP and ZeRO objects, kept alive until the child's os._exit:
+# on torch 2.6.0, freeing the last of them when the run returned destroyed
+# the gloo process group, whose destructor (holding the GIL) joins a worker
+# thread that was freeing a broadcast's tensors and waiting for the GIL: a
+# deadlock seen by gdb in 1 of 3-6 runs (torch's; not seen on 2.13.0).
+_KEPT = []
+
+
 def _data_parallel_run(store_path, rank, world=2):
     """Rank `rank` of test_data_parallel_reduced_gradients below; raises on a
     mismatch."""
@@ -143,6 +151,7 @@ def _data_parallel_run(store_path, rank, world=2):
         seen = [torch.empty_like(flat) for _ in range(world)]
         dist.all_gather(seen, flat)
         assert all(torch.equal(t, seen[0]) for t in seen)
+        _KEPT.append(ddp)  # (see _KEPT)
     finally:
         dist.destroy_process_group()
 
@@ -256,6 +265,7 @@ def _zero_run(store_path, rank, world=2):
             step(ddp2, zero2, x, y)
         for a, b in zip(net.parameters(), net2.parameters()):
             assert torch.equal(a, b)
+        _KEPT.extend((ddp, zero, ddp2, zero2))  # (see _KEPT)
     finally:
         dist.destroy_process_group()
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import automagic
+from _torch_compat import needs_grad_dtype
 
 
 @pytest.fixture(autouse=True, params=[False, True], ids=["alone", "batched"])
@@ -98,6 +99,7 @@ def test_load_state_dict_replaces_the_state():
     _assert_same_state(opt.state[p], opt2.state[q])
 
 
+@needs_grad_dtype
 def test_gradient_dtype_change():
     """The gradient's dtype is not part of the cache: a bfloat16 gradient
     after float32 ones (torch >= 2.10 needs grad_dtype=None to allow it)
