@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: C library (CTest, then under sanitizers and valgrind,
 # then cross-built for aarch64 and run under qemu), then the PyTorch front
-# end (pytest), then a smoke run of the benchmark.
+# end (pytest, on torch 2.13 and on the oldest torch it supports), then a
+# smoke run of the benchmark.
 # Usage: scripts/test.sh      (from the repository root; installs what it needs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,6 +48,13 @@ if ! out=$($PY -m pip install -q --disable-pip-version-check . 2>&1); then
 fi
 # A hung test fails after 15 minutes instead of stalling CI (pytest-timeout).
 $PY -m pytest -q --timeout=900 tests/python
+
+echo "== Python front end on the oldest torch it supports (AM_OLDEST_TORCH=0 skips)"
+if [ "${AM_OLDEST_TORCH:-1}" != 0 ]; then
+  bash scripts/test_oldest_torch.sh
+else
+  echo "SKIPPED: the Python tests on the oldest supported torch (AM_OLDEST_TORCH=0)"
+fi
 
 echo "== Benchmark: smoke run (bench/bench.py --quick; times not checked)"
 bash scripts/test_bench.sh
