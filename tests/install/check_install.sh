@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs libautomagic into a temporary prefix and builds examples/quickstart.c
 # against it twice: through pkg-config and through find_package(automagic).
-# Both programs must run and print the same final line.
+# Both programs must run and print the same final line. A C++ program
+# including the header must build with warnings as errors and run.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 tmp=$(mktemp -d)
@@ -23,6 +24,26 @@ export PKG_CONFIG_PATH="$tmp/prefix/lib/pkgconfig"
 # shellcheck disable=SC2046
 cc "$root/examples/quickstart.c" $(pkg-config --cflags --libs automagic) \
   -Wl,-rpath,"$tmp/prefix/lib" -o "$tmp/qs_pkgconfig"
+# A C++ consumer (C++ trainers are users too): the installed header
+# compiles as C++11 with every warning an error, and the call links and runs.
+cat > "$tmp/cxx.cpp" <<'CXX'
+#include <automagic.h>
+#include <cstdio>
+int main() {
+    am_shape shape{};
+    shape.ndim = 2;
+    shape.dims[0] = 4;
+    shape.dims[1] = 6;
+    am_state_sizes sizes{};
+    am_status st = am_state_get_sizes(&shape, &sizes);
+    std::printf("%s\n", am_status_string(st));
+    return st == AM_OK ? 0 : 1;
+}
+CXX
+# shellcheck disable=SC2046
+c++ -std=c++11 -Wall -Wextra -pedantic -Werror "$tmp/cxx.cpp" \
+  $(pkg-config --cflags --libs automagic) -Wl,-rpath,"$tmp/prefix/lib" -o "$tmp/cxx"
+"$tmp/cxx" >/dev/null || { echo "install: the C++ consumer failed"; exit 1; }
 mkdir -p "$tmp/consumer"
 cat > "$tmp/consumer/CMakeLists.txt" <<CM
 cmake_minimum_required(VERSION 3.18)
@@ -102,5 +123,6 @@ grep -qxE "Libs.private: -L$tmp/cjson/lib -lcjson -lz -lm -pthread( -ldl)?" "$tm
 grep -qxE "Libs.private: -lcjson -lz -lm -pthread( -ldl)?" "$tmp/prefix/lib/pkgconfig/automagic.pc" ||
   { grep Libs "$tmp/prefix/lib/pkgconfig/automagic.pc"; echo "install: Libs.private changed"; exit 1; }
 echo "install: pkg-config and CMake consumers built and ran: $a"
+echo "install: a C++11 consumer of the header built (-Wall -Wextra -pedantic -Werror) and ran"
 echo "install: shared-only consumers without libcjson's pkg-config file built and ran"
 echo "install: a cJSON in its own prefix is named in automagic.pc's Libs.private"
