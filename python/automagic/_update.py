@@ -418,18 +418,24 @@ class _UpdateMixin:
                         self._apply(*direct[0])
                 except AutomagicError as e:
                     first = e
-                for job in copied:
-                    try:
-                        self._apply(*job)
-                    except AutomagicError as e:
-                        first = first or e
-                if first is not None:
-                    raise first
+                self._apply_each(copied, first)
                 return
             self._apply_batch(jobs, cache_key)
         else:
             for job in jobs:
                 self._apply(*job)
+
+    def _apply_each(self, jobs, first=None) -> None:
+        """_apply on each of jobs in turn; one refused (AutomagicError) lets
+        the others run, and the first error (first, if given, raised before
+        these ran) is raised after them, as a batch does."""
+        for job in jobs:
+            try:
+                self._apply(*job)
+            except AutomagicError as e:
+                first = first or e
+        if first is not None:
+            raise first
 
     def _apply_batch(self, jobs, cache_key) -> None:
         """The updates of jobs [(p, group, scale, hsig)], checked CPU
@@ -509,8 +515,8 @@ class _UpdateMixin:
             status = _lib.lib.am_update_batch(items, n, ws_ptr, ws_bytes)
         if status != _lib.OK:
             # Nothing ran (e.g. two parameters share memory, which the batch
-            # refuses): every parameter as it was; one at a time instead,
-            # which updates them in turn or raises what it always raised.
+            # refuses): every parameter as it was; one at a time instead
+            # (_apply_each: each refused one raises what it always raised).
             self._batch_cache.pop(cache_key, None)
             for call in calls:
                 if call[5] is not None:  # lr_schedule="scale": lrs back
@@ -522,8 +528,11 @@ class _UpdateMixin:
             # the states the updates below had just made and advanced;
             # found by a review)
             calls.clear()
-            for job in jobs:
-                self._apply(*job)
+            # An update refused there lets the others run and the first
+            # error is raised after them, as in a batch that runs (it
+            # stopped at the first: those after it kept their gradients,
+            # not updated, by the order of the parameters alone)
+            self._apply_each(jobs)
             return
         statuses = torch.frombuffer(items, dtype=torch.int32).view(n, -1)[:, _STATUS_WORD]
         if not bool(statuses.any()):  # all AM_OK: the common case, in bulk

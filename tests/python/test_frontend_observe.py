@@ -390,25 +390,35 @@ def test_skipped_first_update_makes_no_state(fused, mode):
     assert torch.equal(opt.state[p]["lr"], torch.full((4,), 2e-5))
 
 
-def test_batch_fallback_error_keeps_the_states_it_made():
+@pytest.mark.parametrize("refused_first", [False, True])
+def test_batch_fallback_error_keeps_the_states_it_made(refused_first):
     # a batch refused whole runs its updates one at a time; one of them
     # refused then: the first parameter, updated by the fallback with a
     # state made there, lost that state to the outer clean-up (it dropped
     # the states the refused batch had made; found by a review,
-    # thirty-second session)
+    # thirty-second session). The refused one first in the list: the other
+    # is updated all the same, as in a batch that runs (the fallback
+    # stopped at the refusal, thirty-seventh session)
     torch.manual_seed(0)
     p1 = torch.nn.Parameter(torch.randn(8))
     p2 = torch.nn.Parameter(torch.randn(8))
-    opt = automagic.Automagic3([p1, p2], fused=False)
+    opt = automagic.Automagic3([p2, p1] if refused_first else [p1, p2], fused=False)
     p2.grad = torch.randn(8)
     opt.step()
-    before = p1.detach().clone()
+    before, before2 = p1.detach().clone(), p2.detach().clone()
+    state2 = {k: v.clone() if isinstance(v, torch.Tensor) else v
+              for k, v in opt.state[p2].items()}
     p1.grad = torch.randn(8)
     p2.grad = opt.state[p2]["exp_avg_sq"]  # over p2's own state: refused
     with pytest.raises(automagic.AutomagicError, match="share memory"):
         opt.step()
     assert not torch.equal(before, p1.detach()) and p1.grad is None
     assert opt.state[p1]["step"] == 1  # updated, and its state kept
+    # the refused one as it was, its gradient kept
+    assert torch.equal(before2, p2.detach()) and p2.grad is not None
+    for k, v in state2.items():
+        assert (torch.equal(v, opt.state[p2][k]) if isinstance(v, torch.Tensor)
+                else v == opt.state[p2][k]), k
 
 
 def test_periodic_faults_equal_clean_run_that_skips_the_same_steps():
