@@ -11,7 +11,9 @@
  * the wrappers around them (the lane shuffle tree, the agreement kernel's
  * whole-block and per-warp paths, the fused row finish, the non-finite
  * count, the 1-D finish) without a GPU. Grids are capped at a few blocks so
- * that every grid-stride loop runs several times. Built twice: for sm_90
+ * that every grid-stride loop runs several times (argument 1: 3 unless
+ * given), and run in order, reversed or odd blocks first (argument 2: CTest
+ * runs all three). Built twice: for sm_90
  * (__reduce_add_sync) and for the sm_75 fallback of am_warp_add.
  * The elementwise kernels (am_k_elem: `if (t < n) body(t)`) run as plain
  * loops, as in test_cuda_emul.
@@ -243,13 +245,26 @@ static void pool_stop(void) {
 
 static unsigned g_max_blocks = 3;
 
+/* The order the blocks of a launch (and the threads of an elementwise
+ * kernel) run in: 0 in order, 1 reversed, 2 odd blocks first. A GPU runs
+ * them in any order and at once: a block that read another's writes of
+ * the same launch would give other bits in another order. */
+static int g_order = 0;
+
+static unsigned block_at(unsigned i, unsigned grid) {
+    if (g_order == 1) return grid - 1 - i;
+    if (g_order == 2) return i < grid / 2 ? 2 * i + 1 : 2 * (i - grid / 2);
+    return i;
+}
+
 /* The blocks of one launch, one after another. */
 static int launch(kernel_fn f, unsigned grid, const am_ck_args &a, int64_t n) {
     if (n <= 0) return 0;
     if (grid > g_max_blocks) grid = g_max_blocks;
     blockDim.x = AM_CUDA_BLOCK;
     gridDim.x = grid;
-    for (unsigned b = 0; b < grid; b++) {
+    for (unsigned i = 0; i < grid; i++) {
+        const unsigned b = block_at(i, grid);
         g_job.f = f;
         g_job.a = &a;
         g_job.n = n;
@@ -269,7 +284,10 @@ struct simt_launcher {
     template <int ID>
     int elem(const am_ck_args &a) {
         const int64_t n = am_ck_threads(&a, ID);
-        for (int64_t t = 0; t < n; t++) am_ck_elem(&a, ID, t);
+        if (g_order != 0)
+            for (int64_t t = n - 1; t >= 0; t--) am_ck_elem(&a, ID, t);
+        else
+            for (int64_t t = 0; t < n; t++) am_ck_elem(&a, ID, t);
         return 0;
     }
     template <int ID>
@@ -426,17 +444,31 @@ int main(int argc, char **argv) {
         {2, {17, 9001}, F16, F32, 2, -1, "odd sizes"},
         {4, {5, 3, 3, 3}, F32, F16, 3, -1, "3x3 convolution"},
         {2, {1000, 3}, BF16, F32, 3, 2999, "narrow; NaN in the last element"},
+        /* lr-rows not a multiple of 4 or 8 in the fused row finish: a quad,
+         * and a block of rounding noise, shared by two lr-rows */
+        {2, {5, 513}, F16, F32, 3, -1, "fused row finish, rows of 513, float16"},
+        {2, {4, 1501}, BF16, BF16, 3, -1, "fused row finish, rows of 1501, bfloat16"},
+        {3, {2, 7, 111}, F16, F16, 3, -1, "fused 3-D, lr-rows of 777, float16"},
+        {2, {7, 13}, F16, BF16, 3, -1, "per-warp agreement, rows of 13, float16"},
+        {2, {3, 8195}, BF16, F32, 2, -1, "unfused rows of 8195, bfloat16"},
+        {1, {16389}, F16, F16, 3, -1, "1-D, two tiles and an odd tail, float16"},
     };
     int bad = 0;
     size_t i;
     g_rng = 12345;
     if (argc > 1) g_max_blocks = (unsigned)atoi(argv[1]);
+    if (argc > 2) g_order = atoi(argv[2]);
+    if (g_max_blocks < 1 || g_order < 0 || g_order > 2) {
+        fprintf(stderr, "usage: test_cuda_simt [max blocks >= 1 [order: 0 in order, 1 "
+                        "reversed, 2 odd blocks first]]\n");
+        return 2;
+    }
     pool_start();
     for (i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         const int b = run(cases[i].ndim, cases[i].dims, cases[i].p, cases[i].g, cases[i].steps,
                           cases[i].nan_at);
-        printf("%s: %s (%s)\n", b ? "DIFFERS" : "same", cases[i].why,
-               AM_SIMT_ARCH >= 800 ? "sm_80+" : "sm_75");
+        printf("%s: %s (%s, %u blocks, order %d)\n", b ? "DIFFERS" : "same", cases[i].why,
+               AM_SIMT_ARCH >= 800 ? "sm_80+" : "sm_75", g_max_blocks, g_order);
         bad += b;
     }
     pool_stop();
