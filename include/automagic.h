@@ -749,8 +749,9 @@ AM_API am_status am_optimizer_set_hparams(am_optimizer *opt, const am_hparams *h
  * meanwhile leaves path as it was (old checkpoint, or absent), possibly with
  * a stale temporary file beside it. The new file's mode is 0666 minus the
  * umask. Errors: AM_ERR_NULL_POINTER, AM_ERR_INVALID_ARGUMENT (path is ""),
- * AM_ERR_OUT_OF_MEMORY, AM_ERR_UNSUPPORTED (so many parameters, about a
- * million, that the header would pass the 100 MiB limit loaders enforce),
+ * AM_ERR_OUT_OF_MEMORY, AM_ERR_UNSUPPORTED (so many parameters, about
+ * 200,000 at 500-570 header bytes each, that the header would pass the
+ * 100 MiB limit loaders enforce),
  * AM_ERR_IO (path is a directory, or a device, FIFO or socket, or a
  * symbolic link to one, which is left as it is; a symbolic link to a regular
  * file is replaced by the new file, its target left as it was; or the log

@@ -176,6 +176,18 @@ def _on_log(level, msg, user):
     if _DEBUG and level <= 1:
         import sys
         sys.stderr.write(text + "\n")
+    elif level == _LOG_WARNING:
+        # A warning (a bad AUTOMAGIC_TUNING or AUTOMAGIC_PAR_MIN_BYTES,
+        # ignored) as a Python warning at the user's line: it was dropped,
+        # and a typo in those variables went unreported (a review, thirty-
+        # seventh session). Errors come back as statuses; the exception
+        # quotes their message (last_message).
+        import warnings
+        from ._errors import caller_level
+        warnings.warn(text, RuntimeWarning, stacklevel=caller_level())
+
+
+_LOG_WARNING = 2  # AM_LOG_WARNING
 
 
 _log_cb = LOG_FN(_on_log)  # kept alive for the life of the module

@@ -665,8 +665,13 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
     def get_learning_rates(self) -> List[float]:
         out = []
         for group in self.param_groups:
+            # (a parameter with no rows, (0, 5), has no lr: left out, where
+            # the mean of none is NaN, as in the reference; C's
+            # am_optimizer_lr_mean leaves it out too: a review, thirty-
+            # seventh session)
             lrs = [float(self.state[p]["lr"].mean()) for p in group["params"]
-                   if p in self.state and "lr" in self.state[p]]
+                   if p in self.state and "lr" in self.state[p]
+                   and self.state[p]["lr"].numel()]
             out.append(sum(lrs) / len(lrs) if lrs else float(group["lr"]))
         return out
 

@@ -39,6 +39,24 @@ def test_lr_stats_match_the_state():
          / len(list(m.parameters()))])
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_learning_rates_leave_out_a_parameter_with_no_rows(fused):
+    # a (0, 5) weight has an lr tensor of no elements: its mean, NaN, made
+    # get_learning_rates() and get_avg_learning_rate() NaN (a review,
+    # thirty-seventh session); C's am_optimizer_lr_mean leaves it out
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(3, 4))
+    z = torch.nn.Parameter(torch.randn(0, 5))
+    opt = automagic.Automagic3([w, z], fused=fused)
+    for _ in range(2):
+        ((w ** 2).sum() + (z ** 2).sum()).backward()
+        if not fused:
+            opt.step()
+    assert opt.state[z]["lr"].numel() == 0
+    assert opt.get_learning_rates() == [float(opt.state[w]["lr"].mean())]
+    assert opt.get_avg_learning_rate() == float(opt.state[w]["lr"].mean())
+
+
 def test_scheduler_ignored_by_default_and_warned_once():
     # once every parameter has started, group["lr"] is not used (as in the
     # reference): a schedule changes nothing
