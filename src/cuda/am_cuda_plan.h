@@ -239,6 +239,38 @@ static inline int64_t am_ck_threads(const am_ck_args *a, int id) {
 #define AM_CK_UNROLL_DEEP
 #endif
 
+/* internal.h's am_wsum_block, bit for bit, column by column: each W[y] its
+ * own chain over the row blocks (the same adds in the same order), then
+ * added to its chain s[y % 4] as there. The CPU goes row block by row block
+ * over an array of the 64 W[y] (cache lines read along their rows); here
+ * that array went to local memory (512 bytes of stack) and one thread of
+ * WSUM_BLOCKS, of which a 4096 x 4096 matrix has 64, made 4096 dependent
+ * read-modify-writes with about 4 loads in flight: by a review's estimate
+ * 0.15 ms, three times the whole update at full bandwidth (thirty-seventh
+ * session; not measured: no GPU yet). Each chain here is nrb loads, unrolled
+ * 32 deep (ptxas, sm_90: 32 registers, a 24-byte stack with 20 bytes of
+ * spills, where the array took 512; unrolled 8: 40 registers, no spill). */
+AM_HD double am_ck_wsum_block(const float *wpart, int64_t nrb, int64_t BC, const float *cf,
+                              int64_t y0, int64_t y1) {
+    double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+    int64_t y, p;
+    for (y = y0; y < y1; y++) {
+        const float *col = wpart + y;
+        double w = (double)col[0], c, t;
+        AM_CK_UNROLL_DEEP
+        for (p = 1; p < nrb; p++) w += (double)col[p * BC];
+        c = (double)cf[y];
+        t = (c * c) * w;
+        switch ((y - y0) & 3) {
+        case 0: s0 += t; break;
+        case 1: s1 += t; break;
+        case 2: s2 += t; break;
+        default: s3 += t; break;
+        }
+    }
+    return (s0 + s1) + (s2 + s3);
+}
+
 /* a / b for a, b >= 0: 32-bit division when both fit (a GPU divides 64-bit
  * integers in software, several times slower). */
 AM_HD int64_t am_ck_div(int64_t a, int64_t b) {
@@ -618,7 +650,7 @@ AM_HD void am_ck_elem(const am_ck_args *a, int id, int64_t t) {
         int64_t b = am_ck_div(t, a->njb), jb = t - b * a->njb;
         int64_t y0 = b * a->C + jb * AM_WSUM_JBLOCK;
         int64_t y1 = y0 + AM_WSUM_JBLOCK < (b + 1) * a->C ? y0 + AM_WSUM_JBLOCK : (b + 1) * a->C;
-        a->wblock[t] = am_wsum_block(a->wpart, a->nrb, BC, a->cf, y0, y1);
+        a->wblock[t] = am_ck_wsum_block(a->wpart, a->nrb, BC, a->cf, y0, y1);
         break;
     }
     case AM_CK_WSUM_U2: {
