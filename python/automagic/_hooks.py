@@ -234,18 +234,57 @@ class _FusedMixin:
         else:
             self._update_param(p, group)
 
+    def _snap_window(self) -> None:
+        """At a step() in a window's middle: each gradient of the window as
+        it is (a weak reference: a strong one would keep a cleared gradient
+        alive, and an id could be reused), and its version, for
+        _window_cleared."""
+        fired, snap = self._window_fired, {}
+        if fired:
+            for group in self.param_groups:
+                for q in group["params"]:
+                    i = self._param_index.get(q)
+                    g = q.grad
+                    if i in fired and g is not None:
+                        snap[i] = (weakref.ref(g), g._version)
+        self._mid_grads = snap
+
     def _window_cleared(self, index: int) -> bool:
-        """Whether every parameter but index whose hook fired in the open
-        window has lost its gradient (cleared from outside); False when none
-        or not known."""
+        """At the first hook (of parameter index) of a backward pass after a
+        step() in a window's middle: whether the window's gradients were
+        cleared from outside since that step(). Every parameter but index
+        whose hook fired in the window has lost its gradient, or has it
+        zeroed in place (model.zero_grad(set_to_none=False): the same
+        tensor, its version moved, all zeros); where index alone fired,
+        its own gradient tells: autograd, accumulating into a gradient it
+        kept, adds in place (the same tensor, its version one more), so
+        another tensor or a larger version means it was cleared first. Both
+        went unseen until the thirty-seventh session (a review): the windows
+        then went on straddling the caller's. False when none fired, or not
+        known (a load mid-window)."""
         fired = self._window_fired
-        if not fired or self._micro == 0 or fired == {index}:
+        if not fired or self._micro == 0:
             return False
+        snap = self._mid_grads
+        if fired == {index}:
+            if index not in snap or torch.is_grad_enabled():
+                return False  # (create_graph=True: autograd adds out of place)
+            p = next((q for g in self.param_groups for q in g["params"]
+                      if self._param_index.get(q) == index), None)
+            ref, version = snap[index]
+            g = p.grad if p is not None else None
+            return g is not None and (ref() is not g or g._version > version + 1)
         for group in self.param_groups:
             for q in group["params"]:
                 i = self._param_index.get(q)
-                if i != index and i in fired and q.grad is not None:
-                    return False
+                if i == index or i not in fired:
+                    continue
+                g = q.grad
+                if g is None:
+                    continue
+                ref, version = snap.get(i, (None, None))
+                if ref is None or (ref() is g and g._version == version) or bool(g.any()):
+                    return False  # (kept as it was, or holding something)
         return True
 
     def _take_queue(self):

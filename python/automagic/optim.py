@@ -188,6 +188,9 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         # window (not kept by state_dict or pickle: after a load, a
         # zero_grad() discards, as before the thirty-second session)
         self._stepped_mid = False
+        # with it, the window's gradients as that step() left them: index ->
+        # (weak reference, version) (_snap_window)
+        self._mid_grads = {}
         self._hook_handles = []
         self._hook_cdata = {}          # index -> p._cdata when its hook was registered
         self._hook_ids = {}            # index -> its hook's handle id
@@ -460,6 +463,7 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
                     # (a zero_grad() right after this ends the window: the
                     # caller's loop ends its windows here; see zero_grad)
                     self._stepped_mid = True
+                    self._snap_window()
                     return loss
                 self._warn_once("partial", "step() after %d of the %d backward passes of an "
                                 "accumulation window: the window ends here, its gradients "

@@ -966,13 +966,16 @@ def _warned(record, text):
     return [w for w in record if text in str(w.message)]
 
 
-def test_model_zero_grad_after_a_mid_window_step_realigns():
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_model_zero_grad_after_a_mid_window_step_realigns(set_to_none):
     """HF Trainer's epoch shorter than accumulation_steps: step() in the
     window's middle, then model.zero_grad() (not the optimizer's). The
     cleared passes were lost silently and every later window straddled two
     of the trainer's (found by a review, thirty-third session): it warns,
     and from the next window on a mid-window step() ends the window, as in
-    step mode (the step-mode run below drops the first epoch the same way)."""
+    step mode (the step-mode run below drops the first epoch the same way).
+    Gradients zeroed in place (set_to_none=False) went unseen until the
+    thirty-seventh session (a review)."""
     k, per_epoch, epochs = 4, 3, 4
     data = batches(per_epoch, seed=3)
 
@@ -987,7 +990,7 @@ def test_model_zero_grad_after_a_mid_window_step_realigns():
                     (loss_of(m, b) / k).backward()
                 if fused or epoch > 0:
                     opt.step()
-                m.zero_grad()
+                m.zero_grad(set_to_none=set_to_none)
         return m, opt, rec
     m1, o1, rec = train(True)
     m2, o2, _ = train(False)
@@ -995,6 +998,63 @@ def test_model_zero_grad_after_a_mid_window_step_realigns():
     assert _warned(rec, "were cleared")[0].filename == __file__
     assert_same(m1, o1, m2, o2)
     assert all(o1.state[p]["step"] == epochs - 1 for p in m1.parameters())
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_one_parameter_window_cleared_after_a_mid_window_step_realigns(set_to_none):
+    # as above with one parameter, the only one whose hook fired: its own
+    # gradient, accumulated into by the pass that asks, is the evidence
+    # (unseen until the thirty-seventh session: the windows kept straddling
+    # the caller's epochs, silently)
+    k, per_epoch, epochs = 4, 3, 4
+
+    def train(fused):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(4, 4))
+        opt = automagic.Automagic3([w], fused=fused, accumulation_steps=k if fused else 1)
+        g = torch.Generator().manual_seed(1)
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            for epoch in range(epochs):
+                for _ in range(per_epoch):
+                    (w * torch.randn(4, 4, generator=g)).sum().backward()
+                if fused or epoch > 0:
+                    opt.step()
+                if set_to_none:
+                    w.grad = None
+                elif w.grad is not None:  # (step mode's step() dropped it)
+                    w.grad.zero_()
+        return w, opt, rec
+    w1, o1, rec = train(True)
+    w2, o2, _ = train(False)
+    assert len(_warned(rec, "were cleared after a step() in its middle")) == 1
+    assert torch.equal(w1, w2) and o1.state[w1]["step"] == o2.state[w2]["step"] == epochs - 1
+
+
+@pytest.mark.parametrize("params", [1, 2])
+def test_step_after_every_pass_is_not_taken_for_a_cleared_window(params):
+    # step() after every backward pass, no zero_grad: fused mode keeps
+    # accumulating accumulation_steps passes (docs/PYTORCH.md); the evidence
+    # of a cleared window (a gradient's version) must not fire there
+    k = 3
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(params)]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    fused = automagic.Automagic3(ps, accumulation_steps=k)
+    step = automagic.Automagic3(qs, fused=False)
+    g = torch.Generator().manual_seed(2)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for i in range(4 * k):
+            xs = [torch.randn(4, 4, generator=g) for _ in ps]
+            sum((p * x).sum() for p, x in zip(ps, xs)).backward()
+            fused.step()
+            sum((q * x).sum() for q, x in zip(qs, xs)).backward()
+            if i % k == k - 1:
+                step.step()
+    assert not _warned(rec, "were cleared")
+    for p, q in zip(ps, qs):
+        assert torch.equal(p, q) and fused.state[p]["step"] == 4
 
 
 def test_a_hook_that_frees_a_queued_gradient_warns():
