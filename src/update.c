@@ -623,7 +623,17 @@ static void shard_factors(upd *u) {
         nc[j] = am_moment(u->state->col[j], cs[j], Rinv, &u->k);
         cf[j] = am_rsqrt(nc[j]);
     }
-    rmean[0] = (float)(u->h->row_moment_sum / (double)u->h->dim0_total);
+    /* The whole update adds the row moments in float32: a sum past its
+     * range (an eps near FLT_MAX / rows) makes its mean inf and the update
+     * skipped; so here (the double sum gave a finite mean, and the shards
+     * applied what am_update skips; found by a review, thirty-seventh
+     * session). */
+    {
+        const float s32 = (float)u->h->row_moment_sum;
+        rmean[0] = am_isfinite_f32(s32)
+                       ? (float)(u->h->row_moment_sum / (double)u->h->dim0_total)
+                       : s32 * Rinv;
+    }
     for (i = 0; i < g->R; i++) rf[i] = am_row_factor(nr[i], rmean[0]);
 }
 

@@ -642,7 +642,7 @@ static void test_dim0_shard_skips(void **unused) {
     float p[12], p0[12], g[12];
     int c, k, i;
     (void)unused;
-    for (c = 0; c < 2; c++) {
+    for (c = 0; c < 3; c++) {
         const int64_t *rows = c == 0 ? half : all;
         am_shape ssh[2];
         am_tensor sp[2], sg[2];
@@ -653,7 +653,23 @@ static void test_dim0_shard_skips(void **unused) {
             g[i] = 0.01f * (float)(i % 5) - 0.02f;
         }
         if (c == 0) g[1] = NAN;     /* in shard 0 */
-        else g[7] = 3e19f;          /* g*g overflows float32 */
+        else if (c == 1) g[7] = 3e19f; /* g*g overflows float32 */
+        if (c == 2) {
+            /* The sum of the 4 row moments (each about eps) overflows the
+             * float32 sum am_update takes, which skips; the shards summed
+             * them in double and applied the update (a review, thirty-
+             * seventh session) */
+            t_fix whole;
+            am_tensor pt = t_tensor(p, AM_DTYPE_FLOAT32, &sh), gt = t_tensor(g, AM_DTYPE_FLOAT32, &sh);
+            hp.eps = 1.5e38f;
+            hp.beta2 = 0.0;
+            t_fix_init(&whole, &sh, 1e-3);
+            assert_int_equal(am_update(&pt, &gt, &whole.st, &hp, (am_rng_key){5, 0}, whole.ws,
+                                       whole.ws_bytes, NULL),
+                             AM_SKIPPED_NONFINITE_UPDATE);
+            t_fix_free(&whole);
+            rows = half;
+        }
         for (k = 0; k < 2; k++) {
             const int64_t off = k ? rows[0] * 3 : 0;
             ssh[k] = sh;
