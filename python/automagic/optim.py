@@ -241,7 +241,11 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         if not isinstance(param_group, dict):
             raise TypeError("Automagic3: a parameter group must be a dict, got %s"
                             % type(param_group).__name__)
-        param_group = dict(param_group)
+        # (checked and completed on a copy; the caller's own dict is what
+        # param_groups holds once it is added, as torch.optim's: a copy kept
+        # later changes made through the caller's dict from taking effect,
+        # found by a review, thirty-seventh session)
+        given, param_group = param_group, dict(param_group)
         params = param_group["params"]
         if isinstance(params, torch.Tensor):
             params = [params]
@@ -287,7 +291,8 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         for i, p in enumerate(tensors):
             _check_param(p, len(self._param_index) + i)
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
+        given.update(self.param_groups[-1])
+        group = self.param_groups[-1] = given
         group.setdefault("base_lr", float(group["lr"]))
         self._clamps_added[id(group)] = (float(group["min_lr"]), float(group["max_lr"]))
         self._register_params(group)

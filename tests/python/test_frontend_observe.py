@@ -39,6 +39,36 @@ def test_lr_stats_match_the_state():
          / len(list(m.parameters()))])
 
 
+def test_param_groups_hold_the_callers_dicts():
+    # as torch.optim (and so the reference): the group dict given is the one
+    # in param_groups, so a change made through it takes effect; a copy was
+    # kept, and such changes were ignored silently (a review, thirty-seventh
+    # session). A refused group leaves the caller's dict as it was.
+    torch.manual_seed(0)
+    w, v, u = (torch.nn.Parameter(torch.randn(4, 4)) for _ in range(3))
+    groups = [{"params": [w], "weight_decay": 0.0}]
+    opt = automagic.Automagic3(groups, fused=False)
+    assert opt.param_groups[0] is groups[0]
+    extra = {"params": (v,), "weight_decay": 0.1}
+    opt.add_param_group(extra)
+    assert opt.param_groups[1] is extra and extra["params"] == [v]
+    groups[0]["weight_decay"] = 0.5
+    twin = automagic.Automagic3([{"params": [u], "weight_decay": 0.5}], fused=False)
+    u.data.copy_(w.detach())
+    for _ in range(3):
+        g = torch.randn(4, 4)
+        w.grad, u.grad = g.clone(), g.clone()
+        opt.step()
+        twin.step()
+    assert torch.equal(w, u)  # the changed weight decay was applied
+    for bad in ({"params": [torch.nn.Parameter(torch.randn(2))], "lr": -1.0},
+                {"params": [w], "weight_decay": 0.0}):  # (w is in a group already)
+        before = dict(bad)
+        with pytest.raises(ValueError):
+            opt.add_param_group(bad)
+        assert bad == before and len(opt.param_groups) == 2
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_learning_rates_leave_out_a_parameter_with_no_rows(fused):
     # a (0, 5) weight has an lr tensor of no elements: its mean, NaN, made
