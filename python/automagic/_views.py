@@ -324,8 +324,13 @@ def _check_param(p, index: int) -> None:
     if p.device.type not in _SUPPORTED_DEVICE_TYPES:
         raise ValueError("%s is on device '%s'; this build updates %s tensors only"
                          % (where, p.device, "/".join(_SUPPORTED_DEVICE_TYPES)))
-    if p.dtype not in _DTYPES:
-        raise TypeError("%s has dtype %s; supported: float32, bfloat16, float16%s"
+    # (a frozen one of another dtype, a quantized or float64 base model's
+    # weight in model.parameters(), is kept and left alone, as the reference
+    # does: it is checked if it ever gets a gradient; refused until the
+    # thirty-seventh session, a review)
+    if p.dtype not in _DTYPES and p.requires_grad:
+        raise TypeError("%s has dtype %s; supported: float32, bfloat16, float16%s (a "
+                        "parameter that does not require grad may have any dtype)"
                         % (where, p.dtype, " (float64 would be rounded to float32 every step)"
                            if p.dtype == torch.float64 else ""))
     if p.dim() > _lib.AM_MAX_DIMS:

@@ -1,6 +1,7 @@
 """The Python bad-input matrix: every case is a clear exception that leaves
 parameters and state as they were, or is handled correctly (and checked)."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -19,8 +20,9 @@ def _param(*shape, dtype=torch.float32, seed=0, device="cpu"):
 @pytest.mark.parametrize("make_param, error, match", [
     (lambda: _param(3, 4, device="meta"), ValueError, "device 'meta'"),
     (lambda: _param(3, 4, dtype=torch.float64), TypeError, "float64"),
-    (lambda: torch.zeros(3, dtype=torch.int64), TypeError, "int64; supported: float32, "
-     "bfloat16, float16$"),  # (not "float64 would be rounded", which it was told)
+    (lambda: _param(3, dtype=torch.complex128), TypeError, r"complex128; supported: float32, "
+     r"bfloat16, float16 \(a parameter that does not require grad may have any dtype\)$"),
+    # (not "float64 would be rounded", which an int64 tensor was told)
     (lambda: _param(3, 4, dtype=torch.complex64), TypeError, "complex64"),
     (lambda: _param(*([1] * 9)), ValueError, "9 dims"),
     (lambda: torch.nn.Parameter(torch.eye(3).to_sparse()), ValueError, "layout"),
@@ -40,6 +42,32 @@ def test_unsupported_parameters_are_refused(make_param, error, match):
     with pytest.raises(error, match=match):
         opt.add_param_group({"params": [make_param()]})
     assert len(opt.param_groups) == 1 and len(opt._hook_handles) == 1
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_frozen_parameters_of_other_dtypes_are_left_alone(fused):
+    # model.parameters() of a model with a frozen quantized or float64 part:
+    # the reference accepts them and leaves them alone; they were refused at
+    # construction (a review, thirty-seventh session). Unfrozen with a
+    # gradient, such a parameter is refused at the update, nothing changed.
+    torch.manual_seed(0)
+    w = _param(4, 4)
+    q = torch.nn.Parameter(torch.zeros(3, dtype=torch.int8), requires_grad=False)
+    d = torch.nn.Parameter(torch.randn(3, dtype=torch.float64), requires_grad=False)
+    opt = automagic.Automagic3([w, q, d], fused=fused)
+    for _ in range(2):
+        (w ** 2).sum().backward()
+        if not fused:
+            opt.step()
+    assert opt.state[w]["step"] == 2 and not opt.state.get(q) and not opt.state.get(d)
+    before = d.detach().clone()
+    d.requires_grad_(True)
+    (d ** 2).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (fused: "has a gradient but no backward hook")
+        with pytest.raises(automagic.AutomagicError, match="float64 is not supported"):
+            opt.step()
+    assert torch.equal(d, before) and d.grad is not None and not opt.state.get(d)
 
 
 @pytest.mark.parametrize("kw, error, match", [
