@@ -252,28 +252,19 @@ class _FusedMixin:
     def _window_cleared(self, index: int) -> bool:
         """At the first hook (of parameter index) of a backward pass after a
         step() in a window's middle: whether the window's gradients were
-        cleared from outside since that step(). Every parameter but index
-        whose hook fired in the window has lost its gradient, or has it
-        zeroed in place (model.zero_grad(set_to_none=False): the same
-        tensor, its version moved, all zeros); where index alone fired,
-        its own gradient tells: autograd, accumulating into a gradient it
-        kept, adds in place (the same tensor, its version one more), so
-        another tensor or a larger version means it was cleared first. Both
-        went unseen until the thirty-seventh session (a review): the windows
-        then went on straddling the caller's. False when none fired, or not
-        known (a load mid-window)."""
+        cleared from outside since that step(): every parameter but index
+        whose hook fired in the window has lost its gradient, or holds all
+        zeros in another tensor or at another version than that step() left
+        (model.zero_grad(set_to_none=False), unseen until the thirty-seventh
+        session: a review). Not judged where index alone fired: its own
+        gradient now holds this pass's, added by autograd, and a hook of the
+        caller's may have changed it too (an evidence from its version
+        took such a hook's in-place change for a clear: a review). False
+        when none fired, or not known (a load mid-window)."""
         fired = self._window_fired
-        if not fired or self._micro == 0:
+        if not fired or self._micro == 0 or fired == {index}:
             return False
         snap = self._mid_grads
-        if fired == {index}:
-            if index not in snap or torch.is_grad_enabled():
-                return False  # (create_graph=True: autograd adds out of place)
-            p = next((q for g in self.param_groups for q in g["params"]
-                      if self._param_index.get(q) == index), None)
-            ref, version = snap[index]
-            g = p.grad if p is not None else None
-            return g is not None and (ref() is not g or g._version > version + 1)
         for group in self.param_groups:
             for q in group["params"]:
                 i = self._param_index.get(q)
