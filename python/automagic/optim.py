@@ -293,7 +293,9 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         super().add_param_group(param_group)
         given.update(self.param_groups[-1])
         group = self.param_groups[-1] = given
-        group.setdefault("base_lr", float(group["lr"]))
+        # (set, not kept: a dict an earlier optimizer was built from holds
+        # that one's start lr, and its lr may have changed since; a review)
+        group["base_lr"] = float(group["lr"])
         self._clamps_added[id(group)] = (float(group["min_lr"]), float(group["max_lr"]))
         self._register_params(group)
 

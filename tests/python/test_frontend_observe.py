@@ -61,6 +61,18 @@ def test_param_groups_hold_the_callers_dicts():
         opt.step()
         twin.step()
     assert torch.equal(w, u)  # the changed weight decay was applied
+    # a dict reused for a second optimizer, its lr changed between: the
+    # rows start at its lr now (its base_lr from the first was kept, and
+    # the first step warned "group['lr'] changed"; a review)
+    reused = [{"params": [u], "lr": 1e-4}]
+    automagic.Automagic3(reused, fused=False)
+    reused[0]["lr"] = 2e-4
+    again = automagic.Automagic3(reused, fused=False)
+    u.grad = torch.randn(4, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again.step()
+    assert torch.all(again.state[u]["lr"] > 1.5e-4)
     for bad in ({"params": [torch.nn.Parameter(torch.randn(2))], "lr": -1.0},
                 {"params": [w], "weight_decay": 0.0}):  # (w is in a group already)
         before = dict(bad)
