@@ -13,6 +13,13 @@ from ._lib import version as _version  # noqa: E402 (after the torch check)
 from ._checkpoint import CheckpointError  # noqa: E402
 from .optim import Automagic3, AutomagicError, NonFiniteGradientError  # noqa: E402
 
+from . import _lib  # noqa: E402
+
 __version__ = _version()
+# The kernels chosen now (they are chosen once, at the library's first
+# use), so that a warning about the environment variables that choose them
+# (AUTOMAGIC_TUNING, AUTOMAGIC_PAR_MIN_BYTES) comes at the import
+_lib.kernel_name()
+_lib.flush_warnings()
 __all__ = ["Automagic3", "AutomagicError", "NonFiniteGradientError", "CheckpointError",
            "__version__"]

@@ -178,16 +178,29 @@ def _on_log(level, msg, user):
         sys.stderr.write(text + "\n")
     elif level == _LOG_WARNING:
         # A warning (a bad AUTOMAGIC_TUNING or AUTOMAGIC_PAR_MIN_BYTES,
-        # ignored) as a Python warning at the user's line: it was dropped,
-        # and a typo in those variables went unreported (a review, thirty-
-        # seventh session). Errors come back as statuses; the exception
-        # quotes their message (last_message).
-        import warnings
-        from ._errors import caller_level
-        warnings.warn(text, RuntimeWarning, stacklevel=caller_level())
+        # ignored) becomes a Python warning: it was dropped, and a typo in
+        # those variables went unreported (a review, thirty-seventh
+        # session). Kept here and warned once the C call has returned
+        # (flush_warnings): raised from this callback, an exception (under
+        # -W error) cannot pass through C, and ctypes only printed it.
+        # Errors come back as statuses; the exception quotes their message
+        # (last_message).
+        _pending.append(text)
 
 
 _LOG_WARNING = 2  # AM_LOG_WARNING
+_pending = []  # the library's warnings not yet given to Python
+
+
+def flush_warnings():
+    """The library's warnings logged so far, as RuntimeWarning at the
+    first frame outside this package and torch."""
+    if _pending:
+        import warnings
+        from ._errors import caller_level
+        level = caller_level()
+        while _pending:
+            warnings.warn(_pending.pop(0), RuntimeWarning, stacklevel=level)
 
 
 _log_cb = LOG_FN(_on_log)  # kept alive for the life of the module
@@ -200,6 +213,8 @@ def last_message():
 
 def clear_message():
     _tls.last = ""
+    if _pending:  # (a warning of an earlier call; none come after the first)
+        flush_warnings()
 
 
 def status_string(status):
