@@ -627,7 +627,8 @@ static void shard_factors(upd *u) {
      * range (an eps near FLT_MAX / rows) makes its mean inf and the update
      * skipped; so here (the double sum gave a finite mean, and the shards
      * applied what am_update skips; found by a review, thirty-seventh
-     * session). */
+     * session). Within about rows/2 ulp of FLT_MAX the two sums can round
+     * to different sides: the float32 chain rounds at every add. */
     {
         const float s32 = (float)u->h->row_moment_sum;
         rmean[0] = am_isfinite_f32(s32)
