@@ -9,13 +9,11 @@ from . import _torch_version
 
 _torch_version.check(_torch.__version__)
 
-from ._lib import version as _version  # noqa: E402 (after the torch check)
+from . import _lib  # noqa: E402 (after the torch check)
 from ._checkpoint import CheckpointError  # noqa: E402
 from .optim import Automagic3, AutomagicError, NonFiniteGradientError  # noqa: E402
 
-from . import _lib  # noqa: E402
-
-__version__ = _version()
+__version__ = _lib.version()
 # The kernels chosen now (they are chosen once, at the library's first
 # use), so that a warning about the environment variables that choose them
 # (AUTOMAGIC_TUNING, AUTOMAGIC_PAR_MIN_BYTES) comes at the import

@@ -180,8 +180,9 @@ def _on_log(level, msg, user):
         # A warning (a bad AUTOMAGIC_TUNING or AUTOMAGIC_PAR_MIN_BYTES,
         # ignored) becomes a Python warning: it was dropped, and a typo in
         # those variables went unreported (a review, thirty-seventh
-        # session). Kept here and warned once the C call has returned
-        # (flush_warnings): raised from this callback, an exception (under
+        # session). Kept here and warned by flush_warnings, which the import
+        # calls after the kernels are chosen (the only warnings the front
+        # end's calls log): raised from this callback, an exception (under
         # -W error) cannot pass through C, and ctypes only printed it.
         # Errors come back as statuses; the exception quotes their message
         # (last_message).
@@ -213,8 +214,6 @@ def last_message():
 
 def clear_message():
     _tls.last = ""
-    if _pending:  # (a warning of an earlier call; none come after the first)
-        flush_warnings()
 
 
 def status_string(status):
