@@ -369,8 +369,40 @@ class _FusedMixin:
         finally:
             self._count_micro_step()
 
+    def _watch_forward(self) -> None:
+        """At a step() in a window's middle: notes whether a forward pass
+        with grad enabled runs before the next zero_grad()
+        (_fwd_since_step), by a module forward pre-hook of torch's, global,
+        that removes itself at its first call. PyTorch Lightning calls
+        zero_grad() after the forward of a window's first batch, and
+        zero_grad() must then not change the weights that forward's graph
+        holds (applied there, backward raised autograd's in-place error;
+        found by a review with real Lightning, thirty-eighth session)."""
+        self._fwd_since_step = False
+        if self._fwd_hook is not None:
+            return
+        ref, cell = weakref.ref(self), []
+
+        def _pre(module, args):
+            opt = ref()
+            if opt is not None:
+                if not torch.is_grad_enabled():
+                    return  # (an evaluation pass builds no graph)
+                opt._fwd_since_step = True
+                if opt._fwd_hook is cell[0]:
+                    opt._fwd_hook = None
+            cell[0].remove()
+        cell.append(torch.nn.modules.module.register_module_forward_pre_hook(_pre))
+        self._fwd_hook = cell[0]
+
+    def _unwatch_forward(self) -> None:
+        handle, self._fwd_hook = self._fwd_hook, None
+        if handle is not None:
+            handle.remove()
+
     def _count_micro_step(self) -> None:
         self._stepped_mid = False  # (a backward pass since that step())
+        self._unwatch_forward()
         self._passes += 1
         self._micro += 1
         if self._micro < self.accumulation_steps:

@@ -191,6 +191,9 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         # with it, the window's gradients as that step() left them: index ->
         # (weak reference, version) (_snap_window)
         self._mid_grads = {}
+        # and whether a forward pass has run since (_watch_forward; its
+        # global hook's handle while it waits for one)
+        self._fwd_since_step, self._fwd_hook = False, None
         self._hook_handles = []
         self._hook_cdata = {}          # index -> p._cdata when its hook was registered
         self._hook_ids = {}            # index -> its hook's handle id
@@ -452,6 +455,7 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
             self._check_other_optimizers()
         if self.fused:
             self._steps.close()
+            self._unwatch_forward()
             refired = self._refired
             self._since_step, self._refired = set(), False
             if self._micro != 0:
@@ -471,6 +475,7 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
                     # caller's loop ends its windows here; see zero_grad)
                     self._stepped_mid = True
                     self._snap_window()
+                    self._watch_forward()
                     return loss
                 self._warn_once("partial", "step() after %d of the %d backward passes of an "
                                 "accumulation window: the window ends here, its gradients "
@@ -644,14 +649,37 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
                                 "firing: zero_grad() drops the gradient it was not updated "
                                 "with; its hook is registered again, so the next backward "
                                 "updates it (warned once)")
+            forward = self._fwd_since_step
+            self._unwatch_forward()
             if self._micro != 0 and self._stepped_mid:
                 # step() came after the window's last backward pass, and now
                 # zero_grad(): the caller's loop or trainer ends its windows
-                # here (an epoch shorter than accumulation_steps, or step()
-                # and zero_grad() after every pass). Applied, as step mode
-                # applies them: discarded, such a run never updated anything
-                # behind one warning (found by a review, thirty-second
-                # session).
+                # at its step() calls (an epoch shorter than
+                # accumulation_steps, or step() and zero_grad() after every
+                # pass); from now on a step() in a window's middle ends it.
+                self._aligned_steps = True
+                if forward:
+                    # A forward pass ran since that step() (PyTorch
+                    # Lightning calls zero_grad() between a window's first
+                    # forward and its backward): its graph holds the
+                    # weights, so the window cannot be applied now. Its
+                    # gradients are kept and the next backward pass adds
+                    # to them: the window goes on to accumulation_steps
+                    # passes.
+                    self._warn_once(
+                        "stepforward", "zero_grad() after a step() in the middle of an "
+                        "accumulation window (%d of %d backward passes) and after a "
+                        "forward pass since (PyTorch Lightning's order): applied now, the "
+                        "window would change weights that forward's backward needs, so "
+                        "its gradients are kept and the window goes on with the next "
+                        "backward passes; later step() calls end their windows (warned "
+                        "once)" % (self._micro, self.accumulation_steps))
+                    self._stepped_mid = False
+                    self._zero_grad_outside_window(set_to_none)
+                    return
+                # Applied, as step mode applies them: discarded, such a run
+                # never updated anything behind one warning (found by a
+                # review, thirty-second session).
                 self._warn_once("stepzero", "step() and zero_grad() after %d of the %d "
                                 "backward passes of an accumulation window: the window ends "
                                 "there and its gradients are applied, as in step mode (a "
@@ -671,6 +699,29 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
                 # caller's; found by a review, twenty-third session)
                 self._close_window(flush=False)
         super().zero_grad(set_to_none=set_to_none)
+
+    def _zero_grad_outside_window(self, set_to_none: bool) -> None:
+        """zero_grad() of the gradients that are not the open window's (the
+        gradients _flush would apply are kept), as torch.optim's zero_grad
+        clears them."""
+        fired = self._window_fired
+        for group in self.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                index = self._param_index.get(p)
+                if (index in self._hooked and index not in self._updated
+                        and (fired is None or index in fired)):
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    if g.grad_fn is not None:
+                        g.detach_()
+                    else:
+                        g.requires_grad_(False)
+                    g.zero_()
 
     # ------------------------------------------------------- inspection
     def get_learning_rates(self) -> List[float]:
@@ -737,6 +788,7 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         works in step mode from now on (step() updates every gradient)."""
         with self._steps.lock:
             self._steps.close()
+            self._unwatch_forward()
             _remove_hooks(self._hook_handles)
             self._hooked = set()
             self._fused = False

@@ -859,6 +859,84 @@ def test_step_then_zero_grad_mid_window_applies_the_window(k, per_window):
         assert o1.state[a]["step"] == o2.state[b]["step"] == 4
 
 
+def _lightning_order_run(k, per_epoch, epochs, groups=None):
+    """PyTorch Lightning's automatic optimization with
+    accumulate_grad_batches=k: each batch's forward, then zero_grad() at a
+    window's first batch, then backward; step() at a window's end and at
+    the epoch's last batch; a validation forward under no_grad after each
+    epoch. Fused mode with accumulation_steps=k; or (groups) step mode
+    stepping after each of the given numbers of backward passes."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    fused = groups is None
+    opt = automagic.Automagic3(m.parameters(), fused=fused,
+                               accumulation_steps=k if fused else 1)
+    g = torch.Generator().manual_seed(1)
+    todo = list(groups or ())
+    passes = 0
+    for _ in range(epochs):
+        for i in range(per_epoch):
+            loss = m(torch.randn(4, 5, generator=g)).square().mean()
+            if fused and i % k == 0:
+                opt.zero_grad()
+            loss.backward()
+            passes += 1
+            if fused and ((i + 1) % k == 0 or i + 1 == per_epoch):
+                opt.step()
+            elif not fused and passes == todo[0]:
+                todo.pop(0)
+                passes = 0
+                opt.step()
+                opt.zero_grad()
+        with torch.no_grad():
+            m(torch.randn(2, 5, generator=g))
+    return m, opt
+
+
+@pytest.mark.parametrize("per_epoch, epochs, groups", [(2, 3, [3, 1, 2]), (1, 4, [2, 1, 1])])
+def test_zero_grad_between_forward_and_backward_after_a_mid_window_step(
+        per_epoch, epochs, groups):
+    # Lightning calls zero_grad() after a window's first forward. After a
+    # step() in a window's middle (an epoch shorter than the window, before
+    # any evidence that step() calls come at window ends), zero_grad()
+    # applied the window in place under that forward's graph, and backward
+    # raised autograd's in-place error (found by a review with real
+    # Lightning, thirty-eighth session). The window's gradients are kept
+    # now and the window goes on with the next passes; later step() calls
+    # end their windows: the updates are step mode's after these numbers
+    # of passes (groups), bit for bit.
+    with pytest.warns(UserWarning, match="gradients are kept and the window goes on"):
+        m1, o1 = _lightning_order_run(3, per_epoch, epochs)
+    m2, o2 = _lightning_order_run(3, per_epoch, epochs, groups)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+        assert o1.state[a]["step"] == o2.state[b]["step"] == len(groups)
+    # (the forward watch's global hook is gone)
+    assert not torch.nn.modules.module._global_forward_pre_hooks
+
+
+def test_zero_grad_after_a_mid_window_step_and_forward_clears_other_gradients():
+    # the window's gradients are kept; a gradient outside it (set by hand,
+    # no hook reported it) is cleared, as zero_grad() clears it
+    m = torch.nn.Linear(4, 3)
+    opt = automagic.Automagic3(m.parameters(), accumulation_steps=3)
+    x = torch.randn(2, 4)
+    m(x).sum().backward()
+    opt.step()  # after 1 of 3 passes
+    extra = torch.nn.Parameter(torch.zeros(2))
+    opt.add_param_group({"params": [extra]})
+    extra.grad = torch.ones(2)
+    kept = m.weight.grad.clone()
+    loss = m(x).sum()
+    with pytest.warns(UserWarning, match="gradients are kept"):
+        opt.zero_grad()
+    assert extra.grad is None and torch.equal(m.weight.grad, kept)
+    loss.backward()  # no in-place error: nothing changed the weights
+    assert m.weight not in opt.state or opt.state[m.weight].get("step", 0) == 0
+    m(x).sum().backward()  # the window's third pass: updated
+    assert opt.state[m.weight]["step"] == 1 and m.weight.grad is None
+
+
 @pytest.mark.parametrize("saved", ["after_step", "without_passes"])
 def test_zero_grad_after_a_load_discards(saved):
     # a rollback (weights and optimizer loaded, then zero_grad()) must drop
