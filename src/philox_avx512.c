@@ -22,7 +22,6 @@
 static void philox32_avx512(uint64_t seed, uint32_t pid, int64_t step,
                             int64_t q0, uint32_t *out) {
     const __m512i M0 = _mm512_set1_epi64(0xD2511F53), M1 = _mm512_set1_epi64(0xCD9E8D57);
-    const __m512i lo32 = _mm512_set1_epi64(0xffffffff);
     const __m512i lane = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
     const __m512i ilo = _mm512_setr_epi64(0, 8, 1, 9, 2, 10, 3, 11);
     const __m512i ihi = _mm512_setr_epi64(4, 12, 5, 13, 6, 14, 7, 15);
@@ -36,7 +35,7 @@ static void philox32_avx512(uint64_t seed, uint32_t pid, int64_t step,
         c2[ch] = _mm512_set1_epi64(pid);
         c3[ch] = _mm512_set1_epi64((uint32_t)(uint64_t)step);
     }
-    for (r = 0; r < AM_SR_ROUNDS; r++) {
+    for (r = 0; r < AM_SR_ROUNDS - 1; r++) {
         const __m512i K0 = _mm512_set1_epi64(k0), K1 = _mm512_set1_epi64(k1);
         for (ch = 0; ch < 4; ch++) {
             __m512i p0 = _mm512_mul_epu32(c0[ch], M0), p1 = _mm512_mul_epu32(c2[ch], M1);
@@ -54,12 +53,22 @@ static void philox32_avx512(uint64_t seed, uint32_t pid, int64_t step,
         k0 += 0x9E3779B9u;
         k1 += 0xBB67AE85u;
     }
-    for (ch = 0; ch < 4; ch++) {
-        /* a: words 0,1 of each quad; b: words 2,3; then interleave */
-        __m512i a = _mm512_or_si512(_mm512_and_si512(c0[ch], lo32), _mm512_slli_epi64(c1[ch], 32));
-        __m512i b = _mm512_or_si512(_mm512_and_si512(c2[ch], lo32), _mm512_slli_epi64(c3[ch], 32));
-        _mm512_storeu_si512((void *)(out + 32 * ch), _mm512_permutex2var_epi64(a, ilo, b));
-        _mm512_storeu_si512((void *)(out + 32 * ch + 16), _mm512_permutex2var_epi64(a, ihi, b));
+    {
+        /* the last round gives the output pairs directly: a holds words 0
+         * and 1 of each quad (n0 in the low half, lo(p1) in the high one),
+         * b words 2 and 3 (n2, lo(p0)). Both products' dwords are swapped;
+         * the XOR is done on the low dwords only (mask 0x5555) and the high
+         * ones keep the swapped lo(p) */
+        const __m512i K0 = _mm512_set1_epi64(k0), K1 = _mm512_set1_epi64(k1);
+        for (ch = 0; ch < 4; ch++) {
+            __m512i p0 = _mm512_mul_epu32(c0[ch], M0), p1 = _mm512_mul_epu32(c2[ch], M1);
+            __m512i a = _mm512_mask_ternarylogic_epi32(_mm512_shuffle_epi32(p1, _MM_PERM_CDAB),
+                                                      0x5555, c1[ch], K0, 0x96);
+            __m512i b = _mm512_mask_ternarylogic_epi32(_mm512_shuffle_epi32(p0, _MM_PERM_CDAB),
+                                                      0x5555, c3[ch], K1, 0x96);
+            _mm512_storeu_si512((void *)(out + 32 * ch), _mm512_permutex2var_epi64(a, ilo, b));
+            _mm512_storeu_si512((void *)(out + 32 * ch + 16), _mm512_permutex2var_epi64(a, ihi, b));
+        }
     }
 }
 
