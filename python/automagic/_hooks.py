@@ -377,8 +377,10 @@ class _FusedMixin:
         zero_grad() after the forward of a window's first batch, and
         zero_grad() must then not change the weights that forward's graph
         holds (applied there, backward raised autograd's in-place error;
-        found by a review with real Lightning, thirty-eighth session)."""
-        self._fwd_since_step = False
+        found by a review with real Lightning, thirty-eighth session). The
+        note is cleared where it is used up, at zero_grad() and at the end
+        of a backward pass, not here: a second step() between the forward
+        and zero_grad() lost it (a review)."""
         if self._fwd_hook is not None:
             return
         ref, cell = weakref.ref(self), []
@@ -402,6 +404,7 @@ class _FusedMixin:
 
     def _count_micro_step(self) -> None:
         self._stepped_mid = False  # (a backward pass since that step())
+        self._fwd_since_step = False
         self._unwatch_forward()
         self._passes += 1
         self._micro += 1

@@ -649,15 +649,14 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
                                 "firing: zero_grad() drops the gradient it was not updated "
                                 "with; its hook is registered again, so the next backward "
                                 "updates it (warned once)")
-            forward = self._fwd_since_step
+            forward, self._fwd_since_step = self._fwd_since_step, False
             self._unwatch_forward()
             if self._micro != 0 and self._stepped_mid:
                 # step() came after the window's last backward pass, and now
                 # zero_grad(): the caller's loop or trainer ends its windows
                 # at its step() calls (an epoch shorter than
                 # accumulation_steps, or step() and zero_grad() after every
-                # pass); from now on a step() in a window's middle ends it.
-                self._aligned_steps = True
+                # pass).
                 if forward:
                     # A forward pass ran since that step() (PyTorch
                     # Lightning calls zero_grad() between a window's first
@@ -665,7 +664,10 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
                     # weights, so the window cannot be applied now. Its
                     # gradients are kept and the next backward pass adds
                     # to them: the window goes on to accumulation_steps
-                    # passes.
+                    # passes; from now on a step() in a window's middle
+                    # ends it (Lightning's later short windows, before the
+                    # next forward).
+                    self._aligned_steps = True
                     self._warn_once(
                         "stepforward", "zero_grad() after a step() in the middle of an "
                         "accumulation window (%d of %d backward passes) and after a "

@@ -937,6 +937,46 @@ def test_zero_grad_after_a_mid_window_step_and_forward_clears_other_gradients():
     assert opt.state[m.weight]["step"] == 1 and m.weight.grad is None
 
 
+def test_step_after_every_pass_with_zero_grad_per_epoch_keeps_accumulating():
+    # step() after every pass (windows of k passes) and zero_grad() at each
+    # epoch's start: that zero_grad() applies the epoch's last, shorter
+    # window, and the next epoch accumulates k passes again (a first
+    # version of the Lightning fix took the pair as "step() ends windows"
+    # and every later pass was an update of its own: the diff's review)
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 4)
+    opt = automagic.Automagic3(m.parameters(), accumulation_steps=4)
+    updated = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            opt.zero_grad()
+            for _ in range(6):
+                w = m.weight.detach().clone()
+                m(torch.randn(2, 4)).square().sum().backward()
+                opt.step()
+                updated.append(int(not torch.equal(w, m.weight)))
+    assert updated == [0, 0, 0, 1, 0, 0] * 3
+    assert opt.state[m.weight]["step"] == 5  # (and the two shorter windows)
+
+
+def test_a_second_step_before_zero_grad_keeps_the_forward_seen():
+    # step(), forward, step() again, zero_grad(), backward: the second
+    # step() forgot the forward, and zero_grad() applied the window under
+    # its graph (torch's in-place error; the diff's review)
+    m = torch.nn.Linear(4, 3)
+    opt = automagic.Automagic3(m.parameters(), accumulation_steps=3)
+    x = torch.randn(2, 4)
+    m(x).sum().backward()
+    opt.step()
+    loss = m(x).sum()
+    opt.step()
+    with pytest.warns(UserWarning, match="gradients are kept"):
+        opt.zero_grad()
+    loss.backward()
+    assert not torch.nn.modules.module._global_forward_pre_hooks
+
+
 @pytest.mark.parametrize("saved", ["after_step", "without_passes"])
 def test_zero_grad_after_a_load_discards(saved):
     # a rollback (weights and optimizer loaded, then zero_grad()) must drop
