@@ -439,7 +439,10 @@ def _two(fused=False, **kw):
                                         ("micro_step", True), ("deferred", "0"),
                                         ("deferred", [1.9]),
                                         ("passes", torch.tensor([1, 2])),
-                                        ("window_fired", [torch.tensor(True)])])
+                                        ("window_fired", [torch.tensor(True)]),
+                                        # (a negative count of passes: mutation
+                                        # test, thirty-eighth session)
+                                        ("passes", -1)])
 def test_load_bad_bookkeeping_changes_nothing(key, value):
     # these were converted after the groups and the state had been replaced
     from automagic._checkpoint import CheckpointError
@@ -748,3 +751,103 @@ def test_lazy_module_parameters_are_refused_clearly(fused):
     m(torch.randn(2, 3)).sum().backward()
     opt.step()
     assert all(opt.state[p]["step"] == 1 for p in m.parameters())
+
+
+@pytest.mark.parametrize("one_at_a_time", ["batch_updates", "nonfinite"])
+def test_bad_hyperparameter_of_a_later_group_leaves_the_earlier_unchanged(one_at_a_time):
+    # step() validates every group before anything is updated, also a group
+    # of plain numbers it validated at an earlier step (its values are
+    # cached): checked only on the first sight, one update at a time updated
+    # the first group's parameters before the second's beta2 was refused
+    # (a mutation test, thirty-eighth session)
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))
+    opt = automagic.Automagic3([{"params": [a]}, {"params": [b]}], fused=False,
+                               nonfinite="raise" if one_at_a_time == "nonfinite" else "skip")
+    opt.batch_updates = one_at_a_time != "batch_updates"
+    a.grad, b.grad = torch.randn(3, 4), torch.randn(5)
+    opt.step()
+    opt.param_groups[1]["beta2"] = 2.0
+    a.grad, b.grad = torch.randn(3, 4), torch.randn(5)
+    a0, lr0 = a.detach().clone(), opt.state[a]["lr"].clone()
+    with pytest.raises(automagic.AutomagicError, match="beta2"):
+        opt.step()
+    assert torch.equal(a.detach(), a0) and torch.equal(opt.state[a]["lr"], lr0)
+    assert opt.state[a]["step"] == 1 and a.grad is not None
+
+
+def test_batch_fallback_under_scale_restores_the_scaled_lrs_first():
+    # a batch refused whole (a gradient over its own state: shared memory)
+    # runs one at a time; under lr_schedule="scale" the lrs the refused
+    # batch had scaled must go back first: each update scales them again
+    # (mutation test, thirty-eighth session)
+    torch.manual_seed(0)
+    p1, p2 = torch.nn.Parameter(torch.randn(8)), torch.nn.Parameter(torch.randn(8))
+    twin = torch.nn.Parameter(p1.detach().clone())
+    opt = automagic.Automagic3([p1, p2], fused=False, lr_schedule="scale")
+    ref = automagic.Automagic3([twin], fused=False, lr_schedule="scale")
+    g = torch.randn(8)
+    p1.grad, twin.grad, p2.grad = g.clone(), g.clone(), torch.randn(8)
+    opt.step()
+    ref.step()
+    for o in (opt, ref):
+        o.param_groups[0]["lr"] = o.param_groups[0]["lr"] * 0.5
+    lr2 = opt.state[p2]["lr"].clone()
+    g = torch.randn(8)
+    p1.grad, twin.grad = g.clone(), g.clone()
+    p2.grad = opt.state[p2]["exp_avg_sq"]  # over p2's own state: the batch is refused
+    with pytest.raises(automagic.AutomagicError, match="share memory"):
+        opt.step()
+    ref.step()
+    assert torch.equal(p1.detach(), twin.detach())
+    assert torch.equal(opt.state[p1]["lr"], ref.state[twin]["lr"])
+    assert torch.equal(opt.state[p2]["lr"], lr2)  # the refused one's lrs as they were
+
+
+def test_gradient_of_another_shape_is_refused():
+    # p.data given another shape (the same number of elements) after its
+    # gradient was set: the gradient's shape no longer matches, and the
+    # update read it as if it had p's shape (mutation test, thirty-eighth
+    # session)
+    p = torch.nn.Parameter(torch.randn(3, 4))
+    opt = automagic.Automagic3([p], fused=False)
+    p.grad = torch.ones(3, 4)
+    p.data = torch.randn(4, 3)
+    p0 = p.detach().clone()
+    with pytest.raises(automagic.AutomagicError, match="gradient shape"):
+        opt.step()
+    assert torch.equal(p.detach(), p0) and not opt.state.get(p) and p.grad is not None
+
+
+def test_state_tensor_replaced_by_a_strided_view_is_refused():
+    # a state tensor of the right shape and dtype that is not contiguous
+    # (a view with a stride): the C update writes it as contiguous memory,
+    # other elements than the tensor's (mutation test, thirty-eighth session)
+    p = torch.nn.Parameter(torch.randn(4, 6))
+    opt = automagic.Automagic3([p], fused=False)
+    p.grad = torch.randn(4, 6)
+    opt.step()
+    st = opt.state[p]
+    st["lr"] = torch.full((8,), 1e-6)[::2]  # shape (4,), stride 2
+    lr0, p0 = st["lr"].clone(), p.detach().clone()
+    p.grad = torch.randn(4, 6)
+    with pytest.raises(automagic.AutomagicError, match="not contiguous"):
+        opt.step()
+    assert torch.equal(p.detach(), p0) and torch.equal(st["lr"], lr0) and st["step"] == 1
+
+
+def test_several_refused_in_the_batch_fallback_raise_the_first_error():
+    # a batch refused whole runs one at a time; where several are refused
+    # the first one's error is raised after the others ran, as one batch
+    # does (the last one's was; mutation test, thirty-eighth session)
+    torch.manual_seed(0)
+    p1, p2, p3 = (torch.nn.Parameter(torch.randn(n)) for n in (8, 5, 6))
+    opt = automagic.Automagic3([p1, p2, p3], fused=False)
+    for p in (p1, p2, p3):
+        p.grad = torch.randn_like(p)
+    opt.step()
+    p1.grad, p3.grad = opt.state[p1]["exp_avg_sq"], opt.state[p3]["exp_avg_sq"]
+    p2.grad = torch.randn(5)
+    with pytest.raises(automagic.AutomagicError, match=r"shape \(8,\)"):
+        opt.step()
+    assert opt.state[p2]["step"] == 2 and p2.grad is None  # the other one ran

@@ -764,3 +764,63 @@ def test_a_load_mid_window_without_the_gradients_warns():
             assert lost[0].filename == __file__   # points at the caller's load
         bwd(w2, 2)
         assert torch.equal(w2.detach(), w.detach()) == restore
+
+
+def test_float64_state_tensors_are_refused():
+    # the state is float32: a float64 moment (a checkpoint converted by
+    # hand, say) is refused, not rounded silently (mutation test,
+    # thirty-eighth session)
+    m = make()
+    opt = automagic.Automagic3(m.parameters(), fused=False)
+    loss_of(m, batches(1)[0]).backward()
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    snap = snapshot(m, opt)
+    for key in ("exp_avg_sq_row", "lr"):
+        bad = copy.deepcopy(sd)
+        bad["state"][5][key] = bad["state"][5][key].double()
+        with pytest.raises(CheckpointError, match="float64"):
+            opt.load_state_dict(bad)
+    assert_unchanged(m, opt, snap)
+
+
+def test_window_position_saved_under_a_longer_window_is_taken_modulo():
+    # a state_dict saved after 4 passes of a 5-pass window, loaded by an
+    # optimizer with accumulation_steps=3: the position is 4 % 3 = 1, and
+    # that window ends after two more passes, not at the next (mutation
+    # test, thirty-eighth session)
+    import warnings
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(3, 4))
+    long = automagic.Automagic3([w], accumulation_steps=5)
+    for _ in range(4):
+        (w * 2.0).sum().backward()
+    sd = long.state_dict()
+    assert sd["automagic"]["micro_step"] == 4
+    long.remove_hooks()
+    opt = automagic.Automagic3([w], accumulation_steps=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt.load_state_dict(sd)
+    assert opt.state_dict()["automagic"]["micro_step"] == 1
+    w0 = w.detach().clone()
+    (w * 2.0).sum().backward()
+    assert torch.equal(w.detach(), w0) and not opt.state.get(w)  # pass 2 of 3
+    (w * 2.0).sum().backward()
+    assert opt.state[w]["step"] == 1                              # pass 3: the end
+
+
+def test_unknown_state_keys_are_refused():
+    # a parameter's state with a key neither format has (another
+    # optimizer's "exp_avg", a typo) is refused, not dropped silently
+    # (mutation test, thirty-eighth session)
+    m = make()
+    opt = automagic.Automagic3(m.parameters(), fused=False)
+    loss_of(m, batches(1)[0]).backward()
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    snap = snapshot(m, opt)
+    sd["state"][5]["exp_avg"] = torch.zeros_like(sd["state"][5]["lr"])
+    with pytest.raises(CheckpointError, match="unknown state keys.*exp_avg"):
+        opt.load_state_dict(sd)
+    assert_unchanged(m, opt, snap)

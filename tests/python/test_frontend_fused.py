@@ -1281,3 +1281,100 @@ def test_found_inf_attribute_is_refused_and_not_sticky():
         opt.step()
     assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
     opt.step()
+
+
+def test_remove_hooks_makes_accumulation_steps_one():
+    # step mode has no accumulation window: remove_hooks() sets
+    # accumulation_steps to 1, so that a state_dict saved mid-window by a
+    # fused run loads with no window open (mutation test, thirty-eighth
+    # session)
+    lin = torch.nn.Linear(3, 2)
+    fused = automagic.Automagic3(lin.parameters(), accumulation_steps=2)
+    lin(torch.ones(1, 3)).sum().backward()  # micro-batch 1 of 2
+    sd = fused.state_dict()
+    assert sd["automagic"]["micro_step"] == 1
+    fused.remove_hooks()
+    assert fused.accumulation_steps == 1
+    lin.zero_grad()
+    other = automagic.Automagic3(lin.parameters(), accumulation_steps=2)
+    other.remove_hooks()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no lost-window warning: no window)
+        other.load_state_dict(sd)
+    assert other.state_dict()["automagic"]["micro_step"] == 0
+
+
+def test_gradients_changed_in_place_after_a_mid_window_step_are_not_a_clear():
+    # step() after every backward pass, and the caller changes the
+    # gradients in place after it (a clip, a scale: here by 1.0): they
+    # still hold values, so the window was not cleared and keeps
+    # accumulating (taken for a clear by their versions alone, it was
+    # dropped with a warning; mutation test, thirty-eighth session)
+    k = 3
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(2)]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    fused = automagic.Automagic3(ps, accumulation_steps=k)
+    step = automagic.Automagic3(qs, fused=False)
+    g = torch.Generator().manual_seed(2)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for i in range(4 * k):
+            xs = [torch.randn(4, 4, generator=g) for _ in ps]
+            sum((p * x).sum() for p, x in zip(ps, xs)).backward()
+            fused.step()
+            for p in ps:
+                if p.grad is not None:
+                    p.grad.mul_(1.0)
+            sum((q * x).sum() for q, x in zip(qs, xs)).backward()
+            if i % k == k - 1:
+                step.step()
+    assert not _warned(rec, "were cleared")
+    for p, q in zip(ps, qs):
+        assert torch.equal(p, q) and fused.state[p]["step"] == 4
+
+
+def test_a_state_dict_keeps_the_parameters_updated_at_the_end_of_backward():
+    # a weight whose hook fired twice in a pass (a reentrant checkpoint) is
+    # updated at the end of backward from then on; the state_dict keeps
+    # which ("deferred"): a resumed run updated it again at its first hook,
+    # with part of its gradient, and warned (mutation test, thirty-eighth
+    # session)
+    data = batches(4, seed=6)
+    m = make(ckpt="reentrant")
+    opt = _fused(m.parameters(), 0)
+    with pytest.warns(UserWarning, match="arrived in two parts"):
+        loss_of(m, data[0]).backward()
+    m2 = copy.deepcopy(m)
+    o2 = _fused(m2.parameters(), 0)
+    o2.load_state_dict(opt.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for b in data[1:]:
+            loss_of(m, b).backward()
+            loss_of(m2, b).backward()
+    assert_same(m, opt, m2, o2)
+
+
+def test_zero_grad_right_after_a_load_that_follows_a_mid_window_step_discards():
+    # step() in a window's middle, then a rollback at once (weights and
+    # optimizer loaded, no backward pass between) and zero_grad(): the load
+    # ends what that step() meant, so zero_grad() drops the gradients (it
+    # applied them to the loaded weights; mutation test, thirty-eighth
+    # session)
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 4)
+    opt = automagic.Automagic3(m.parameters(), accumulation_steps=4)
+    x = torch.randn(8, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(6):  # a whole window and 2 passes of the next
+            m(x).square().sum().backward()
+        sd = copy.deepcopy(opt.state_dict())
+        msd = copy.deepcopy(m.state_dict())
+        m(x).square().sum().backward()
+        opt.step()  # in the window's middle
+        m.load_state_dict(msd)
+        opt.load_state_dict(sd)
+        opt.zero_grad()
+    assert all(torch.equal(m.state_dict()[k], msd[k]) for k in msd)

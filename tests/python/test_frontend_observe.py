@@ -517,3 +517,91 @@ def test_no_prints(capsys):
     opt.step()
     out = capsys.readouterr()
     assert out.out == "" and out.err == ""
+
+
+def test_nonfinite_raise_stops_before_the_later_parameters():
+    # docs/PYTORCH.md: nonfinite="raise" raises at the first skipped
+    # parameter, before the parameters after it are updated (one at a time:
+    # in one batch every other parameter was updated first; mutation test,
+    # thirty-eighth session)
+    torch.manual_seed(0)
+    a, b, c = (torch.nn.Parameter(torch.randn(3, 4)) for _ in range(3))
+    opt = automagic.Automagic3([a, b, c], fused=False, nonfinite="raise")
+    for p in (a, b, c):
+        p.grad = torch.randn(3, 4)
+    b.grad[1, 2] = float("nan")
+    c0 = c.detach().clone()
+    with pytest.raises(automagic.NonFiniteGradientError):
+        opt.step()
+    assert opt.state[a]["step"] == 1 and a.grad is None  # before it: updated
+    assert b.grad is not None and not opt.state.get(b)
+    assert torch.equal(c.detach(), c0) and c.grad is not None and not opt.state.get(c)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_nonfinite_skip_under_scale_leaves_the_lrs(n):
+    # a skipped update under lr_schedule="scale" (factor 0.5) leaves the
+    # stored lrs as they were, not scaled by the factor (SPEC 6.2: the state
+    # exactly as it was); n=2 goes through one batch call (mutation test,
+    # thirty-eighth session)
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(3, 4)) for _ in range(n)]
+    opt = automagic.Automagic3(ps, fused=False, lr_schedule="scale")
+    for p in ps:
+        p.grad = torch.randn(3, 4)
+    opt.step()
+    opt.param_groups[0]["lr"] = opt.param_groups[0]["lr"] * 0.5
+    bad = ps[0]
+    before = (bad.detach().clone(), opt.state[bad]["lr"].clone())
+    for p in ps:
+        p.grad = torch.randn(3, 4)
+    bad.grad[0, 0] = float("nan")
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        opt.step()
+    assert torch.equal(bad.detach(), before[0]) and opt.state[bad]["step"] == 1
+    assert torch.equal(opt.state[bad]["lr"], before[1])
+    assert opt.nonfinite_skips == 1
+
+
+def test_scale_mode_factor_below_float32_range_is_factor_zero():
+    # a factor that takes every rate of a group below float32's range is
+    # applied as 0: the state then advances as at factor 0 (the rows' lrs
+    # bumped unscaled), not with rates too small to be bumped (mutation
+    # test, thirty-eighth session)
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(4, 6))
+    q = torch.nn.Parameter(p.detach().clone())
+    o1, o2 = (automagic.Automagic3([t], lr=1e-5, lr_schedule="scale", fused=False)
+              for t in (p, q))
+    g = torch.Generator().manual_seed(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the tiny factor: warned once)
+        for _ in range(4):
+            o1.param_groups[0]["lr"] = 1e-5 * 1e-40
+            o2.param_groups[0]["lr"] = 0.0
+            gr = torch.randn(4, 6, generator=g)
+            p.grad, q.grad = gr.clone(), gr.clone()
+            o1.step()
+            o2.step()
+    assert torch.equal(p.detach(), q.detach())
+    assert torch.equal(o1.state[p]["lr"], o2.state[q]["lr"])
+    assert not torch.equal(o1.state[p]["lr"], torch.full((4,), 1e-5))  # (bumped)
+
+
+def test_nonfinite_raise_in_fused_mode_raises_in_the_parameters_own_hook():
+    # docs/PYTORCH.md: with nonfinite="raise" fused mode updates every
+    # parameter in its own hook (no queue): the error stops backward at the
+    # bad gradient, before the hooks of the parameters after it (queued,
+    # the batch at the end of backward updated them and then raised;
+    # mutation test, thirty-eighth session)
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))
+    opt = automagic.Automagic3([a, b], nonfinite="raise")
+    (b * torch.tanh(torch.tanh(a * 2.0))).sum().backward()  # (b's hook fires first)
+    assert opt.state[a]["step"] == opt.state[b]["step"] == 1
+    b.register_hook(lambda g: g.index_fill(0, torch.tensor([1]), float("nan")))
+    a0 = a.detach().clone()
+    with pytest.raises(automagic.NonFiniteGradientError):
+        (b * torch.tanh(torch.tanh(a * 2.0))).sum().backward()
+    assert opt.state[b]["step"] == 1 and b.grad is not None
+    assert torch.equal(a.detach(), a0) and opt.state[a]["step"] == 1

@@ -436,3 +436,21 @@ def test_library_refusal_in_batch_still_runs_copied_updates():
             assert p.grad is not None and int(opt.state[p]["step"]) == 2 ** 63 - 1
         else:
             assert p.grad is None and int(opt.state[p]["step"]) == 2, k
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_an_update_bumps_the_autograd_version(n):
+    # the update writes p's memory behind autograd's back: its version is
+    # bumped, so that a backward still needing the old value raises, as
+    # after any in-place change; n=2 goes through one batch call (mutation
+    # test, thirty-eighth session)
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(3, 4)) for _ in range(n)]
+    opt = automagic.Automagic3(ps, fused=False)
+    loss = sum((p * p).sum() for p in ps)  # saves each p for backward
+    loss.backward(retain_graph=True)
+    versions = [p._version for p in ps]
+    opt.step()
+    assert all(p._version > v for p, v in zip(ps, versions))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

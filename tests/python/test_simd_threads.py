@@ -302,3 +302,26 @@ def test_batch_parameters_sharing_memory():
         assert torch.equal(run(1), run(2))
     finally:
         torch.set_num_threads(old)
+
+
+def test_set_enabled_without_a_runtime_keeps_the_own_pool(monkeypatch):
+    # set_enabled(True) (bench.py's comparisons) where no OpenMP runtime
+    # was found (AUTOMAGIC_TORCH_THREADS=0, or none loaded): the library's
+    # own pool stays; a runner with no GOMP_parallel address was installed
+    # (mutation test, thirty-eighth session)
+    from automagic import _threads
+    before, threads = _threads._enabled, torch.get_num_threads()
+    monkeypatch.setattr(_threads, "_address", None)
+    try:
+        _threads.set_enabled(True)
+        assert _threads._enabled is False
+        torch.set_num_threads(2)
+        p = torch.nn.Parameter(torch.randn(256, 1024))
+        opt = automagic.Automagic3([p], fused=False)
+        p.grad = torch.randn(256, 1024)
+        opt.step()
+        assert opt.state[p]["step"] == 1
+    finally:
+        monkeypatch.undo()
+        _threads.set_enabled(before)
+        torch.set_num_threads(threads)
