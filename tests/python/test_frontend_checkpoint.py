@@ -766,16 +766,21 @@ def test_a_load_mid_window_without_the_gradients_warns():
         assert torch.equal(w2.detach(), w.detach()) == restore
 
 
-def test_float64_state_tensors_are_refused():
-    # the state is float32: a float64 moment (a checkpoint converted by
-    # hand, say) is refused, not rounded silently (mutation test,
-    # thirty-eighth session)
+def _stepped_once():
+    """(model, step-mode optimizer after one update, a copy of its
+    state_dict, a snapshot of both for assert_unchanged)."""
     m = make()
     opt = automagic.Automagic3(m.parameters(), fused=False)
     loss_of(m, batches(1)[0]).backward()
     opt.step()
-    sd = copy.deepcopy(opt.state_dict())
-    snap = snapshot(m, opt)
+    return m, opt, copy.deepcopy(opt.state_dict()), snapshot(m, opt)
+
+
+def test_float64_state_tensors_are_refused():
+    # the state is float32: a float64 moment (a checkpoint converted by
+    # hand, say) is refused, not rounded silently (mutation test,
+    # thirty-eighth session)
+    m, opt, sd, snap = _stepped_once()
     for key in ("exp_avg_sq_row", "lr"):
         bad = copy.deepcopy(sd)
         bad["state"][5][key] = bad["state"][5][key].double()
@@ -814,12 +819,7 @@ def test_unknown_state_keys_are_refused():
     # a parameter's state with a key neither format has (another
     # optimizer's "exp_avg", a typo) is refused, not dropped silently
     # (mutation test, thirty-eighth session)
-    m = make()
-    opt = automagic.Automagic3(m.parameters(), fused=False)
-    loss_of(m, batches(1)[0]).backward()
-    opt.step()
-    sd = copy.deepcopy(opt.state_dict())
-    snap = snapshot(m, opt)
+    m, opt, sd, snap = _stepped_once()
     sd["state"][5]["exp_avg"] = torch.zeros_like(sd["state"][5]["lr"])
     with pytest.raises(CheckpointError, match="unknown state keys.*exp_avg"):
         opt.load_state_dict(sd)
