@@ -373,7 +373,7 @@ class _FusedMixin:
         """At a step() in a window's middle: notes whether a forward pass
         with grad enabled runs before the next zero_grad()
         (_fwd_since_step), by a module forward pre-hook of torch's, global,
-        that removes itself at its first call. PyTorch Lightning calls
+        that removes itself at its first call with grad enabled. PyTorch Lightning calls
         zero_grad() after the forward of a window's first batch, and
         zero_grad() must then not change the weights that forward's graph
         holds (applied there, backward raised autograd's in-place error;

@@ -653,10 +653,9 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
             self._unwatch_forward()
             if self._micro != 0 and self._stepped_mid:
                 # step() came after the window's last backward pass, and now
-                # zero_grad(): the caller's loop or trainer ends its windows
-                # at its step() calls (an epoch shorter than
-                # accumulation_steps, or step() and zero_grad() after every
-                # pass).
+                # zero_grad(): the caller's loop or trainer ends this window
+                # there (an epoch shorter than accumulation_steps, or step()
+                # and zero_grad() after every pass).
                 if forward:
                     # A forward pass ran since that step() (PyTorch
                     # Lightning calls zero_grad() between a window's first
