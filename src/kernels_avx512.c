@@ -94,26 +94,35 @@ AM_INLINE void st16(void *base, const int dt, int64_t i, __m512 v, rng512 *w) {
 
 /* st16 of a bfloat16 parameter without the NaN test: (b + rnd16) >> 16 for
  * every lane. Right for every value but NaN; the caller tests its vectors
- * for NaN afterwards (bf16_nan_fix). */
+ * for NaN afterwards and stores those again with st16. */
 AM_INLINE void st16_bf16_nonan(void *base, int64_t i, __m512 v, const rng512 *w) {
     const __m512i r = _mm512_add_epi32(_mm512_castps_si512(v), rnd16(w, i));
     _mm256_storeu_si256((__m256i *)((uint16_t *)base + i),
                         _mm512_castsi512_si256(_mm512_permutexvar_epi16(high_idx(), r)));
 }
 
-/* Stores again, with st16's rule, the 16 bfloat16 elements from i whose
- * value v holds a NaN (rare: the caller found one in a span). Inlined: a
- * call in the span loop makes the compiler keep its constants on the stack
- * (clang 16 then reloads three of them per span). */
-AM_INLINE void bf16_nan_fix(void *base, int64_t i, __m512 v, const rng512 *w) {
-    const __mmask16 isnan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    const __m512i b = _mm512_castps_si512(v);
-    __m512i r;
-    if (!isnan) return;
-    r = _mm512_mask_or_epi32(_mm512_add_epi32(b, rnd16(w, i)), isnan, b,
-                             _mm512_set1_epi32(0x00400000));
-    _mm256_storeu_si256((__m256i *)((uint16_t *)base + i),
-                        _mm512_castsi512_si256(_mm512_permutexvar_epi16(high_idx(), r)));
+/* The new value of elements f..f+15 with factors fac; *pos: their new
+ * polarity bits. scaled and wd are constants in every instance (see
+ * apply_mode): the multiplication by iv (1 / clip scale, see apply_rows in
+ * internal.h) is skipped when it is 1 (x * 1 == x exactly), the decay term
+ * when wd is 0. */
+AM_INLINE __m512 apply16_value(const void *p, const int pdt, const void *g, const int gdt,
+                               int64_t f, __m512 fac, __m512 iv, __m512 lrv, __m512 wdv,
+                               const int scaled, const int wd, unsigned *pos) {
+    __m512 u = _mm512_mul_ps(fac, am_ld16(g, gdt, f)), pv = am_ld16(p, pdt, f), t;
+    if (scaled) u = _mm512_mul_ps(u, iv);
+    t = wd ? _mm512_add_ps(u, _mm512_mul_ps(wdv, pv)) : u;
+    *pos = (unsigned)_mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_GT_OQ);
+    return _mm512_sub_ps(pv, _mm512_mul_ps(lrv, t));
+}
+
+/* Elements f..f+15 updated and stored (st16); returns their polarity bits. */
+AM_INLINE unsigned apply16(void *p, const int pdt, const void *g, const int gdt,
+                           int64_t f, __m512 fac, __m512 iv, __m512 lrv, __m512 wdv,
+                           const int scaled, const int wd, rng512 *w) {
+    unsigned pos;
+    st16(p, pdt, f, apply16_value(p, pdt, g, gdt, f, fac, iv, lrv, wdv, scaled, wd, &pos), w);
+    return pos;
 }
 
 /* apply16 for a bfloat16 parameter, its value stored without the NaN test
@@ -121,27 +130,10 @@ AM_INLINE void bf16_nan_fix(void *base, int64_t i, __m512 v, const rng512 *w) {
 AM_INLINE unsigned apply16_bf(void *p, const void *g, const int gdt, int64_t f, __m512 fac,
                               __m512 iv, __m512 lrv, __m512 wdv, const int scaled,
                               const int wd, const rng512 *w, __m512 *vo) {
-    __m512 u = _mm512_mul_ps(fac, am_ld16(g, gdt, f)),
-           pv = am_ld16(p, AM_DTYPE_BFLOAT16, f), t;
-    if (scaled) u = _mm512_mul_ps(u, iv);
-    t = wd ? _mm512_add_ps(u, _mm512_mul_ps(wdv, pv)) : u;
-    *vo = _mm512_sub_ps(pv, _mm512_mul_ps(lrv, t));
+    unsigned pos;
+    *vo = apply16_value(p, AM_DTYPE_BFLOAT16, g, gdt, f, fac, iv, lrv, wdv, scaled, wd, &pos);
     st16_bf16_nonan(p, f, *vo, w);
-    return (unsigned)_mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_GT_OQ);
-}
-
-/* Elements f..f+15 with factors fac; returns the new polarity bits.
- * scaled and wd are constants in every instance (see apply_mode): the
- * multiplication by iv (1 / clip scale, see apply_rows in internal.h) is
- * skipped when it is 1 (x * 1 == x exactly), the decay term when wd is 0. */
-AM_INLINE unsigned apply16(void *p, const int pdt, const void *g, const int gdt,
-                           int64_t f, __m512 fac, __m512 iv, __m512 lrv, __m512 wdv,
-                           const int scaled, const int wd, rng512 *w) {
-    __m512 u = _mm512_mul_ps(fac, am_ld16(g, gdt, f)), pv = am_ld16(p, pdt, f), t;
-    if (scaled) u = _mm512_mul_ps(u, iv);
-    t = wd ? _mm512_add_ps(u, _mm512_mul_ps(wdv, pv)) : u;
-    st16(p, pdt, f, _mm512_sub_ps(pv, _mm512_mul_ps(lrv, t)), w);
-    return (unsigned)_mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_GT_OQ);
+    return pos;
 }
 
 /* ------------------------------------------------------------ stats ---- */
@@ -826,7 +818,8 @@ AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
             if (pdt == AM_DTYPE_BFLOAT16) {
                 /* the four vectors' NaN test in two compares (unordered:
                  * either operand NaN) and one test of both masks; the rare
-                 * span with a NaN stores its NaN lanes again */
+                 * span with a NaN is stored again by st16, whose NaN rule
+                 * it needs (the other lanes get the same bits again) */
                 __m512 v0, v1, v2, v3;
                 bits = (uint64_t)AM_APPLY16BF(j, v0) | (uint64_t)AM_APPLY16BF(j + 16, v1) << 16 |
                        (uint64_t)AM_APPLY16BF(j + 32, v2) << 32 |
@@ -834,10 +827,10 @@ AM_INLINE void apply_mode(void *p, const int pdt, const void *g, const int gdt,
                 if (__builtin_expect(!_mm512_kortestz(_mm512_cmp_ps_mask(v0, v1, _CMP_UNORD_Q),
                                                       _mm512_cmp_ps_mask(v2, v3, _CMP_UNORD_Q)),
                                      0)) {
-                    bf16_nan_fix(p, base + j, v0, w);
-                    bf16_nan_fix(p, base + j + 16, v1, w);
-                    bf16_nan_fix(p, base + j + 32, v2, w);
-                    bf16_nan_fix(p, base + j + 48, v3, w);
+                    st16(p, AM_DTYPE_BFLOAT16, base + j, v0, w);
+                    st16(p, AM_DTYPE_BFLOAT16, base + j + 16, v1, w);
+                    st16(p, AM_DTYPE_BFLOAT16, base + j + 32, v2, w);
+                    st16(p, AM_DTYPE_BFLOAT16, base + j + 48, v3, w);
                 }
             } else
                 bits = (uint64_t)AM_APPLY16(j) | (uint64_t)AM_APPLY16(j + 16) << 16 |
