@@ -430,11 +430,16 @@ class _FusedMixin:
         hook fired in an earlier micro-batch of the window but not in the
         last). A gradient no hook reported (set by hand, or left from before)
         is left alone, as the reference leaves it."""
-        fired = self._window_fired
         for group in self.param_groups:
             for p in group["params"]:
                 index = self._param_index.get(p)  # (None: put in by hand, no hook)
-                if (p.grad is not None and index in self._hooked and index not in self._updated
-                        and (fired is None or index in fired)):
+                if p.grad is not None and self._window_holds(index):
                     self._updated.add(index)
                     self._update_param(p, group)
+
+    def _window_holds(self, index) -> bool:
+        """Whether the gradient of parameter index (None: no hook) belongs
+        to the open window and is not applied yet (what _flush applies)."""
+        fired = self._window_fired
+        return (index in self._hooked and index not in self._updated
+                and (fired is None or index in fired))

@@ -705,15 +705,10 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         """zero_grad() of the gradients that are not the open window's (the
         gradients _flush would apply are kept), as torch.optim's zero_grad
         clears them."""
-        fired = self._window_fired
         for group in self.param_groups:
             for p in group["params"]:
                 g = p.grad
-                if g is None:
-                    continue
-                index = self._param_index.get(p)
-                if (index in self._hooked and index not in self._updated
-                        and (fired is None or index in fired)):
+                if g is None or self._window_holds(self._param_index.get(p)):
                     continue
                 if set_to_none:
                     p.grad = None
