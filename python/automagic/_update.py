@@ -15,18 +15,6 @@ from ._views import (_DTYPES, _FLT_MIN, _STATUS_WORD, _STRIDED, _SUPPORTED_DEVIC
                      _validate_group)
 
 
-def _through_copy(p: torch.Tensor, scale: float) -> bool:
-    """Whether _prepare_calls updates p through a copy: of its gradient
-    (strided, or at an address that is not a multiple of its element size)
-    or of p itself (the same, or a schedule factor of 0). The conditions of
-    _prepare_calls; one that disagreed would cost memory, not bits."""
-    g = p.grad
-    gp, pp = g.data_ptr(), p.data_ptr()
-    return (scale == 0.0 or not p.is_contiguous() or not g.is_contiguous()
-            or bool(gp & 3 and gp % g.element_size())
-            or bool(pp & 3 and pp % p.element_size()))
-
-
 class _UpdateMixin:
     """Automagic3's update machinery (step() and the hooks call it)."""
 
@@ -242,7 +230,7 @@ class _UpdateMixin:
         if plan is None or plan.sig != _plan_signature(p, state, self.seed):
             _check_plan_inputs(p, state)
 
-    def _prepare_calls(self, jobs, calls: list) -> None:
+    def _prepare_calls(self, jobs, calls: list, copied=None) -> None:
         """The C views of the updates of jobs [(p, group, scale, hsig)],
         pointed at their data, appended to calls: a call (p,
         plan, target, grad, hp, lr_before, state, scale, the state's step
@@ -250,8 +238,10 @@ class _UpdateMixin:
         update has run. A parameter's _Plan is rebuilt whenever anything it holds may
         have changed (p.data replaced, state tensors replaced or moved, the
         seed), its hyperparameters when the group's values (hsig) changed.
-        One loop with its names local, no call per parameter: this runs for
-        every parameter at every step (2.4 -> 1.6 us a parameter). A job
+        With copied (a list), the jobs updated through a copy (below) are
+        appended to it instead, not prepared (_apply_batch runs them one at
+        a time). One loop with its names local, no call per parameter: this
+        runs for every parameter at every step (2.4 -> 1.6 us a parameter). A job
         refused midway (its state or p.data changed) raises; the callers'
         _settle puts the lrs of the calls already prepared back from their
         schedule's scaling (they were left scaled, once more at every retry;
@@ -259,30 +249,37 @@ class _UpdateMixin:
         state_of, plans, index_of, seed = self.state, self._plans, self._param_index, self.seed
         created = []  # parameters whose state this call made
         try:
-            for p, group, scale, hsig in jobs:
+            for job in jobs:
+                p, group, scale, hsig = job
                 grad = p.grad
+                # Memory the C update cannot take as it is goes through a
+                # contiguous copy: strided tensors, and those whose address is
+                # not a multiple of the element size (torch.frombuffer at an
+                # odd offset: the C update refuses them, and step() raised
+                # until the twenty-sixth session); and p itself for a
+                # schedule factor of 0 (the state advances but the parameter
+                # must not move: the update is written to a copy then
+                # dropped). Each address is read once (an address that is a
+                # multiple of 4 suits every dtype: the element size is asked
+                # for only otherwise).
+                gp = grad.data_ptr()
+                gcopy = bool(gp & 3 and gp % grad.element_size()) or not grad.is_contiguous()
+                pp = p.data_ptr()
+                pdirect = (scale != 0.0 and p.is_contiguous()
+                           and not (pp & 3 and pp % p.element_size()))
+                if copied is not None and (gcopy or not pdirect):
+                    copied.append(job)
+                    continue
                 state = state_of[p]
                 made = not state
                 if made:
                     state = self._init_state(p, group)
                     created.append(p)
-                # Memory the C update cannot take as it is goes through a
-                # contiguous copy: strided tensors, and those whose address is
-                # not a multiple of the element size (torch.frombuffer at an
-                # odd offset: the C update refuses them, and step() raised
-                # until the twenty-sixth session). Each address is read once
-                # (an address that is a multiple of 4 suits every dtype: the
-                # element size is asked for only otherwise).
-                gp = grad.data_ptr()
-                if (gp & 3 and gp % grad.element_size()) or not grad.is_contiguous():
+                if gcopy:
                     grad = grad.clone(memory_format=torch.contiguous_format)
                     gp = grad.data_ptr()
-                # scale 0: the state advances but the parameter must not move, so
-                # the update is written to a copy that is then dropped.
                 # (one copy: contiguous() of a channels_last p is one already)
-                pp = p.data_ptr()
-                if (scale != 0.0 and p.is_contiguous()
-                        and not (pp & 3 and pp % p.element_size())):
+                if pdirect:
                     target, tp = p, pp
                 else:
                     target = p.clone(memory_format=torch.contiguous_format)
@@ -395,31 +392,6 @@ class _UpdateMixin:
         parameters: one am_update_batch call for several (unless
         batch_updates is False), else one at a time."""
         if len(jobs) > 1 and self.batch_updates:
-            copied, direct = [], []
-            for j in jobs:
-                (copied if _through_copy(j[0], j[2]) else direct).append(j)
-            if copied:
-                # Those updated through a copy run one at a time after one
-                # batch of the others: in one batch every copy was alive at
-                # once (four channels_last convolution weights took four
-                # weights' memory, not one; a review, thirty-fifth session).
-                # The same bits either way. Every view is checked first, so
-                # that a refused one leaves every parameter as it was; an
-                # update the library refuses (a step at 2^63 - 1) lets the
-                # others run and raises the first error after them, as one
-                # batch does (the copied ones were skipped: review).
-                for p, group, _, _ in jobs:
-                    self._precheck_plan(p, group)
-                first = None
-                try:
-                    if len(direct) > 1:
-                        self._apply_batch(direct, cache_key)
-                    elif direct:
-                        self._apply(*direct[0])
-                except AutomagicError as e:
-                    first = e
-                self._apply_each(copied, first)
-                return
             self._apply_batch(jobs, cache_key)
         else:
             for job in jobs:
@@ -444,14 +416,41 @@ class _UpdateMixin:
         The item array and its workspace size are kept, under cache_key
         (step() and each of fused mode's batches of a step have their own),
         while the same plans and hyperparameters come in the same order
-        (rebuilding them cost about 2 us per parameter)."""
-        calls = []
+        (rebuilding them cost about 2 us per parameter).
+
+        Those updated through a copy (_prepare_calls leaves them out) run
+        one at a time after the batch of the others: in the batch every copy
+        was alive at once (four channels_last convolution weights took four
+        weights' memory, not one; a review, thirty-fifth session). The same
+        bits either way. Every view is checked first, so that a refused one
+        leaves every parameter as it was; an update the library refuses (a
+        step at 2^63 - 1) lets the others run and raises the first error
+        after them, as one batch does (the copied ones were skipped: review).
+        (The copy test was a pass of its own before the preparation, 0.7 us
+        a parameter from cold caches; thirty-ninth session.)"""
+        calls, copied, ran, first = [], [], False, None
+        # (one try, not one inside another: at a nested try's own line an
+        # exception escaped both, on CPython 3.11; test_frontend_interrupt)
         try:
-            self._prepare_calls(jobs, calls)
-            self._run_batch(jobs, calls, cache_key)
+            self._prepare_calls(jobs, calls, copied)
+            if copied:
+                for p, group, _, _ in copied:
+                    self._precheck_plan(p, group)
+                left = {id(job) for job in copied}
+                jobs = [job for job in jobs if id(job) not in left]
+            if calls:
+                ran = True
+                self._run_batch(jobs, calls, cache_key)
+        except AutomagicError as e:
+            self._settle(calls)
+            if not (copied and ran):
+                raise
+            first = e  # (the batch's: the copied ones run, then it is raised)
         except BaseException:
             self._settle(calls)
             raise
+        if copied:
+            self._apply_each(copied, first)
 
     def _settle(self, calls) -> None:
         """After an exception escaped the preparation or the update of calls

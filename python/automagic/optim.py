@@ -534,14 +534,19 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
                 # registered with); the second update found p.grad gone,
                 # after every parameter was updated (found by a review,
                 # thirty-fourth session). _adopt_listed warns.
-                once, dup = [], None
-                for p in ps:
-                    if id(p) in seen:
-                        dup = p
-                    else:
-                        seen.add(id(p))
-                        once.append(p)
-                if dup is not None:
+                # (the common case, no parameter listed twice, in one set
+                # operation: a loop per parameter cost 0.15 us each)
+                ids = set(map(id, ps))
+                if len(ids) == len(ps) and seen.isdisjoint(ids):
+                    seen |= ids
+                else:
+                    once, dup = [], None
+                    for p in ps:
+                        if id(p) in seen:
+                            dup = p
+                        else:
+                            seen.add(id(p))
+                            once.append(p)
                     self._warn_listed_twice(dup)
                     ps = once
                 if ps:

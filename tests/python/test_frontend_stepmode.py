@@ -378,10 +378,10 @@ def test_updates_through_copies_run_one_at_a_time(monkeypatch):
     o_b = automagic.Automagic3(ps_b, fused=False, lr=1e-3)
     o_b.batch_updates = False
     batched, alone = [], []
-    real_batch, real_one = o_a._apply_batch, o_a._apply
-    monkeypatch.setattr(o_a, "_apply_batch",
-                        lambda jobs, key: (batched.append([j[0] for j in jobs]),
-                                           real_batch(jobs, key)))
+    real_batch, real_one = o_a._run_batch, o_a._apply
+    monkeypatch.setattr(o_a, "_run_batch",
+                        lambda jobs, calls, key: (batched.append([c[0] for c in calls]),
+                                                  real_batch(jobs, calls, key)))
     monkeypatch.setattr(o_a, "_apply", lambda *job: (alone.append(job[0]), real_one(*job)))
     for s in range(3):
         _strided_grads(ps_a, 10 + s)
