@@ -270,7 +270,9 @@ class _UpdateMixin:
                 if copied is not None and (gcopy or not pdirect):
                     copied.append(job)
                     continue
-                state = state_of[p]
+                # (get: indexing the defaultdict left an empty {} behind, in
+                # opt.state and state_dict(), when the start lr was refused)
+                state = state_of.get(p)
                 made = not state
                 if made:
                     state = self._init_state(p, group)

@@ -550,6 +550,28 @@ def test_refused_start_lr_leaves_no_half_state():
     assert opt.state[p]["step"] == 1
 
 
+@pytest.mark.parametrize("copied", [False, True])
+def test_refused_start_lr_leaves_no_empty_state_entry(copied):
+    # a start lr refused at the first update of a batch left an empty {} for
+    # the first parameter in opt.state and state_dict() (with a parameter
+    # updated through a copy in the batch too since 36bbd5c: its precheck
+    # came before the preparation there)
+    ps = [torch.nn.Parameter(torch.randn(5, 7)), torch.nn.Parameter(torch.randn(4, 6)),
+          torch.nn.Parameter(torch.randn(3, 3))]
+    opt = automagic.Automagic3(ps, fused=False, lr_schedule="ignore")
+    opt.param_groups[0]["lr"] = -1.0
+    ps[0].grad = torch.randn(5, 7)
+    ps[1].grad = torch.randn(6, 4).t() if copied else torch.randn(4, 6)
+    ps[2].grad = torch.randn(3, 3)
+    with pytest.warns(UserWarning), pytest.raises(automagic.AutomagicError, match="lr"):
+        opt.step()
+    assert len(opt.state) == 0 and opt.state_dict()["state"] == {}
+    assert all(p.grad is not None for p in ps)
+    opt.param_groups[0]["lr"] = 1e-6
+    opt.step()
+    assert [opt.state[p]["step"] for p in ps] == [1, 1, 1]
+
+
 @pytest.mark.parametrize("kw", [dict(lr_schedule="scale"), dict(nonfinite="raise"),
                                 dict(batch_updates=None)])
 def test_refused_second_parameter_changes_nothing(kw):
