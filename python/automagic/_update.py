@@ -431,8 +431,9 @@ class _UpdateMixin:
         (The copy test was a pass of its own before the preparation, 0.7 us
         a parameter from cold caches; thirty-ninth session.)"""
         calls, copied, ran, first = [], [], False, None
-        # (one try, not one inside another: at a nested try's own line an
-        # exception escaped both, on CPython 3.11; test_frontend_interrupt)
+        # (one try, not one inside another: on CPython 3.11 an interrupt
+        # raised at a nested try's own line, as the line tracer of
+        # test_frontend_interrupt raises it, escaped both handlers)
         try:
             self._prepare_calls(jobs, calls, copied)
             if copied:
