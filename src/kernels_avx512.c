@@ -1224,13 +1224,56 @@ static int64_t avx512_count_pos(const void *g, int gdt, int64_t n, const uint8_t
 
 am_count_pos_fn am_avx512_count_pos(void) { return avx512_count_pos; }
 
+/* The SPEC's constants of flat_mode, in vectors. */
+typedef struct flatk {
+    __m512 tv, iv, wdv, up, down, lo, hi, b2, omb2, eps, one;
+} flatk;
+
+/* Elements e..e+15 of ref_finish_flat (e % 8 == 0: the vector owns two
+ * whole polarity bytes), stored with the noise of the span w holds; returns
+ * how many of their polarity bits agreed. */
+AM_INLINE int flat16(void *p, const int pdt, const void *g, const int gdt, float *sq,
+                     float *lr, uint8_t *pol, int64_t e, const flatk *c, int64_t step,
+                     const int pf, const int scaled, const int wd, rng512 *w) {
+    const __m512 x = am_ld16(g, gdt, e);
+    const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(sq + e), c->b2),
+                                   _mm512_mul_ps(_mm512_mul_ps(x, x), c->omb2));
+    __m512 u = _mm512_mul_ps(_mm512_div_ps(c->one, _mm512_sqrt_ps(_mm512_add_ps(v, c->eps))), x);
+    __m512 lrv = _mm512_loadu_ps(lr + e), pv, t;
+    uint16_t pb, mb, old;
+    if (pf) { /* am_sw_prefetch (simd.h) */
+        _mm_prefetch((const char *)(sq + e + AM_FLAT_PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(lr + e + AM_FLAT_PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)p + (e + AM_FLAT_PREFETCH) * (pdt == AM_DTYPE_FLOAT32 ? 4 : 2), _MM_HINT_T0);
+        _mm_prefetch((const char *)g + (e + AM_FLAT_PREFETCH) * (gdt == AM_DTYPE_FLOAT32 ? 4 : 2), _MM_HINT_T0);
+    }
+    pb = (uint16_t)_mm512_cmp_ps_mask(u, c->tv, _CMP_GE_OQ);
+    if (scaled) u = _mm512_mul_ps(u, c->iv);
+    memcpy(&old, pol + (e >> 3), 2);
+    mb = (uint16_t)~(pb ^ old);
+    memcpy(pol + (e >> 3), &pb, 2);
+    _mm512_storeu_ps(sq + e, v);
+    if (step > 0) {
+        lrv = _mm512_mul_ps(lrv, _mm512_mask_blend_ps(mb, c->down, c->up));
+        lrv = _mm512_mask_mov_ps(lrv, _mm512_cmp_ps_mask(lrv, c->lo, _CMP_NGE_UQ), c->lo); /* NaN: min_lr */
+        lrv = _mm512_mask_mov_ps(lrv, _mm512_cmp_ps_mask(lrv, c->hi, _CMP_GT_OQ), c->hi);
+        _mm512_storeu_ps(lr + e, lrv);
+    }
+    pv = am_ld16(p, pdt, e);
+    t = wd ? _mm512_add_ps(u, _mm512_mul_ps(c->wdv, pv)) : u;
+    st16(p, pdt, e, _mm512_sub_ps(pv, _mm512_mul_ps(lrv, t)), w);
+    return __builtin_popcount(mb);
+}
+
 /* ref_finish_flat (e0 % 8 == 0), 16 elements per vector: the same IEEE
  * operations per element as the reference (ema, 1 / sqrt, the sign test,
  * the clip's multiplication, the lr bump and clamp, the apply), the same
  * noise and rounding as apply16 for 16-bit parameters. Every stream is
  * prefetched AM_FLAT_PREFETCH elements ahead (16M elements, 2 threads:
  * 15.3 -> 13.1 ms float32, 14.4 -> 12.1 ms bfloat16). scaled and wd as in
- * apply_mode. */
+ * apply_mode. Spans of 64 elements, as apply_mode's: no call inside one
+ * (the noise window is filled, and float16 values set aside are rounded,
+ * between spans), so the loop's constants stay in registers. */
 AM_INLINE int64_t flat_mode(void *p, const int pdt, const void *g, const int gdt,
                             float *sq, float *lr, uint8_t *pol, int64_t e0,
                             int64_t e1, float scale, const am_consts *k, uint64_t seed,
@@ -1238,47 +1281,26 @@ AM_INLINE int64_t flat_mode(void *p, const int pdt, const void *g, const int gdt
                             const int wd, rng512 *w) {
     /* the SPEC's sign of u / scale as u >= tv; the apply's u * (1 / scale)
      * (as ref_finish_flat) */
-    const __m512 tv = _mm512_set1_ps(am_pos_threshold(scale)), iv = _mm512_set1_ps(1.0f / scale);
-    const __m512 wdv = _mm512_set1_ps(k->wd);
-    const __m512 up = _mm512_set1_ps(k->bump_up), down = _mm512_set1_ps(k->bump_down);
-    const __m512 lo = _mm512_set1_ps(k->min_lr), hi = _mm512_set1_ps(k->max_lr);
-    const __m512 b2 = _mm512_set1_ps(k->beta2), omb2 = _mm512_set1_ps(k->one_m_beta2);
-    const __m512 eps = _mm512_set1_ps(k->eps), one = _mm512_set1_ps(1.0f);
+    const flatk c = {_mm512_set1_ps(am_pos_threshold(scale)), _mm512_set1_ps(1.0f / scale),
+                     _mm512_set1_ps(k->wd), _mm512_set1_ps(k->bump_up),
+                     _mm512_set1_ps(k->bump_down), _mm512_set1_ps(k->min_lr),
+                     _mm512_set1_ps(k->max_lr), _mm512_set1_ps(k->beta2),
+                     _mm512_set1_ps(k->one_m_beta2), _mm512_set1_ps(k->eps),
+                     _mm512_set1_ps(1.0f)};
     const int pf = am_sw_prefetch();
     int64_t e = e0, matches = 0;
-    /* e0 % 8 == 0: every vector owns two whole polarity bytes */
-    for (; e + 16 <= e1; e += 16) {
-        const __m512 x = am_ld16(g, gdt, e);
-        const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(sq + e), b2),
-                                       _mm512_mul_ps(_mm512_mul_ps(x, x), omb2));
-        __m512 u = _mm512_mul_ps(_mm512_div_ps(one, _mm512_sqrt_ps(_mm512_add_ps(v, eps))), x);
-        __m512 lrv = _mm512_loadu_ps(lr + e), pv, t;
-        uint16_t pb, mb, old;
-        if (pf) { /* am_sw_prefetch (simd.h) */
-            _mm_prefetch((const char *)(sq + e + AM_FLAT_PREFETCH), _MM_HINT_T0);
-            _mm_prefetch((const char *)(lr + e + AM_FLAT_PREFETCH), _MM_HINT_T0);
-            _mm_prefetch((const char *)p + (e + AM_FLAT_PREFETCH) * (pdt == AM_DTYPE_FLOAT32 ? 4 : 2), _MM_HINT_T0);
-            _mm_prefetch((const char *)g + (e + AM_FLAT_PREFETCH) * (gdt == AM_DTYPE_FLOAT32 ? 4 : 2), _MM_HINT_T0);
-        }
-        am_noise_span(w, pdt, e, 16);
-        pb = (uint16_t)_mm512_cmp_ps_mask(u, tv, _CMP_GE_OQ);
-        if (scaled) u = _mm512_mul_ps(u, iv);
-        memcpy(&old, pol + (e >> 3), 2);
-        mb = (uint16_t)~(pb ^ old);
-        memcpy(pol + (e >> 3), &pb, 2);
-        _mm512_storeu_ps(sq + e, v);
-        matches += __builtin_popcount(mb);
-        if (step > 0) {
-            lrv = _mm512_mul_ps(lrv, _mm512_mask_blend_ps(mb, down, up));
-            lrv = _mm512_mask_mov_ps(lrv, _mm512_cmp_ps_mask(lrv, lo, _CMP_NGE_UQ), lo); /* NaN: min_lr */
-            lrv = _mm512_mask_mov_ps(lrv, _mm512_cmp_ps_mask(lrv, hi, _CMP_GT_OQ), hi);
-            _mm512_storeu_ps(lr + e, lrv);
-        }
-        pv = am_ld16(p, pdt, e);
-        t = wd ? _mm512_add_ps(u, _mm512_mul_ps(wdv, pv)) : u;
-        st16(p, pdt, e, _mm512_sub_ps(pv, _mm512_mul_ps(lrv, t)), w);
+#define AM_FLAT16(E) flat16(p, pdt, g, gdt, sq, lr, pol, (E), &c, step, pf, scaled, wd, w)
+    for (; e + 64 <= e1; e += 64) {
+        am_noise_span(w, pdt, e, 64);
+        matches += AM_FLAT16(e) + AM_FLAT16(e + 16) + AM_FLAT16(e + 32) + AM_FLAT16(e + 48);
         am_noise_end(p, pdt, w);
     }
+    for (; e + 16 <= e1; e += 16) {
+        am_noise_span(w, pdt, e, 16);
+        matches += AM_FLAT16(e);
+        am_noise_end(p, pdt, w);
+    }
+#undef AM_FLAT16
     if (e < e1) { /* the last 1..15 elements: the reference's loop (SSE code) */
         _mm256_zeroupper();
         matches += am_kernels_ref.finish_flat(p, pdt, g, gdt, sq, lr, pol, e, e1, scale,
