@@ -2,6 +2,8 @@
  * parameter's state and one shared workspace per parameter. */
 #include "optimizer_internal.h"
 
+#include "fpenv.h"
+
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -336,7 +338,7 @@ static double param_lr_mean(const am_optimizer *o, int32_t id) {
     return s / (double)n;
 }
 
-am_status am_optimizer_lr_mean(const am_optimizer *o, int32_t id, double *out) {
+static am_status lr_mean_impl(const am_optimizer *o, int32_t id, double *out) {
     AM_RETURN_IF(!o, AM_ERR_NULL_POINTER, "am_optimizer_lr_mean: opt is NULL");
     AM_RETURN_IF(!out, AM_ERR_NULL_POINTER, "am_optimizer_lr_mean: out is NULL");
     if (id == -1) {
@@ -355,6 +357,14 @@ am_status am_optimizer_lr_mean(const am_optimizer *o, int32_t id, double *out) {
     AM_CHECK(find(o, id, "am_optimizer_lr_mean"));
     *out = param_lr_mean(o, id);
     return AM_OK;
+}
+
+/* In IEEE defaults (fpenv.h), as the updates: a loaded lr may be a
+ * signaling NaN, whose conversion to double raised SIGFPE for a caller
+ * with traps enabled, and a caller's denormals-are-zero read a subnormal lr
+ * as 0 (found by a review, fortieth session). */
+am_status am_optimizer_lr_mean(const am_optimizer *o, int32_t id, double *out) {
+    AM_FPENV_RETURN(lr_mean_impl(o, id, out));
 }
 
 int64_t am_optimizer_skipped_count(const am_optimizer *o) {

@@ -4,7 +4,9 @@
  * masked (src/fpenv.h) in its validation, state initialisation, checkpoint
  * loading and updates, and puts the caller's traps back. (Before: a NaN or
  * huge lr in am_hparams_validate / am_optimizer_create / am_state_init,
- * and a checkpoint holding a NaN moment, which must load, raised SIGFPE.)
+ * and a checkpoint holding a NaN moment, which must load, raised SIGFPE;
+ * and am_optimizer_lr_mean of a loaded signaling-NaN lr, whose conversion
+ * to double raises invalid: found by a review, fortieth session.)
  * Where traps cannot be enabled (some AArch64 CPUs and emulators), the
  * test says so and skips. */
 #define _GNU_SOURCE
@@ -19,7 +21,9 @@
 
 #include <fenv.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define TRAPS (FE_INVALID | FE_DIVBYZERO | FE_OVERFLOW)
 
@@ -34,6 +38,8 @@ static void test_statuses_not_sigfpe(void **unused) {
     am_state st = {lr, pol, row, col, NULL, 0};
     int32_t id;
     size_t n;
+    double mean = 0.0;
+    const uint32_t snan = 0x7fa00000u; /* a signaling NaN */
     unsigned char *img;
     int i;
     (void)unused;
@@ -42,6 +48,7 @@ static void test_statuses_not_sigfpe(void **unused) {
     assert_int_equal(am_optimizer_create(&hp, 3, &a), AM_OK);
     assert_int_equal(am_optimizer_add_param(a, w, AM_DTYPE_FLOAT32, 2, shape, &id), AM_OK);
     a->params[0].st.row[1] = NAN; /* a NaN moment: extreme but loadable */
+    memcpy(&a->params[0].st.lr[2], &snan, 4); /* an lr too (loads: NaN lrs are kept) */
     assert_int_equal(am_optimizer_save_memory(a, NULL, 0, &n), AM_OK);
     img = (unsigned char *)malloc(n);
     assert_non_null(img);
@@ -69,6 +76,8 @@ static void test_statuses_not_sigfpe(void **unused) {
     assert_int_equal(am_state_init(&sh, &st, NAN), AM_ERR_INVALID_HPARAM);
     assert_int_equal(am_state_init(&sh, &st, 1e300) != AM_OK, 1);
     assert_int_equal(am_optimizer_load_memory(b, img, n), AM_OK);
+    assert_int_equal(am_optimizer_lr_mean(b, id, &mean), AM_OK);
+    assert_true(isnan(mean));
     g[4] = NAN;
     assert_int_equal(am_optimizer_update_param(b, id, g, AM_DTYPE_FLOAT32, NULL),
                      AM_SKIPPED_NONFINITE_GRAD);
