@@ -274,8 +274,8 @@ AM_API am_status am_state_init(const am_shape *shape, am_state *state,
  * float16; AM_ERR_INVALID_ARGUMENT otherwise), as must a state's float
  * arrays (4 bytes): C compilers and GPUs assume it. The parameter and the
  * state's arrays must not share memory with each other, nor the gradient
- * with the state: the CPU updates refuse that (AM_ERR_INVALID_ARGUMENT,
- * naming the two buffers; am_update_cuda does not look: undefined there).
+ * with the state: the updates refuse that (AM_ERR_INVALID_ARGUMENT,
+ * naming the two buffers; am_update_cuda too, by their addresses).
  * A gradient that overlaps its own parameter is not looked for: the result
  * is undefined. A parameter with zero elements is not checked (nothing is
  * read or written). */
@@ -855,8 +855,9 @@ AM_API am_status am_cuda_device_count(int *count);
  * AM_ERR_NULL_POINTER, AM_ERR_INVALID_DTYPE, AM_ERR_INVALID_SHAPE,
  * AM_ERR_INVALID_HPARAM, AM_ERR_BUFFER_SIZE (workspace too small),
  * AM_ERR_INVALID_ARGUMENT (param, grad, a state array, step or report not
- * aligned to its element size; step < 0 cannot be checked: it is on the
- * device), AM_ERR_UNSUPPORTED (library without CUDA), AM_ERR_DEVICE (the first launch
+ * aligned to its element size, or the parameter, gradient and state arrays
+ * sharing memory as am_tensor says; step < 0 cannot be checked: it is on
+ * the device), AM_ERR_UNSUPPORTED (library without CUDA), AM_ERR_DEVICE (the first launch
  * failed: bad stream, no device, kernel image missing for this GPU; the log
  * callback gets CUDA's message). AM_ERR_DEVICE after the first launch (the
  * runtime failing mid-sequence): nothing is launched after the launch that

@@ -221,6 +221,10 @@ am_status check_args(const am_tensor *param, const am_tensor *grad,
     AM_CHECK(am_check_state_aligned(st, "am_update_cuda: "));
     AM_RETURN_IF((uintptr_t)step % sizeof(int64_t) != 0, AM_ERR_INVALID_ARGUMENT,
                  "am_update_cuda: step %p is not aligned to 8 bytes (int64)", (void *)step);
+    /* Buffers that share memory, as am_update refuses them (addresses only:
+     * device pointers are unique under unified addressing). Not looked at
+     * until the fortieth session: the kernels raced on them (a review). */
+    AM_CHECK(am_check_buffers(&g->sizes, param, grad, st));
     return AM_OK;
 }
 
