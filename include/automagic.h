@@ -845,7 +845,9 @@ AM_API am_status am_cuda_device_count(int *count);
  *
  * Nothing is allocated, nothing synchronises, nothing is copied to the host:
  * the call can be captured in a CUDA graph and replayed (each replay is one
- * more step). A non-finite gradient or update is decided on the device: the
+ * more step). Before its launches it clears the calling thread's last CUDA
+ * error (cudaGetLastError), so that an earlier error is not taken for its
+ * own: check your own launches before calling it. A non-finite gradient or update is decided on the device: the
  * parameter and state are then left untouched, the step not incremented and
  * the report says AM_SKIPPED_*; the return value is still AM_OK, which here
  * means "queued".
