@@ -45,9 +45,26 @@ class _StateDictMixin:
                     nonfinite_skips=self.nonfinite_skips,
                     skipped_by_param=dict(self._skipped), micro_step=self._micro,
                     deferred=sorted(self._deferred), aligned_steps=self._aligned_steps,
-                    passes=self._passes,
-                    window_fired=(None if self._window_fired is None
-                                  else sorted(self._window_fired)))
+                    passes=self._passes, window_fired=self._saved_window(sorted))
+
+    def _saved_window(self, kind):
+        """The open window's parameters as a state_dict or a pickle keeps
+        them (kind: sorted or set; None where not known): those whose hook
+        fired in it, and, mid-window, those without a hook that hold a
+        gradient. A new optimizer (or a copy) hooks a parameter that
+        requires grad now, and its window's end applies only what the window
+        names: one unfrozen after the old optimizer was built was left out,
+        its gradient not applied in that window and added to the next
+        one's (found by a randomized review, fortieth session)."""
+        fired = self._window_fired
+        if fired is None:
+            return None
+        if self._micro:
+            index_of, hooked = self._param_index, self._hooked
+            fired = fired | {index_of[p] for g in self.param_groups for p in g["params"]
+                             if p.grad is not None and p in index_of
+                             and index_of[p] not in hooked}
+        return kind(fired)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads our state_dict or one saved by the reference class.
@@ -241,9 +258,7 @@ class _StateDictMixin:
                     micro=self._micro, deferred=set(self._deferred),
                     warned=set(self._warned), skipped=dict(self._skipped),
                     aligned=self._aligned_steps, hooked=set(self._hooked),
-                    passes=self._passes,
-                    window_fired=(None if self._window_fired is None
-                                  else set(self._window_fired)))
+                    passes=self._passes, window_fired=self._saved_window(set))
 
     def __setstate__(self, d: dict) -> None:
         extra = {k: d.pop(k) for k in ("micro", "deferred", "warned", "skipped")}

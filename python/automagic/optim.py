@@ -501,6 +501,14 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
                 # review, twenty-third session)
                 self._aligned_steps = True
             self._passes = 0
+        self._update_grads()
+        return loss
+
+    def _update_grads(self, unhooked_only: bool = False) -> None:
+        """step()'s updates: every parameter with a gradient (in fused mode
+        those without a backward hook, and those whose hook a tensor swap
+        detached); unhooked_only: those without a hook alone (zero_grad()
+        ending a window that step() left open)."""
         # Per group: its parameters with a gradient (in fused mode those
         # without a hook). Everything is checked before anything is updated,
         # so that a bad gradient or hyperparameter leaves every parameter as
@@ -508,12 +516,14 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         # runs for every parameter at every step.
         self._adopt_listed()
         self._fill_groups()
-        if self._initialise_only():
-            return loss
+        if not unhooked_only and self._initialise_only():
+            return
         todo, index_of, swapped, seen = [], self._param_index, set(), set()
         for group in self.param_groups:
             ps = [p for p in group["params"] if p.grad is not None]
-            if self.fused:
+            if unhooked_only:
+                ps = [p for p in ps if index_of.get(p) not in self._hooked]
+            elif self.fused:
                 hooked = [p for p in ps if index_of.get(p) in self._hooked]
                 if hooked:
                     swapped |= self._rehook_swapped(hooked)
@@ -610,7 +620,6 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
                 else:
                     self._apply(p, group, scale, hsig)
         self._apply_jobs(batch, "step")
-        return loss
 
     def _initialise_only(self) -> bool:
         """torch.distributed.checkpoint's get/set_optimizer_state_dict (used
@@ -693,6 +702,14 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
                                 "accumulation_steps; warned once)"
                                 % (self._micro, self.accumulation_steps))
                 self._close_window(flush=True)
+                # and the parameters without a hook (unfrozen after the
+                # optimizer was built, or put into a group by hand), which
+                # step() updates with the window closed: that step()
+                # returned mid-window before them, and they were cleared
+                # below, never updated (found by a randomized review,
+                # fortieth session)
+                with torch.no_grad():
+                    self._update_grads(unhooked_only=True)
             elif self._micro != 0:
                 if any(p.grad is not None for g in self.param_groups for p in g["params"]):
                     self._warn_once("zero_grad", "zero_grad() in the middle of an "
@@ -708,12 +725,17 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
 
     def _zero_grad_outside_window(self, set_to_none: bool) -> None:
         """zero_grad() of the gradients that are not the open window's (the
-        gradients _flush would apply are kept), as torch.optim's zero_grad
-        clears them."""
+        gradients _flush would apply are kept, and those of parameters
+        without a hook, which the step() that ends the window updates: they
+        were cleared, never updated; a randomized review, fortieth
+        session), as torch.optim's zero_grad clears them."""
+        index_of, hooked = self._param_index, self._hooked
         for group in self.param_groups:
             for p in group["params"]:
                 g = p.grad
-                if g is None or self._window_holds(self._param_index.get(p)):
+                index = index_of.get(p)
+                if g is None or self._window_holds(index) or (
+                        index is not None and index not in hooked):
                     continue
                 if set_to_none:
                     p.grad = None

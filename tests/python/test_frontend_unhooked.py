@@ -1,0 +1,147 @@
+"""Fused mode with accumulation_steps > 1 and a parameter that has no
+backward hook (frozen when the optimizer was built and unfrozen later, as in
+gradual unfreezing, or put into a group's list by hand): step() updates it
+from its gradient, as step mode does, and these tests hold that through the
+ways a window can end or be carried over. Found by a randomized review
+(fortieth session): a round trip mid-window dropped its gradient into the
+next window, and the loops that end their windows with step() and
+zero_grad() never updated it."""
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+
+import automagic
+
+
+def _params(unhooked):
+    """(a, b, how b is given to the optimizer): b is frozen at construction
+    and unfrozen after ("unfrozen"), appended to the group by hand
+    ("by_hand"), or an ordinary parameter (None: hooked)."""
+    torch.manual_seed(0)
+    a = torch.randn(4, 3, requires_grad=True)
+    b = torch.randn(5, requires_grad=unhooked != "unfrozen")
+    return a, b
+
+
+def _optimizer(a, b, unhooked, **kw):
+    if unhooked == "by_hand":
+        opt = automagic.Automagic3([a], lr=1e-3, **kw)
+        opt.param_groups[0]["params"].append(b)
+    else:
+        opt = automagic.Automagic3([a, b], lr=1e-3, **kw)
+    b.requires_grad_(True)
+    return opt
+
+
+def _state(opt, p):
+    st = opt.state.get(p, {})
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+
+
+def _same(x, y):
+    assert x.keys() == y.keys()
+    for k in x:
+        if isinstance(x[k], torch.Tensor):
+            assert torch.equal(x[k], y[k]), k
+        else:
+            assert x[k] == y[k], k
+
+
+@pytest.mark.parametrize("how", ["state_dict", "deepcopy"])
+def test_a_carry_over_mid_window_keeps_an_unhooked_gradient(how):
+    """A state_dict saved after a window's first pass and loaded into a new
+    optimizer (same process, gradients kept), or a deepcopy there, goes on
+    as the uninterrupted run: the new optimizer hooks b (it requires grad
+    now) and applies its gradient of that pass at the window's end. The
+    saved window left b out (no hook had reported it): b was not updated in
+    that window and its old gradient was added to the next window's."""
+    def run(carry):
+        a, b = _params("unfrozen")
+        opt = _optimizer(a, b, "unfrozen", accumulation_steps=2)
+        ga, gb = torch.randn(4, 3), torch.randn(5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ((a * ga).sum() + (b * gb).sum()).backward()
+            if carry == "state_dict":
+                sd = opt.state_dict()
+                opt.remove_hooks()
+                opt = automagic.Automagic3([a, b], lr=1e-3, accumulation_steps=2)
+                opt.load_state_dict(sd)
+            elif carry == "deepcopy":
+                old = opt
+                opt, a, b = copy.deepcopy((opt, a, b))
+                old.remove_hooks()
+            (a * ga).sum().backward()
+            opt.step()
+            first = (b.detach().clone(), b.grad, _state(opt, b))
+            for _ in range(2):
+                ((a * ga).sum() + (b * gb).sum()).backward()
+            opt.step()
+        return first, (a.detach().clone(), b.detach().clone(), _state(opt, a), _state(opt, b))
+    (b0, g0, s0), last0 = run(None)
+    (b1, g1, s1), last1 = run(how)
+    assert g0 is None and g1 is None and s0["step"] == 1
+    assert torch.equal(b0, b1)
+    _same(s0, s1)
+    assert last0[3]["step"] == 2
+    assert torch.equal(last0[0], last1[0]) and torch.equal(last0[1], last1[1])
+    _same(last0[2], last1[2])
+    _same(last0[3], last1[3])
+
+
+@pytest.mark.parametrize("unhooked", ["unfrozen", "by_hand"])
+def test_step_and_zero_grad_after_each_pass_update_an_unhooked_parameter(unhooked):
+    """accumulation_steps=2 and a loop that calls step() and zero_grad()
+    after every backward pass: each zero_grad() ends the window and applies
+    it, as step mode would (docs/PYTORCH.md); b, without a hook, is updated
+    there too, bit for bit as in step mode (it never was: step() returned
+    before it, mid-window, and zero_grad() dropped its gradient)."""
+    def run(fused, k):
+        a, b = _params(unhooked)
+        opt = _optimizer(a, b, unhooked, fused=fused, **({"accumulation_steps": k} if fused
+                                                          else {}))
+        g = torch.Generator().manual_seed(1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(4):
+                ((a * torch.randn(4, 3, generator=g)).sum()
+                 + (b * torch.randn(5, generator=g)).sum()).backward()
+                opt.step()
+                opt.zero_grad()
+        return a.detach().clone(), b.detach().clone(), _state(opt, a), _state(opt, b)
+    ref = run(False, 1)
+    got = run(True, 2)
+    assert ref[3]["step"] == 4
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+    _same(ref[2], got[2])
+    _same(ref[3], got[3])
+
+
+def test_lightning_order_keeps_an_unhooked_gradient():
+    """PyTorch Lightning's order with accumulation_steps=2 and epochs of one
+    batch (forward, zero_grad(), backward, step() at the epoch's end): the
+    window's gradients are kept across the zero_grad() and applied at a
+    later step(); b without a hook the same as b with one (its gradient was
+    cleared at every epoch, so it was never updated)."""
+    def run(unhooked):
+        a, b = _params(unhooked)
+        opt = _optimizer(a, b, unhooked, accumulation_steps=2)
+        g = torch.Generator().manual_seed(1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(3):
+                loss = ((a * torch.randn(4, 3, generator=g)).sum()
+                        + (b * torch.randn(5, generator=g)).sum())
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        return a.detach().clone(), b.detach().clone(), _state(opt, a), _state(opt, b)
+    hooked = run(None)
+    unhooked = run("unfrozen")
+    assert hooked[3]["step"] == 2
+    assert torch.equal(hooked[0], unhooked[0]) and torch.equal(hooked[1], unhooked[1])
+    _same(hooked[2], unhooked[2])
+    _same(hooked[3], unhooked[3])
