@@ -188,6 +188,10 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         # window (not kept by state_dict or pickle: after a load, a
         # zero_grad() discards, as before the thirty-second session)
         self._stepped_mid = False
+        # zero_grad() ended such a window and has yet to update the
+        # parameters without a hook (kept across an interrupt there: the
+        # retried zero_grad() does it; cleared by _update_grads)
+        self._unhooked_pending = False
         # with it, the window's gradients as that step() left them: index ->
         # (weak reference, version) (_snap_window)
         self._mid_grads = {}
@@ -517,6 +521,7 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         self._adopt_listed()
         self._fill_groups()
         if not unhooked_only and self._initialise_only():
+            self._unhooked_pending = False
             return
         todo, index_of, swapped, seen = [], self._param_index, set(), set()
         for group in self.param_groups:
@@ -620,6 +625,7 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
                 else:
                     self._apply(p, group, scale, hsig)
         self._apply_jobs(batch, "step")
+        self._unhooked_pending = False
 
     def _initialise_only(self) -> bool:
         """torch.distributed.checkpoint's get/set_optimizer_state_dict (used
@@ -701,15 +707,16 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
                                 "loop or trainer whose windows are shorter than "
                                 "accumulation_steps; warned once)"
                                 % (self._micro, self.accumulation_steps))
-                self._close_window(flush=True)
                 # and the parameters without a hook (unfrozen after the
                 # optimizer was built, or put into a group by hand), which
                 # step() updates with the window closed: that step()
                 # returned mid-window before them, and they were cleared
                 # below, never updated (found by a randomized review,
-                # fortieth session)
-                with torch.no_grad():
-                    self._update_grads(unhooked_only=True)
+                # fortieth session). Pending first: an interrupt in the
+                # window's flush or their updates leaves it for the retried
+                # zero_grad() (a review)
+                self._unhooked_pending = True
+                self._close_window(flush=True)
             elif self._micro != 0:
                 if any(p.grad is not None for g in self.param_groups for p in g["params"]):
                     self._warn_once("zero_grad", "zero_grad() in the middle of an "
@@ -721,6 +728,16 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
                 # on counting, and every later window straddled two of the
                 # caller's; found by a review, twenty-third session)
                 self._close_window(flush=False)
+            if self._unhooked_pending:
+                try:
+                    with torch.no_grad():
+                        self._update_grads(unhooked_only=True)
+                except Exception:
+                    # refused (a bad gradient or hyperparameter,
+                    # nonfinite="raise"): raised once, as step() raises it;
+                    # the next zero_grad() clears
+                    self._unhooked_pending = False
+                    raise
         super().zero_grad(set_to_none=set_to_none)
 
     def _zero_grad_outside_window(self, set_to_none: bool) -> None:
@@ -729,6 +746,10 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         without a hook, which the step() that ends the window updates: they
         were cleared, never updated; a randomized review, fortieth
         session), as torch.optim's zero_grad clears them."""
+        try:  # (those put into a group by hand: registered, as step() does)
+            self._adopt_listed()
+        except AutomagicError:
+            pass  # (a refused one: cleared below; step() raises it)
         index_of, hooked = self._param_index, self._hooked
         for group in self.param_groups:
             for p in group["params"]:
