@@ -157,10 +157,16 @@ class _UpdateMixin:
         if p.grad is None:
             return
         if torch.is_grad_enabled():
-            with torch.no_grad():
-                self._update_one(p, group)
+            self._update_one_no_grad(p, group)
         else:
             self._update_one(p, group)
+
+    @torch.no_grad()
+    def _update_one_no_grad(self, p: torch.Tensor, group: dict) -> None:
+        """_update_one under no_grad (a decorator, not a with statement in
+        _update_param: an interrupt at that statement's line, after grad
+        mode was turned off, left it off; a review, fortieth session)."""
+        self._update_one(p, group)
 
     def _update_one(self, p: torch.Tensor, group: dict) -> None:
         """_update_param's work, grad mode off: checks, then _apply."""

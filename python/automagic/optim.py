@@ -508,6 +508,14 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         self._update_grads()
         return loss
 
+    @torch.no_grad()
+    def _update_unhooked(self) -> None:
+        """_update_grads(unhooked_only=True) under no_grad, as step() runs
+        (a decorator, not a with statement in zero_grad(): an interrupt at
+        that statement's line, after grad mode was turned off, left it off;
+        seen by a review's interrupt at every line)."""
+        self._update_grads(unhooked_only=True)
+
     def _update_grads(self, unhooked_only: bool = False) -> None:
         """step()'s updates: every parameter with a gradient (in fused mode
         those without a backward hook, and those whose hook a tensor swap
@@ -730,8 +738,7 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
                 self._close_window(flush=False)
             if self._unhooked_pending:
                 try:
-                    with torch.no_grad():
-                        self._update_grads(unhooked_only=True)
+                    self._update_unhooked()
                 except Exception:
                     # refused (a bad gradient or hyperparameter,
                     # nonfinite="raise"): raised once, as step() raises it;

@@ -200,3 +200,78 @@ def test_zero_grad_interrupted_as_it_updates_an_unhooked_parameter_finishes_on_r
     assert clean[1] is None and retried[1] is None and clean[2]["step"] == 1
     assert torch.equal(clean[0], retried[0])
     _same(clean[2], retried[2])
+
+
+def test_zero_grad_interrupted_at_every_line_keeps_grad_mode_and_the_unhooked_update():
+    """A KeyboardInterrupt at every line the package runs in a zero_grad()
+    that ends a window after a mid-window step(), then the same call again:
+    grad mode is on after each (an interrupt at a `with torch.no_grad()`
+    line left it off: a review), and the parameters without a hook (one
+    unfrozen, one put in by hand) end as in the uninterrupted run. (Not
+    asserted: the hooked parameter, whose window an interrupt in its flush
+    loses in part, as before the fortieth session.)"""
+    import os
+    import sys
+    pkg = os.path.dirname(automagic.__file__)
+
+    def run(k):
+        torch.manual_seed(0)
+        a = torch.nn.Parameter(torch.randn(5, 7))
+        b = torch.nn.Parameter(torch.randn(6), requires_grad=False)
+        c = torch.nn.Parameter(torch.randn(4))
+        opt = automagic.Automagic3([a, b], accumulation_steps=2)
+        b.requires_grad_(True)
+        opt.param_groups[0]["params"].append(c)
+        g = torch.Generator().manual_seed(1)
+
+        def backward():
+            ((a * torch.randn(5, 7, generator=g)).sum() + (b * torch.randn(6, generator=g)).sum()
+             + (c * torch.randn(4, generator=g)).sum()).backward()
+        count = {"n": 0, "fired": False}
+
+        def line(frame, event, arg):
+            if event == "line" and not count["fired"]:
+                count["n"] += 1
+                if count["n"] == k:
+                    count["fired"] = True
+                    raise KeyboardInterrupt
+            return line
+
+        def call(frame, event, arg):
+            return line if frame.f_code.co_filename.startswith(pkg) else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            backward()
+            opt.step()  # mid-window: the zero_grad() below ends the window
+            if k:
+                sys.settrace(call)
+                try:
+                    opt.zero_grad()
+                except KeyboardInterrupt:
+                    pass
+                finally:
+                    sys.settrace(None)
+            grad_mode = torch.is_grad_enabled()
+            torch.set_grad_enabled(True)
+            opt.zero_grad()  # (the retry; the whole call when k == 0)
+            backward()
+            backward()
+            opt.step()
+            opt.zero_grad()
+        out = [b.detach().clone(), c.detach().clone()]
+        for p in (b, c):
+            out += [v if isinstance(v, torch.Tensor) else torch.tensor(v)
+                    for _, v in sorted(opt.state[p].items())]
+        return out, count["fired"], grad_mode
+    ref, _, _ = run(0)
+    k, bad, off = 1, [], []
+    while True:
+        got, fired, grad_mode = run(k)
+        if not fired:
+            break
+        if not grad_mode:
+            off.append(k)
+        if not all(torch.equal(x, y) for x, y in zip(ref, got)):
+            bad.append(k)
+        k += 1
+    assert k > 100 and not bad and not off, (k, bad, off)
