@@ -162,6 +162,10 @@ class _FusedMixin:
         accumulate."""
         if not self._other_checked:
             self._check_other_optimizers()
+        if self._flush_left is not None:
+            # a backward pass since a flush an interrupt cut short: its
+            # gradients are added to the new pass's, applied with them
+            self._flush_left = None
         steps = self._steps
         task = steps.enter()
         batch = key = None
@@ -414,15 +418,47 @@ class _FusedMixin:
 
     def _close_window(self, flush: bool) -> None:
         """Ends the accumulation window: with flush, its gradients applied
-        (_flush); without, dropped by the caller (zero_grad)."""
-        self._micro = 0
-        self._stepped_mid = False
+        (_flush); without, dropped by the caller (zero_grad). An interrupt
+        (KeyboardInterrupt) in the flush leaves what it has not applied to
+        the retried step() or zero_grad() (_flush_left): the window was
+        closed, and a retried zero_grad() cleared those gradients unapplied
+        (a review, fortieth session). The window is marked closed last (an
+        interrupt before the flush leaves it open, for the retry to close)."""
         try:
             if flush:
                 self._flush()
+        except BaseException as e:
+            if flush and not isinstance(e, Exception):
+                fired, hooked, left = self._window_fired, self._hooked, set()
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        i = self._param_index.get(p)
+                        if (p.grad is not None and i in hooked
+                                and (fired is None or i in fired)):
+                            left.add(i)
+                self._flush_left = left
+            raise
         finally:
-            self._updated.clear()
             self._window_fired = set()
+            self._updated.clear()
+            self._stepped_mid = False
+            self._micro = 0
+
+    def _finish_flush(self) -> None:
+        """At step() or zero_grad(): the rest of a window's flush that an
+        interrupt cut short (_close_window), each parameter whose gradient
+        is still there. A refused update is raised once (the next call
+        goes on without it)."""
+        left = self._flush_left
+        try:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None and self._param_index.get(p) in left:
+                        self._update_param(p, group)
+        except Exception:
+            self._flush_left = None
+            raise
+        self._flush_left = None
 
     def _flush(self) -> None:
         """Updates hooked parameters whose hook fired in this window and

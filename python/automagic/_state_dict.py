@@ -193,6 +193,7 @@ class _StateDictMixin:
                 self._micro = micro % self.accumulation_steps
                 self._deferred = deferred
                 self._updated = set()
+                self._flush_left = None
                 if self._micro == 0:
                     self._window_fired = set()
                 else:  # (not known when the dict does not say)

@@ -192,6 +192,9 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         # parameters without a hook (kept across an interrupt there: the
         # retried zero_grad() does it; cleared by _update_grads)
         self._unhooked_pending = False
+        # the indices whose update a window's flush had not made when an
+        # interrupt cut it short (_close_window; None: none)
+        self._flush_left = None
         # with it, the window's gradients as that step() left them: index ->
         # (weak reference, version) (_snap_window)
         self._mid_grads = {}
@@ -460,6 +463,8 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         if self.fused:
             self._steps.close()
             self._unwatch_forward()
+            if self._flush_left is not None:
+                self._finish_flush()
             refired = self._refired
             self._since_step, self._refired = set(), False
             if self._micro != 0:
@@ -666,6 +671,8 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.fused:
             self._steps.close()
+            if self._flush_left is not None:
+                self._finish_flush()
             # (the passes before it accumulated nothing: no warning at step())
             self._since_step, self._refired = set(), False
             if self._micro == 0 and self._rehook_swapped(
