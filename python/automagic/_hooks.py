@@ -162,10 +162,13 @@ class _FusedMixin:
         accumulate."""
         if not self._other_checked:
             self._check_other_optimizers()
-        if self._flush_left is not None:
-            # a backward pass since a flush an interrupt cut short: its
-            # gradients are added to the new pass's, applied with them
+        if self._flush_left is not None or self._unhooked_pending:
+            # a backward pass since a window's end an interrupt cut short:
+            # what it had not applied is added to the new pass's gradients,
+            # applied with them (the hooked ones at their window's end, the
+            # others at a step())
             self._flush_left = None
+            self._unhooked_pending = False
         steps = self._steps
         task = steps.enter()
         batch = key = None
@@ -441,8 +444,8 @@ class _FusedMixin:
         finally:
             self._window_fired = set()
             self._updated.clear()
-            self._stepped_mid = False
             self._micro = 0
+            self._stepped_mid = False
 
     def _finish_flush(self) -> None:
         """At step() or zero_grad(): the rest of a window's flush that an

@@ -194,6 +194,7 @@ class _StateDictMixin:
                 self._deferred = deferred
                 self._updated = set()
                 self._flush_left = None
+                self._unhooked_pending = False
                 if self._micro == 0:
                     self._window_fired = set()
                 else:  # (not known when the dict does not say)

@@ -731,7 +731,14 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
                 # window's flush or their updates leaves it for the retried
                 # zero_grad() (a review)
                 self._unhooked_pending = True
-                self._close_window(flush=True)
+                try:
+                    self._close_window(flush=True)
+                except Exception:
+                    # a refusal in the flush (nonfinite="raise"): raised
+                    # once; the next zero_grad() clears, as before (kept
+                    # pending, it updated them: a review)
+                    self._unhooked_pending = False
+                    raise
             elif self._micro != 0:
                 if any(p.grad is not None for g in self.param_groups for p in g["params"]):
                     self._warn_once("zero_grad", "zero_grad() in the middle of an "

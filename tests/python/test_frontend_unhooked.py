@@ -276,3 +276,72 @@ def test_zero_grad_interrupted_at_every_line_ends_the_window_on_retry():
             bad.append(k)
         k += 1
     assert k > 100 and not bad and not off, (k, bad, off)
+
+
+def _setup_raise(**kw):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    u = torch.nn.Parameter(torch.randn(4, 3), requires_grad=False)
+    opt = automagic.Automagic3([w, u], accumulation_steps=2, **kw)
+    u.requires_grad_(True)  # unfrozen after construction: no hook
+    return w, u, opt
+
+
+def test_a_refused_window_end_in_zero_grad_is_raised_once_and_updates_nothing_later():
+    """nonfinite="raise" and a non-finite gradient in a window that zero_grad()
+    ends after a mid-window step(): raised once; the next zero_grad() clears,
+    and a later zero_grad() that discards a window updates nothing (the
+    unhooked update stayed pending: it was raised again, and then applied
+    with the discarded pass's gradient; a review)."""
+    w, u, opt = _setup_raise(nonfinite="raise")
+    x = torch.full((4, 3), float("inf"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ((w * x).sum() + (u * x).sum()).backward()
+        opt.step()
+        with pytest.raises(automagic.NonFiniteGradientError):
+            opt.zero_grad()
+        opt.zero_grad()
+        assert w.grad is None and u.grad is None
+        w, u, opt = _setup_raise(nonfinite="raise")
+        x = torch.randn(4, 3)
+        x[0, 0] = float("inf")
+        ((w * x).sum() + u.sum()).backward()
+        opt.step()
+        with pytest.raises(automagic.NonFiniteGradientError):
+            opt.zero_grad()
+        u0 = u.detach().clone()
+        (w.sum() + u.sum()).backward()
+        opt.zero_grad()  # mid-window, no step() since: discards
+    assert torch.equal(u.detach(), u0) and u not in opt.state or opt.state[u].get("step", 0) == 0
+
+
+def test_an_interrupted_window_end_not_retried_leaves_nothing_pending(monkeypatch):
+    """A KeyboardInterrupt in zero_grad()'s window end, and the loop goes on
+    with a backward pass instead of a retry: a later zero_grad() that
+    discards the window updates nothing (the unhooked update stayed pending
+    and was applied there, with the discarded pass's gradient; a review)."""
+    from automagic.optim import Automagic3
+    w, u, opt = _setup_raise()
+    g = torch.Generator().manual_seed(1)
+
+    def loss():
+        return ((w * torch.randn(4, 3, generator=g)).sum()
+                + (u * torch.randn(4, 3, generator=g)).sum())
+    real = Automagic3._update_param
+
+    def once(self, *args, **kw):
+        monkeypatch.setattr(Automagic3, "_update_param", real)
+        raise KeyboardInterrupt
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss().backward()
+        opt.step()  # mid-window
+        monkeypatch.setattr(Automagic3, "_update_param", once)
+        with pytest.raises(KeyboardInterrupt):
+            opt.zero_grad()
+        loss().backward()  # no retry
+        w0, u0 = w.detach().clone(), u.detach().clone()
+        opt.zero_grad()  # mid-window, no step() since: discards
+    assert torch.equal(w.detach(), w0) and torch.equal(u.detach(), u0)
+    assert w.grad is None and u.grad is None
