@@ -11,6 +11,7 @@ import torch
 
 import automagic
 from automagic import _lib, _update
+from _line_interrupt import LineInterrupt
 from _torch_compat import HAS_GRAD_DTYPE, needs_grad_dtype
 
 
@@ -287,10 +288,6 @@ def test_an_interrupt_at_any_line_of_a_step(schedule, batch):
     # gradients still there. The result must be one clean step's, bit for
     # bit. (The tracer raises where Python itself would not check for
     # signals, between two stores say: a stricter test than Ctrl-C.)
-    import os
-    import sys
-    pkg = os.path.dirname(automagic.__file__)
-
     def run(k):
         torch.manual_seed(0)
         ps = [torch.nn.Parameter(torch.randn(5, 7)), torch.nn.Parameter(torch.randn(6)),
@@ -313,26 +310,8 @@ def test_an_interrupt_at_any_line_of_a_step(schedule, batch):
             if step == 0:
                 opt.step()  # (states made; the step under test comes next)
         opt.param_groups[0]["lr"] = 5e-7  # (a schedule's factor under "scale")
-        count = {"n": 0, "fired": False}
-
-        def line(frame, event, arg):
-            if event == "line" and not count["fired"]:
-                count["n"] += 1
-                if count["n"] == k:
-                    count["fired"] = True
-                    raise KeyboardInterrupt
-            return line
-
-        def call(frame, event, arg):
-            return line if frame.f_code.co_filename.startswith(pkg) else None
-        if k:
-            sys.settrace(call)
-            try:
-                opt.step()
-            except KeyboardInterrupt:
-                pass
-            finally:
-                sys.settrace(None)
+        interrupt = LineInterrupt(k)
+        interrupt.run(opt.step)
         opt.step()  # (the retry; the whole step when k == 0)
         for p in ps:  # one more, the first step's gradient dtypes
             p.grad = torch.randn(p.shape, generator=g).to(gdts[2] if p is ps[2] else p.dtype)
@@ -341,7 +320,7 @@ def test_an_interrupt_at_any_line_of_a_step(schedule, batch):
         for p in ps:
             out += [v if isinstance(v, torch.Tensor) else torch.tensor(v)
                     for _, v in sorted(opt.state[p].items())]
-        return out, count["fired"]
+        return out, interrupt.fired
     ref, _ = run(0)
     k, bad = 1, []
     while True:

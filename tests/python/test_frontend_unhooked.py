@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import automagic
+from _line_interrupt import LineInterrupt
 
 
 def _params(unhooked):
@@ -211,10 +212,6 @@ def test_zero_grad_interrupted_at_every_line_ends_the_window_on_retry():
     had closed the window, and the retry cleared the gradients it had not
     applied yet: 127 of 461 lines) and those without a hook (one unfrozen,
     one put in by hand)."""
-    import os
-    import sys
-    pkg = os.path.dirname(automagic.__file__)
-
     def run(k):
         torch.manual_seed(0)
         a = torch.nn.Parameter(torch.randn(5, 7))
@@ -228,30 +225,12 @@ def test_zero_grad_interrupted_at_every_line_ends_the_window_on_retry():
         def backward():
             ((a * torch.randn(5, 7, generator=g)).sum() + (b * torch.randn(6, generator=g)).sum()
              + (c * torch.randn(4, generator=g)).sum()).backward()
-        count = {"n": 0, "fired": False}
-
-        def line(frame, event, arg):
-            if event == "line" and not count["fired"]:
-                count["n"] += 1
-                if count["n"] == k:
-                    count["fired"] = True
-                    raise KeyboardInterrupt
-            return line
-
-        def call(frame, event, arg):
-            return line if frame.f_code.co_filename.startswith(pkg) else None
+        interrupt = LineInterrupt(k)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             backward()
             opt.step()  # mid-window: the zero_grad() below ends the window
-            if k:
-                sys.settrace(call)
-                try:
-                    opt.zero_grad()
-                except KeyboardInterrupt:
-                    pass
-                finally:
-                    sys.settrace(None)
+            interrupt.run(opt.zero_grad)
             grad_mode = torch.is_grad_enabled()
             torch.set_grad_enabled(True)
             opt.zero_grad()  # (the retry; the whole call when k == 0)
@@ -263,7 +242,7 @@ def test_zero_grad_interrupted_at_every_line_ends_the_window_on_retry():
         for p in (a, b, c):
             out += [v if isinstance(v, torch.Tensor) else torch.tensor(v)
                     for _, v in sorted(opt.state[p].items())]
-        return out, count["fired"], grad_mode
+        return out, interrupt.fired, grad_mode
     ref, _, _ = run(0)
     k, bad, off = 1, [], []
     while True:
