@@ -190,7 +190,8 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         self._stepped_mid = False
         # zero_grad() ended such a window and has yet to update the
         # parameters without a hook (kept across an interrupt there: the
-        # retried zero_grad() does it; cleared by _update_grads)
+        # retried zero_grad() does it; cleared by _update_grads, by a
+        # refusal there, by the next backward pass and by a load)
         self._unhooked_pending = False
         # the indices whose update a window's flush had not made when an
         # interrupt cut it short (_close_window; None: none)
