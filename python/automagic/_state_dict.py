@@ -5,7 +5,7 @@ import warnings
 
 from . import _lib
 from ._checkpoint import CheckpointError, as_count, as_indices, as_key, prepare_load
-from ._errors import AutomagicError, caller_level
+from ._errors import caller_level
 from ._views import _state_sizes
 
 # Group keys that are Automagic3 hyperparameters: on load_state_dict the
@@ -60,10 +60,7 @@ class _StateDictMixin:
         if fired is None:
             return None
         if self._micro:
-            try:  # (those put into a group by hand: registered, as step() does)
-                self._adopt_listed()
-            except AutomagicError:
-                pass  # (a refused one is left out; step() raises it)
+            self._adopt_listed_quietly()  # (those put into a group by hand)
             index_of, hooked = self._param_index, self._hooked
             fired = fired | {index_of[p] for g in self.param_groups for p in g["params"]
                              if p.grad is not None and p in index_of

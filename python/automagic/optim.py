@@ -379,6 +379,14 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
                     self._param_index[p] = len(self._param_index)
         self._listed = listed
 
+    def _adopt_listed_quietly(self) -> None:
+        """_adopt_listed where nothing must raise (zero_grad(), state_dict()):
+        a refused parameter stays unregistered, and step() raises it."""
+        try:
+            self._adopt_listed()
+        except AutomagicError:
+            pass
+
     def _warn_listed_twice(self, p: torch.Tensor) -> None:
         self._warn_once("listed_twice", "a parameter of shape %s is listed more than once in "
                         "param_groups (put in by hand): it is updated once, in step mode "
@@ -768,10 +776,7 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         without a hook, which the step() that ends the window updates: they
         were cleared, never updated; a randomized review, fortieth
         session), as torch.optim's zero_grad clears them."""
-        try:  # (those put into a group by hand: registered, as step() does)
-            self._adopt_listed()
-        except AutomagicError:
-            pass  # (a refused one: cleared below; step() raises it)
+        self._adopt_listed_quietly()  # (those put into a group by hand)
         index_of, hooked = self._param_index, self._hooked
         for group in self.param_groups:
             for p in group["params"]:

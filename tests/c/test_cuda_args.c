@@ -28,7 +28,7 @@ static void log_fn(am_log_level level, const char *msg, void *user) {
 
 /* One 6x8 float32 update whose buffers sit in one host arena: the
  * parameter at 0, the gradient at 256, lr at 512, polarity at 576, row at
- * 640, col at 704, step at 768; `at` moves one of them to another offset. */
+ * 640, col at 704, step at 768 (each case moves one of them onto another). */
 typedef struct fake {
     _Alignas(64) unsigned char arena[4096];
     am_tensor p, g;

@@ -69,18 +69,22 @@ def make(seed=0, **kw):
     return Net(**kw)
 
 
+def assert_same_state(s1, s2, name=None):
+    """Two parameters' optimizer states (dicts) bit-identical."""
+    assert s1.keys() == s2.keys(), name
+    for k in s1:
+        v1, v2 = s1[k], s2[k]
+        if isinstance(v1, torch.Tensor):
+            assert v1.dtype == v2.dtype and torch.equal(v1, v2), (name, k)
+        else:
+            assert v1 == v2, (name, k)
+
+
 def assert_same(m1, o1, m2, o2):
     """Parameters and optimizer state bit-identical."""
     for (n, a), b in zip(m1.named_parameters(), m2.parameters()):
         assert torch.equal(a, b), n
-        s1, s2 = o1.state.get(a, {}), o2.state.get(b, {})
-        assert s1.keys() == s2.keys(), n
-        for k in s1:
-            v1, v2 = s1[k], s2[k]
-            if isinstance(v1, torch.Tensor):
-                assert v1.dtype == v2.dtype and torch.equal(v1, v2), (n, k)
-            else:
-                assert v1 == v2, (n, k)
+        assert_same_state(o1.state.get(a, {}), o2.state.get(b, {}), n)
 
 
 def snapshot(model, opt):

@@ -11,6 +11,7 @@ import torch
 
 import automagic
 from automagic import _lib, _update
+from _frontend_models import assert_same_state
 from _line_interrupt import LineInterrupt
 from _torch_compat import HAS_GRAD_DTYPE, needs_grad_dtype
 
@@ -59,13 +60,7 @@ def _interrupt_after_copy_into(monkeypatch, target):
 def _same_state(o1, ps1, o2, ps2):
     for p1, p2 in zip(ps1, ps2):
         assert torch.equal(p1, p2)
-        s1, s2 = o1.state[p1], o2.state[p2]
-        assert s1.keys() == s2.keys()
-        for k in s1:
-            if isinstance(s1[k], torch.Tensor):
-                assert torch.equal(s1[k], s2[k]), k
-            else:
-                assert s1[k] == s2[k], k
+        assert_same_state(o1.state[p1], o2.state[p2])
 
 
 def _step(opt, ps, seed, lr=None):

@@ -7,13 +7,13 @@ ways a window can end or be carried over. Found by a randomized review
 next window, and the loops that end their windows with step() and
 zero_grad() never updated it."""
 import copy
-import io
 import warnings
 
 import pytest
 import torch
 
 import automagic
+from _frontend_models import assert_same_state
 from _line_interrupt import LineInterrupt
 
 
@@ -40,15 +40,6 @@ def _optimizer(a, b, unhooked, **kw):
 def _state(opt, p):
     st = opt.state.get(p, {})
     return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
-
-
-def _same(x, y):
-    assert x.keys() == y.keys()
-    for k in x:
-        if isinstance(x[k], torch.Tensor):
-            assert torch.equal(x[k], y[k]), k
-        else:
-            assert x[k] == y[k], k
 
 
 @pytest.mark.parametrize("how,unhooked", [("state_dict", "unfrozen"), ("deepcopy", "unfrozen"),
@@ -89,11 +80,11 @@ def test_a_carry_over_mid_window_keeps_an_unhooked_gradient(how, unhooked):
     (b1, g1, s1), last1 = run(how)
     assert g0 is None and g1 is None and s0["step"] == 1
     assert torch.equal(b0, b1)
-    _same(s0, s1)
+    assert_same_state(s0, s1)
     assert last0[3]["step"] == 2
     assert torch.equal(last0[0], last1[0]) and torch.equal(last0[1], last1[1])
-    _same(last0[2], last1[2])
-    _same(last0[3], last1[3])
+    assert_same_state(last0[2], last1[2])
+    assert_same_state(last0[3], last1[3])
 
 
 @pytest.mark.parametrize("unhooked", ["unfrozen", "by_hand"])
@@ -120,8 +111,8 @@ def test_step_and_zero_grad_after_each_pass_update_an_unhooked_parameter(unhooke
     got = run(True, 2)
     assert ref[3]["step"] == 4
     assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
-    _same(ref[2], got[2])
-    _same(ref[3], got[3])
+    assert_same_state(ref[2], got[2])
+    assert_same_state(ref[3], got[3])
 
 
 class _Loss(torch.nn.Module):
@@ -163,8 +154,8 @@ def test_lightning_order_keeps_an_unhooked_gradient(unhooked, monkeypatch):
     assert len(kept) == 2  # (each run's second epoch took Lightning's branch)
     assert hooked[3]["step"] == 2
     assert torch.equal(hooked[0], got[0]) and torch.equal(hooked[1], got[1])
-    _same(hooked[2], got[2])
-    _same(hooked[3], got[3])
+    assert_same_state(hooked[2], got[2])
+    assert_same_state(hooked[3], got[3])
 
 
 def test_zero_grad_interrupted_as_it_updates_an_unhooked_parameter_finishes_on_retry(
@@ -200,7 +191,7 @@ def test_zero_grad_interrupted_as_it_updates_an_unhooked_parameter_finishes_on_r
     clean, retried = run(False), run(True)
     assert clean[1] is None and retried[1] is None and clean[2]["step"] == 1
     assert torch.equal(clean[0], retried[0])
-    _same(clean[2], retried[2])
+    assert_same_state(clean[2], retried[2])
 
 
 def test_zero_grad_interrupted_at_every_line_ends_the_window_on_retry():
