@@ -25,6 +25,7 @@ accelerator) has a backward frame of its own there, while another thread
 runs the outer pass: it is nested in that pass (_pass_of). Several threads
 running backward passes at once are not told apart (not supported).
 """
+import functools
 import gc
 import sys
 import threading
@@ -131,6 +132,7 @@ class BackwardSteps:
         self.last_ended = False
         self._tasks = set()     # graph tasks seen in the open step
         self._queued = set()    # graph tasks with an end-of-backward callback
+        self._ended = set()     # steps whose end-of-backward callbacks began
         self._on_close = on_close
         # Steps closed so far, and (graph task, that count) at this thread's
         # last enter(): the next hook of the same task while no step has
@@ -179,8 +181,14 @@ class BackwardSteps:
             # pass ends while its outer pass still has gradients to deliver.
             if depth <= 1 and task >= 0 and task not in self._queued:
                 self._queued.add(task)
-                torch.autograd.Variable._execution_engine.queue_callback(
-                    lambda gen=self._gen: self._end_of_backward(gen))
+                engine = torch.autograd.Variable._execution_engine
+                # First a callback with no Python line (set.add through
+                # partial): it records the pass's end even where an
+                # interrupt stops the next one at its first line, and the
+                # step's close (at step(), zero_grad()) then knows the pass
+                # ended (taken as failed, its queued updates were dropped)
+                engine.queue_callback(functools.partial(self._ended.add, self._gen))
+                engine.queue_callback(lambda gen=self._gen: self._end_of_backward(gen))
             last.task, last.gen = task, self._gen
         return task
 
@@ -228,8 +236,11 @@ class BackwardSteps:
                 self._close_locked()
 
     def _close_locked(self, ended: bool = False) -> None:
-        self._gen += 1
-        self._open = False
+        # (in this order, the step closed in one line: an interrupt before
+        # it leaves the step open and its end recorded, for the next close)
+        ended = ended or self._gen in self._ended
+        self._gen, self._open = self._gen + 1, False
+        self._ended.clear()
         self._tasks.clear()
         self._queued.clear()
         self.fired.clear()

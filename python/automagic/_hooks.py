@@ -360,10 +360,21 @@ class _FusedMixin:
         """A step closed: the queued updates run if its backward pass ended
         (ended) or is still running (a hook of another pass closed it), else
         they are dropped (the pass raised: running them now could change
-        weights a later forward has used); maybe the window ends too."""
-        batch, key = self._take_queue()
-        self._batches = 0
+        weights a later forward has used); maybe the window ends too.
+
+        The pass is counted first, the window ends last, so that an
+        interrupt (KeyboardInterrupt) anywhere leaves a state the next
+        step() or zero_grad() finishes: before the count, the queue as it
+        was (_finish_close runs it); in the queue's run, the updates not yet
+        applied (_keep_unapplied); before the window's end, _micro at
+        accumulation_steps (_finish_close ends it). Before, an interrupt in
+        the run lost the updates not yet applied, and one in the count left
+        the window open with its parameters marked updated (a review,
+        fortieth session)."""
+        self._micro, self._passes = self._micro + 1, self._passes + 1  # (one line)
         try:
+            batch, key = self._take_queue()
+            self._batches = 0
             if batch and (ended or self._steps.pass_running()):
                 self._run_queue(batch, key)
             elif batch:
@@ -373,8 +384,30 @@ class _FusedMixin:
                     "run. Their gradients are kept in .grad, and a later backward pass adds "
                     "to them as PyTorch accumulates; call zero_grad() to drop them"
                     % len(batch), RuntimeWarning, stacklevel=4)
+        except BaseException as e:
+            if not isinstance(e, Exception):
+                self._keep_unapplied()
+            raise
         finally:
-            self._count_micro_step()
+            self._end_micro_step()
+
+    def _keep_unapplied(self) -> None:
+        """After an interrupt in the queued updates' run at the end of a
+        backward pass: the updates the window marked done (_updated) whose
+        gradient is still there were not applied; they join _flush_left,
+        for the next step() or zero_grad() to apply (the next backward pass
+        instead adds its gradients to them). They were lost: marked done,
+        the window's flush skipped them, and step() left their gradients to
+        zero_grad() ("unreported"; a review, fortieth session). The queue is
+        emptied (an interrupt as it was taken left it full)."""
+        self._queue, self._queue_bytes = [], 0
+        left, done, hooked = set(self._flush_left or ()), self._updated, self._hooked
+        for group in self.param_groups:
+            for p in group["params"]:
+                i = self._param_index.get(p)
+                if p.grad is not None and i in done and i in hooked:
+                    left.add(i)
+        self._flush_left = left
 
     def _watch_forward(self) -> None:
         """At a step() in a window's middle: notes whether a forward pass
@@ -409,15 +442,26 @@ class _FusedMixin:
         if handle is not None:
             handle.remove()
 
-    def _count_micro_step(self) -> None:
+    def _end_micro_step(self) -> None:
+        """After a backward pass was counted (_on_step_closed): the notes
+        taken since the last step() reset, and the window ended (flushed)
+        once it holds accumulation_steps passes."""
         self._stepped_mid = False  # (a backward pass since that step())
         self._fwd_since_step = False
         self._unwatch_forward()
-        self._passes += 1
-        self._micro += 1
-        if self._micro < self.accumulation_steps:
-            return
-        self._close_window(flush=True)
+        if self._micro >= self.accumulation_steps:
+            self._close_window(flush=True)
+
+    def _finish_close(self) -> None:
+        """At step() or zero_grad(), when a backward pass's end was cut
+        short by an interrupt before its queued updates were taken (the
+        queue still full: the pass not counted yet) or before its window
+        ended (_micro at accumulation_steps): that end, done now."""
+        with self._steps.lock:
+            if self._queue:
+                self._on_step_closed(self._steps.last_ended)
+            elif self._micro >= self.accumulation_steps:
+                self._end_micro_step()
 
     def _close_window(self, flush: bool) -> None:
         """Ends the accumulation window: with flush, its gradients applied

@@ -472,6 +472,8 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         if self.fused:
             self._steps.close()
             self._unwatch_forward()
+            if self._queue or self._micro >= self.accumulation_steps:
+                self._finish_close()  # (a backward pass's end an interrupt cut short)
             if self._flush_left is not None:
                 self._finish_flush()
             refired = self._refired
@@ -680,6 +682,8 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.fused:
             self._steps.close()
+            if self._queue or self._micro >= self.accumulation_steps:
+                self._finish_close()  # (a backward pass's end an interrupt cut short)
             if self._flush_left is not None:
                 self._finish_flush()
             # (the passes before it accumulated nothing: no warning at step())

@@ -13,13 +13,16 @@ _PKG = os.path.dirname(automagic.__file__)
 
 class LineInterrupt:
     """run(fn): fn() under a tracer that raises KeyboardInterrupt at the
-    k-th line of the package (k = 0: no tracer); fired: whether it did."""
+    k-th line of the package (k = 0: no tracer); fired: whether it did.
+    after (a function of the package): lines are counted from its first
+    call on."""
 
-    def __init__(self, k: int):
+    def __init__(self, k: int, after=None):
         self.k, self.n, self.fired = k, 0, False
+        self.after, self.armed = (None, True) if after is None else (after.__code__, False)
 
     def _line(self, frame, event, arg):
-        if event == "line" and not self.fired:
+        if event == "line" and not self.fired and self.armed:
             self.n += 1
             if self.n == self.k:
                 self.fired = True
@@ -27,6 +30,8 @@ class LineInterrupt:
         return self._line
 
     def _call(self, frame, event, arg):
+        if frame.f_code is self.after:
+            self.armed = True
         return self._line if frame.f_code.co_filename.startswith(_PKG) else None
 
     def run(self, fn) -> None:
