@@ -130,6 +130,7 @@ class BackwardSteps:
         # whether the last step closed was closed by its end-of-backward
         # callback (False at first: under compiled autograd none runs)
         self.last_ended = False
+        self.closed_ended = False  # (the same, set as the close begins)
         self._tasks = set()     # graph tasks seen in the open step
         self._queued = set()    # graph tasks with an end-of-backward callback
         self._ended = set()     # steps whose end-of-backward callbacks began
@@ -171,7 +172,10 @@ class BackwardSteps:
         with self.lock:
             if self._open and not ((frame is not None and frame is self._frame)
                                    or (task >= 0 and task in self._tasks)):
-                self._close_locked()
+                # (a new pass runs: the old one's queue is not run now, even
+                # if its end was recorded, as it would change weights this
+                # pass still needs; a review)
+                self._close_locked(recorded=False)
             self._open = True
             if frame is not None and self._frame is None:
                 self._frame = frame
@@ -228,22 +232,27 @@ class BackwardSteps:
                 f = f.f_back
         return False
 
-    def close(self) -> None:
+    @property
+    def gen(self) -> int:
+        """The number of steps closed so far."""
+        return self._gen
+
+    def close(self, recorded: bool = True) -> None:
         """Ends the open step, if any, from outside backward (step(),
-        zero_grad(), load_state_dict(), remove_hooks())."""
+        zero_grad(), load_state_dict(), remove_hooks()); with recorded, a
+        pass whose end was recorded (_ended) counts as ended."""
         with self.lock:
             if self._open:
-                self._close_locked()
+                self._close_locked(recorded=recorded)
 
-    def _close_locked(self, ended: bool = False) -> None:
-        # (in this order, the step closed in one line: an interrupt before
-        # it leaves the step open and its end recorded, for the next close)
-        ended = ended or self._gen in self._ended
-        self._gen, self._open = self._gen + 1, False
+    def _close_locked(self, ended: bool = False, recorded: bool = True) -> None:
+        # (in this order, the step closed in one statement: an interrupt
+        # before it leaves the step open and its end recorded, for the next
+        # close; closed_ended says how it closed to the optimizer's retry)
+        ended = ended or (recorded and self._gen in self._ended)
+        self._gen, self._open, self.closed_ended, self._tasks, self._queued, self.fired = (
+            self._gen + 1, False, ended, set(), set(), set())  # (the stores on one line)
         self._ended.clear()
-        self._tasks.clear()
-        self._queued.clear()
-        self.fired.clear()
         try:
             self._on_close(ended)
         finally:

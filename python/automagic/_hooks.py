@@ -191,6 +191,8 @@ class _FusedMixin:
                         "updated at the end of backward with its whole gradient "
                         "(warned once)" % (tuple(p.shape),))
                     return
+            if not steps.fired and self._close_cut_short():
+                self._settle_cut_close()
             if not steps.fired and self._stepped_mid and self._window_cleared(index):
                 # the first hook of a pass after a step() in a window's
                 # middle, and the window's other gradients are gone: cleared
@@ -362,16 +364,21 @@ class _FusedMixin:
         they are dropped (the pass raised: running them now could change
         weights a later forward has used); maybe the window ends too.
 
-        The pass is counted first, the window ends last, so that an
-        interrupt (KeyboardInterrupt) anywhere leaves a state the next
-        step() or zero_grad() finishes: before the count, the queue as it
-        was (_finish_close runs it); in the queue's run, the updates not yet
-        applied (_keep_unapplied); before the window's end, _micro at
-        accumulation_steps (_finish_close ends it). Before, an interrupt in
-        the run lost the updates not yet applied, and one in the count left
-        the window open with its parameters marked updated (a review,
-        fortieth session)."""
-        self._micro, self._passes = self._micro + 1, self._passes + 1  # (one line)
+        The pass is counted first (in one line, with the step's number in
+        _counted and _ending set), the window ends last (_ending cleared),
+        so that an interrupt (KeyboardInterrupt) anywhere leaves a state
+        the next step() or zero_grad() finishes (_finish_close): a close
+        not counted, a pass counted whose end did not finish, or, where
+        the pass ended, updates of the queue's run not yet applied
+        (_keep_unapplied). Before, an interrupt in the run lost those
+        updates, and one in the count left the window open with its
+        parameters marked updated (a review, fortieth session)."""
+        self._micro, self._passes, self._ending, self._counted = (
+            self._micro + 1, self._passes + 1, True, self._steps.gen)
+        self._close_pass(ended)
+
+    def _close_pass(self, ended: bool) -> None:
+        """_on_step_closed's work once the pass is counted."""
         try:
             batch, key = self._take_queue()
             self._batches = 0
@@ -385,7 +392,9 @@ class _FusedMixin:
                     "to them as PyTorch accumulates; call zero_grad() to drop them"
                     % len(batch), RuntimeWarning, stacklevel=4)
         except BaseException as e:
-            if not isinstance(e, Exception):
+            # (a pass that did not end keeps its gradients unapplied, as
+            # one that raised: the interrupt fails it if it still runs)
+            if ended and not isinstance(e, Exception):
                 self._keep_unapplied()
             raise
         finally:
@@ -395,8 +404,9 @@ class _FusedMixin:
         """After an interrupt in the queued updates' run at the end of a
         backward pass: the updates the window marked done (_updated) whose
         gradient is still there were not applied; they join _flush_left,
-        for the next step() or zero_grad() to apply (the next backward pass
-        instead adds its gradients to them). They were lost: marked done,
+        for the next step() to apply (zero_grad() drops them: a forward pass
+        may have run since, whose graph holds the weights; the next backward
+        pass instead adds its gradients to them). They were lost: marked done,
         the window's flush skipped them, and step() left their gradients to
         zero_grad() ("unreported"; a review, fortieth session). The queue is
         emptied (an interrupt as it was taken left it full)."""
@@ -407,7 +417,7 @@ class _FusedMixin:
                 i = self._param_index.get(p)
                 if p.grad is not None and i in done and i in hooked:
                     left.add(i)
-        self._flush_left = left
+        self._flush_left, self._left_by_zero_grad = left, False
 
     def _watch_forward(self) -> None:
         """At a step() in a window's middle: notes whether a forward pass
@@ -445,45 +455,106 @@ class _FusedMixin:
     def _end_micro_step(self) -> None:
         """After a backward pass was counted (_on_step_closed): the notes
         taken since the last step() reset, and the window ended (flushed)
-        once it holds accumulation_steps passes."""
+        once it holds accumulation_steps passes; then _ending cleared (not
+        after an interrupt: the retry ends the pass again)."""
         self._stepped_mid = False  # (a backward pass since that step())
         self._fwd_since_step = False
         self._unwatch_forward()
-        if self._micro >= self.accumulation_steps:
-            self._close_window(flush=True)
+        try:
+            if self._micro >= self.accumulation_steps:
+                self._close_window(flush=True)
+        except Exception:
+            self._ending = False  # (a refusal: raised once, as before)
+            raise
+        self._ending = False
+
+    def _close_cut_short(self) -> bool:
+        """Whether the last step's close was cut short by an interrupt:
+        not counted (_on_step_closed never ran or stopped before its first
+        line) or not finished (_ending)."""
+        return self._ending or self._counted != self._steps.gen
 
     def _finish_close(self) -> None:
-        """At step() or zero_grad(), when a backward pass's end was cut
-        short by an interrupt before its queued updates were taken (the
-        queue still full: the pass not counted yet) or before its window
-        ended (_micro at accumulation_steps): that end, done now."""
+        """At step(), after a close cut short (_close_cut_short): the rest
+        of it, with the queued updates run if that step's pass ended
+        (BackwardSteps.closed_ended). zero_grad() settles it instead
+        (_drop_cut_close)."""
         with self._steps.lock:
-            if self._queue:
-                self._on_step_closed(self._steps.last_ended)
-            elif self._micro >= self.accumulation_steps:
-                self._end_micro_step()
+            ended = self._steps.closed_ended
+            if self._counted != self._steps.gen:
+                self._on_step_closed(ended)
+            elif self._ending:
+                self._close_pass(ended)
 
-    def _close_window(self, flush: bool) -> None:
+    def _drop_cut_close(self) -> None:
+        """At zero_grad(): a close cut short (_close_cut_short) is settled
+        with nothing applied (_settle_cut_close), and the rest of a window's
+        flush cut short at a backward pass's end is dropped (zero_grad()
+        clears those gradients): a forward pass may have run since (PyTorch
+        Lightning's order), whose backward would fail on autograd's version
+        check if the weights changed now. Warned once. The rest of a
+        zero_grad()'s own window end is finished (_finish_flush)."""
+        dropped = False
+        if self._close_cut_short():
+            with self._steps.lock:
+                self._settle_cut_close()
+            dropped = True
+        if self._flush_left is not None:
+            if self._left_by_zero_grad:
+                self._finish_flush()
+            else:
+                self._flush_left, dropped = None, True
+        if dropped:
+            self._warn_once(
+                "cutzero", "zero_grad() after a backward pass whose end was cut short "
+                "(KeyboardInterrupt): the updates it had not applied yet are dropped with "
+                "their gradients (a step() before zero_grad() applies them; warned once)")
+
+    def _settle_cut_close(self) -> None:
+        """At the first hook of a backward pass, after a close cut short
+        (_close_cut_short): the old pass counted and its window ended, with
+        nothing applied (an update now could change a weight this pass
+        still needs: autograd's in-place error): the queued updates and a
+        window's not yet applied keep their gradients, to which this pass
+        adds, as after a failed pass (documented in docs/PYTORCH.md)."""
+        if self._counted != self._steps.gen:
+            self._micro, self._passes, self._ending, self._counted = (
+                self._micro + 1, self._passes + 1, True, self._steps.gen)
+        self._queue, self._queue_bytes = [], 0
+        self._stepped_mid = False
+        self._fwd_since_step = False
+        self._unwatch_forward()
+        if self._micro >= self.accumulation_steps:
+            self._close_window(flush=False)
+        self._ending = False
+
+    def _close_window(self, flush: bool, by_zero_grad: bool = False) -> None:
         """Ends the accumulation window: with flush, its gradients applied
         (_flush); without, dropped by the caller (zero_grad). An interrupt
         (KeyboardInterrupt) in the flush leaves what it has not applied to
         the retried step() or zero_grad() (_flush_left): the window was
         closed, and a retried zero_grad() cleared those gradients unapplied
         (a review, fortieth session). The window is marked closed last (an
-        interrupt before the flush leaves it open, for the retry to close)."""
+        interrupt before the flush leaves it open, for the retry to close).
+        by_zero_grad: zero_grad() ends the window (its retry may finish the
+        flush; the rest of one at a backward pass's end only step() does)."""
+        done = set(self._updated)  # (marked before the flush: see below)
         try:
             if flush:
                 self._flush()
         except BaseException as e:
             if flush and not isinstance(e, Exception):
-                fired, hooked, left = self._window_fired, self._hooked, set()
+                # what _flush had yet to apply, with what _keep_unapplied
+                # kept; not those marked updated before it (a failed pass's
+                # dropped queue, which the retried step() applied; a review)
+                fired, hooked, left = self._window_fired, self._hooked, set(self._flush_left or ())
                 for group in self.param_groups:
                     for p in group["params"]:
                         i = self._param_index.get(p)
-                        if (p.grad is not None and i in hooked
+                        if (p.grad is not None and i in hooked and i not in done
                                 and (fired is None or i in fired)):
                             left.add(i)
-                self._flush_left = left
+                self._flush_left, self._left_by_zero_grad = left, by_zero_grad
             raise
         finally:
             self._window_fired = set()

@@ -220,6 +220,9 @@ class _StateDictMixin:
             # (a zero_grad() after the load discards the window, as it did:
             # the gradients are not the loaded state's; found by a review)
             self._stepped_mid = False
+            # (a close an interrupt cut short is not finished after the load:
+            # the loaded window replaces its bookkeeping)
+            self._counted, self._ending = self._steps.gen, False
             self._since_step, self._refired = set(), False  # (passes of another run)
         self._warn_lost_window()
 

@@ -196,6 +196,7 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         # the indices whose update a window's flush had not made when an
         # interrupt cut it short (_close_window; None: none)
         self._flush_left = None
+        self._left_by_zero_grad = False  # (set by zero_grad()'s window end: see there)
         # with it, the window's gradients as that step() left them: index ->
         # (weak reference, version) (_snap_window)
         self._mid_grads = {}
@@ -213,6 +214,9 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         self._listed = -1              # parameters the groups listed at the last scan
         self._tls = threading.local()  # per-thread workspace
         self._steps = BackwardSteps(_weak_on_close(self))
+        # the step (BackwardSteps.gen) whose close last counted its pass, and
+        # whether that pass's end is still to finish (_on_step_closed)
+        self._counted, self._ending = self._steps.gen, False
         self._micro = 0                # backward passes done in this window
         # fused mode: whether every step() so far came at a window's end
         # (None: not known yet; see step()), and the backward passes since
@@ -472,7 +476,7 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         if self.fused:
             self._steps.close()
             self._unwatch_forward()
-            if self._queue or self._micro >= self.accumulation_steps:
+            if self._close_cut_short():
                 self._finish_close()  # (a backward pass's end an interrupt cut short)
             if self._flush_left is not None:
                 self._finish_flush()
@@ -681,11 +685,11 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.fused:
-            self._steps.close()
-            if self._queue or self._micro >= self.accumulation_steps:
-                self._finish_close()  # (a backward pass's end an interrupt cut short)
-            if self._flush_left is not None:
-                self._finish_flush()
+            # (a pass whose end an interrupt cut short: not applied here, a
+            # forward may have run since; step() applies it: _drop_cut_close)
+            self._steps.close(recorded=False)
+            if self._flush_left is not None or self._close_cut_short():
+                self._drop_cut_close()
             # (the passes before it accumulated nothing: no warning at step())
             self._since_step, self._refired = set(), False
             if self._micro == 0 and self._rehook_swapped(
@@ -745,7 +749,7 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
                 # zero_grad() (a review)
                 self._unhooked_pending = True
                 try:
-                    self._close_window(flush=True)
+                    self._close_window(flush=True, by_zero_grad=True)
                 except Exception:
                     # a refusal in the flush (nonfinite="raise"): raised
                     # once; the next zero_grad() clears, as before (kept

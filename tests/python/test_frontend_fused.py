@@ -1363,3 +1363,20 @@ def test_zero_grad_right_after_a_load_that_follows_a_mid_window_step_discards():
         opt.load_state_dict(sd)
         opt.zero_grad()
     assert all(torch.equal(m.state_dict()[k], msd[k]) for k in msd)
+
+
+def test_accumulation_steps_lowered_mid_window_then_zero_grad_discards_the_window():
+    """opt.accumulation_steps lowered below the passes a window already
+    holds, then zero_grad(): the window is discarded with its warning, as
+    for any zero_grad() mid-window (a first version of the end-of-backward
+    interrupt fix took _micro >= accumulation_steps for a window end an
+    interrupt had cut short and applied it; a review)."""
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(3, 4)) for _ in range(4)]
+    opt = automagic.Automagic3(ps, accumulation_steps=4)
+    for _ in range(2):
+        sum((p * torch.randn(3, 4)).sum() for p in ps).backward()
+    opt.accumulation_steps = 2
+    with pytest.warns(UserWarning, match="zero_grad\\(\\) in the middle"):
+        opt.zero_grad()
+    assert all(p not in opt.state for p in ps) and all(p.grad is None for p in ps)
