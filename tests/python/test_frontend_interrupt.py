@@ -27,6 +27,29 @@ def _grads(ps, seed):
     return [torch.randn(p.shape, generator=g) * 1e-3 for p in ps]
 
 
+def _snapshot(opt, ps) -> list:
+    """ps and every state tensor of theirs, copied (steps as tensors)."""
+    out = [p.detach().clone() for p in ps]
+    for p in ps:
+        out += [v if isinstance(v, torch.Tensor) else torch.tensor(v)
+                for _, v in sorted(opt.state[p].items())]
+    return out
+
+
+def _lines_that_differ(run):
+    """run(k) -> (snapshot, whether the interrupt at line k fired): (the
+    first k that did not fire, the k whose snapshot differs from run(0)'s)."""
+    ref, _ = run(0)
+    k, bad = 1, []
+    while True:
+        got, fired = run(k)
+        if not fired:
+            return k, bad
+        if not all(torch.equal(x, y) for x, y in zip(ref, got)):
+            bad.append(k)
+        k += 1
+
+
 class _Interrupt:
     """Raises KeyboardInterrupt after the n-th call of am_update_batch has
     returned (the C update done: where Ctrl-C during it surfaces)."""
@@ -312,20 +335,9 @@ def test_an_interrupt_at_any_line_of_a_step(schedule, batch):
         for p in ps:  # one more, the first step's gradient dtypes
             p.grad = torch.randn(p.shape, generator=g).to(gdts[2] if p is ps[2] else p.dtype)
         opt.step()
-        out = [p.detach().clone() for p in ps]
-        for p in ps:
-            out += [v if isinstance(v, torch.Tensor) else torch.tensor(v)
-                    for _, v in sorted(opt.state[p].items())]
+        out = _snapshot(opt, ps)
         return out, interrupt.fired
-    ref, _ = run(0)
-    k, bad = 1, []
-    while True:
-        got, fired = run(k)
-        if not fired:
-            break
-        if not all(torch.equal(a, b) for a, b in zip(ref, got)):
-            bad.append(k)
-        k += 1
+    k, bad = _lines_that_differ(run)
     assert k > 100 and not bad, (k, bad)
 
 
@@ -432,10 +444,7 @@ def test_an_interrupt_at_any_line_of_a_backward_pass_end(accumulation_steps, the
                     backward()
             opt.step()
             opt.zero_grad()
-        out = [p.detach().clone() for p in ps]
-        for p in ps:
-            out += [v if isinstance(v, torch.Tensor) else torch.tensor(v)
-                    for _, v in sorted(opt.state[p].items())]
+        out = _snapshot(opt, ps)
         clean = (all(int(opt.state[p]["step"]) == b + 1 for p, b in zip(ps, before))
                  and all(p.grad is None for p in ps) and not opt._queue
                  and opt._flush_left is None and not opt._close_cut_short())
@@ -492,18 +501,7 @@ def test_an_interrupted_step_after_a_failed_backward_pass_applies_nothing_of_it(
             backward()
             opt.step()
             opt.zero_grad()
-        out = [p.detach().clone() for p in ps]
-        for p in ps:
-            out += [v if isinstance(v, torch.Tensor) else torch.tensor(v)
-                    for _, v in sorted(opt.state[p].items())]
+        out = _snapshot(opt, ps)
         return out, interrupt.fired
-    ref, _ = run(0)
-    k, bad = 1, []
-    while True:
-        got, fired = run(k)
-        if not fired:
-            break
-        if not all(torch.equal(x, y) for x, y in zip(ref, got)):
-            bad.append(k)
-        k += 1
+    k, bad = _lines_that_differ(run)
     assert k > 100 and not bad, (k, bad)
