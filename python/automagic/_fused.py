@@ -39,6 +39,38 @@ except (ImportError, AttributeError):  # pragma: no cover - older torch
     _ENGINE_CODE = None
 
 
+# Graph tasks whose end-of-backward callbacks began: a callback with no
+# Python line (set.add through functools.partial), queued by the first
+# BackwardSteps that sees the task, before any Python callback of any
+# optimizer. It records the pass's end even where an interrupt stops a
+# Python callback at its first line, and the engine runs no later callback
+# once one raised: a record per BackwardSteps left another optimizer's
+# unrecorded (a review). Pruned to the last _TASKS_KEPT task ids.
+_ENDED_TASKS = set()
+_MARKED_TASKS = set()
+_TASKS_KEPT = 512
+
+
+def _mark_task(task: int) -> None:
+    """Queues the record of graph task task's end, once per task."""
+    if task in _MARKED_TASKS:
+        return
+    if len(_MARKED_TASKS) > 2 * _TASKS_KEPT:  # (task ids only grow)
+        for kept in (_MARKED_TASKS, _ENDED_TASKS):
+            for t in [t for t in kept if t < task - _TASKS_KEPT]:
+                kept.discard(t)
+    _MARKED_TASKS.add(task)
+    torch.autograd.Variable._execution_engine.queue_callback(
+        functools.partial(_ENDED_TASKS.add, task))
+
+
+def _in_compiled_autograd() -> bool:
+    """Whether compiled autograd runs the pass (it runs no end-of-backward
+    callbacks)."""
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    return ca is not None and bool(getattr(ca, "in_compiled_autograd_region", False))
+
+
 def _outermost(f):
     """(the outermost backward frame of the stack from frame f or None,
     how many there are)."""
@@ -130,10 +162,11 @@ class BackwardSteps:
         # whether the last step closed was closed by its end-of-backward
         # callback (False at first: under compiled autograd none runs)
         self.last_ended = False
-        self.closed_ended = False  # (the same, set as the close begins)
+        # (whether the last step's pass ended, whether its close held back
+        # what it had not applied: close()), set as the close begins
+        self.closed = (False, False)
         self._tasks = set()     # graph tasks seen in the open step
         self._queued = set()    # graph tasks with an end-of-backward callback
-        self._ended = set()     # steps whose end-of-backward callbacks began
         self._on_close = on_close
         # Steps closed so far, and (graph task, that count) at this thread's
         # last enter(): the next hook of the same task while no step has
@@ -172,27 +205,34 @@ class BackwardSteps:
         with self.lock:
             if self._open and not ((frame is not None and frame is self._frame)
                                    or (task >= 0 and task in self._tasks)):
-                # (a new pass runs: the old one's queue is not run now, even
-                # if its end was recorded, as it would change weights this
-                # pass still needs; a review)
-                self._close_locked(recorded=False)
-            self._open = True
-            if frame is not None and self._frame is None:
+                # (a new pass runs: nothing of the old one is applied now,
+                # even if its end was recorded: it would change weights this
+                # pass still needs, and autograd's version check failed it;
+                # a review)
+                self._close_locked(recorded=True, hold=True)
+            if not self._open:
+                # a new step: its frame (one left by a close an interrupt
+                # cut short took a reentrant checkpoint's inner pass for a
+                # new one; a review)
                 self._frame = frame
+            elif frame is not None and self._frame is None:
+                self._frame = frame
+            self._open = True
             if task >= 0:
                 self._tasks.add(task)
             # Only the outermost pass may end the step: a nested (reentrant)
             # pass ends while its outer pass still has gradients to deliver.
             if depth <= 1 and task >= 0 and task not in self._queued:
                 self._queued.add(task)
-                engine = torch.autograd.Variable._execution_engine
-                # First a callback with no Python line (set.add through
-                # partial): it records the pass's end even where an
-                # interrupt stops the next one at its first line, and the
-                # step's close (at step(), zero_grad()) then knows the pass
-                # ended (taken as failed, its queued updates were dropped)
-                engine.queue_callback(functools.partial(self._ended.add, self._gen))
-                engine.queue_callback(lambda gen=self._gen: self._end_of_backward(gen))
+                # (first the record of the task's end: step()'s close then
+                # knows the pass ended where an interrupt stopped the
+                # callback; taken as failed, its queued updates were dropped.
+                # Not under compiled autograd, which runs no callbacks and
+                # whose tracing of this function refuses the call)
+                if not _in_compiled_autograd():
+                    _mark_task(task)
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    lambda gen=self._gen: self._end_of_backward(gen))
             last.task, last.gen = task, self._gen
         return task
 
@@ -212,8 +252,7 @@ class BackwardSteps:
             return True  # (a yes stays a yes until the step closes: kept)
         if not (self.last_ended and task in self._queued and self._frame is not None):
             return False
-        ca = sys.modules.get("torch._dynamo.compiled_autograd")
-        if ca is not None and getattr(ca, "in_compiled_autograd_region", False):
+        if _in_compiled_autograd():
             return False
         self._can_queue = (task, self._gen)
         return True
@@ -237,22 +276,27 @@ class BackwardSteps:
         """The number of steps closed so far."""
         return self._gen
 
-    def close(self, recorded: bool = True) -> None:
+    def close(self, recorded: bool = False, hold: bool = False) -> None:
         """Ends the open step, if any, from outside backward (step(),
-        zero_grad(), load_state_dict(), remove_hooks()); with recorded, a
-        pass whose end was recorded (_ended) counts as ended."""
+        zero_grad(), load_state_dict(), remove_hooks()); with recorded
+        (step(), zero_grad()), a pass whose end was recorded (_ENDED_TASKS)
+        counts as ended; with hold (zero_grad(), and the first hook of a new
+        pass), a pass whose end was recorded, which an interrupt cut short,
+        has nothing applied now (closed[1]: the optimizer keeps what it had
+        not applied for step())."""
         with self.lock:
             if self._open:
-                self._close_locked(recorded=recorded)
+                self._close_locked(recorded=recorded, hold=hold)
 
-    def _close_locked(self, ended: bool = False, recorded: bool = True) -> None:
+    def _close_locked(self, ended: bool = False, recorded: bool = True,
+                      hold: bool = False) -> None:
         # (in this order, the step closed in one statement: an interrupt
         # before it leaves the step open and its end recorded, for the next
-        # close; closed_ended says how it closed to the optimizer's retry)
-        ended = ended or (recorded and self._gen in self._ended)
-        self._gen, self._open, self.closed_ended, self._tasks, self._queued, self.fired = (
-            self._gen + 1, False, ended, set(), set(), set())  # (the stores on one line)
-        self._ended.clear()
+        # close; closed says how it closed, for the optimizer's retry)
+        ended = ended or (recorded and not self._tasks.isdisjoint(_ENDED_TASKS))
+        hold = hold and ended  # (a pass that raised, or compiled autograd's: as before)
+        self._gen, self._open, self.closed, self._tasks, self._queued, self.fired = (
+            self._gen + 1, False, (ended, hold), set(), set(), set())  # (stores on one line)
         try:
             self._on_close(ended)
         finally:

@@ -166,8 +166,11 @@ class _FusedMixin:
             # a backward pass since a window's end an interrupt cut short:
             # what it had not applied is added to the new pass's gradients,
             # applied with them (the hooked ones at their window's end, the
-            # others at a step())
-            self._flush_left = None
+            # others at a step()); a parameter this pass does not reach
+            # stays for step() (all were dropped, and zero_grad() cleared
+            # those; a review)
+            if self._flush_left is not None:
+                self._flush_left.discard(index)
             self._unhooked_pending = False
         steps = self._steps
         task = steps.enter()
@@ -192,7 +195,7 @@ class _FusedMixin:
                         "(warned once)" % (tuple(p.shape),))
                     return
             if not steps.fired and self._close_cut_short():
-                self._settle_cut_close()
+                self._settle_cut_close(index)
             if not steps.fired and self._stepped_mid and self._window_cleared(index):
                 # the first hook of a pass after a step() in a window's
                 # middle, and the window's other gradients are gone: cleared
@@ -358,7 +361,7 @@ class _FusedMixin:
         if error is not None:
             raise error
 
-    def _on_step_closed(self, ended: bool) -> None:
+    def _on_step_closed(self, ended: bool, hold: Optional[bool] = None) -> None:
         """A step closed: the queued updates run if its backward pass ended
         (ended) or is still running (a hook of another pass closed it), else
         they are dropped (the pass raised: running them now could change
@@ -372,17 +375,26 @@ class _FusedMixin:
         the pass ended, updates of the queue's run not yet applied
         (_keep_unapplied). Before, an interrupt in the run lost those
         updates, and one in the count left the window open with its
-        parameters marked updated (a review, fortieth session)."""
+        parameters marked updated (a review, fortieth session).
+
+        hold (None: as the step's close said, BackwardSteps.closed[1]):
+        nothing applied now, neither the queue nor a window that ends here
+        (a new backward pass runs, or zero_grad() may follow a forward:
+        their graphs may hold the weights, and autograd's version check
+        failed them; a review): what an ended pass had not applied is kept
+        for step() (_keep_unapplied), a failed pass's gradients stay."""
         self._micro, self._passes, self._ending, self._counted = (
             self._micro + 1, self._passes + 1, True, self._steps.gen)
-        self._close_pass(ended)
+        self._close_pass(ended, self._steps.closed[1] if hold is None else hold)
 
-    def _close_pass(self, ended: bool) -> None:
+    def _close_pass(self, ended: bool, hold: bool = False) -> None:
         """_on_step_closed's work once the pass is counted."""
         try:
             batch, key = self._take_queue()
             self._batches = 0
-            if batch and (ended or self._steps.pass_running()):
+            if hold and ended:
+                self._keep_unapplied(window=True)
+            elif batch and not hold and (ended or self._steps.pass_running()):
                 self._run_queue(batch, key)
             elif batch:
                 warnings.warn(
@@ -398,9 +410,9 @@ class _FusedMixin:
                 self._keep_unapplied()
             raise
         finally:
-            self._end_micro_step()
+            self._end_micro_step(flush=not hold)
 
-    def _keep_unapplied(self) -> None:
+    def _keep_unapplied(self, window: bool = False) -> None:
         """After an interrupt in the queued updates' run at the end of a
         backward pass: the updates the window marked done (_updated) whose
         gradient is still there were not applied; they join _flush_left,
@@ -409,13 +421,17 @@ class _FusedMixin:
         pass instead adds its gradients to them). They were lost: marked done,
         the window's flush skipped them, and step() left their gradients to
         zero_grad() ("unreported"; a review, fortieth session). The queue is
-        emptied (an interrupt as it was taken left it full)."""
+        emptied (an interrupt as it was taken left it full). window: also
+        what the window's flush would apply, if the window ends with this
+        pass (its close held back: _close_pass)."""
         self._queue, self._queue_bytes = [], 0
         left, done, hooked = set(self._flush_left or ()), self._updated, self._hooked
+        window = window and self._micro >= self.accumulation_steps
         for group in self.param_groups:
             for p in group["params"]:
                 i = self._param_index.get(p)
-                if p.grad is not None and i in done and i in hooked:
+                if p.grad is not None and ((i in done and i in hooked)
+                                           or (window and self._window_holds(i))):
                     left.add(i)
         self._flush_left, self._left_by_zero_grad = left, False
 
@@ -452,7 +468,7 @@ class _FusedMixin:
         if handle is not None:
             handle.remove()
 
-    def _end_micro_step(self) -> None:
+    def _end_micro_step(self, flush: bool = True) -> None:
         """After a backward pass was counted (_on_step_closed): the notes
         taken since the last step() reset, and the window ended (flushed)
         once it holds accumulation_steps passes; then _ending cleared (not
@@ -462,7 +478,7 @@ class _FusedMixin:
         self._unwatch_forward()
         try:
             if self._micro >= self.accumulation_steps:
-                self._close_window(flush=True)
+                self._close_window(flush=flush)
         except Exception:
             self._ending = False  # (a refusal: raised once, as before)
             raise
@@ -477,12 +493,12 @@ class _FusedMixin:
     def _finish_close(self) -> None:
         """At step(), after a close cut short (_close_cut_short): the rest
         of it, with the queued updates run if that step's pass ended
-        (BackwardSteps.closed_ended). zero_grad() settles it instead
+        (BackwardSteps.closed). zero_grad() settles it instead
         (_drop_cut_close)."""
         with self._steps.lock:
-            ended = self._steps.closed_ended
+            ended = self._steps.closed[0]
             if self._counted != self._steps.gen:
-                self._on_step_closed(ended)
+                self._on_step_closed(ended, hold=False)
             elif self._ending:
                 self._close_pass(ended)
 
@@ -510,16 +526,21 @@ class _FusedMixin:
                 "(KeyboardInterrupt): the updates it had not applied yet are dropped with "
                 "their gradients (a step() before zero_grad() applies them; warned once)")
 
-    def _settle_cut_close(self) -> None:
-        """At the first hook of a backward pass, after a close cut short
-        (_close_cut_short): the old pass counted and its window ended, with
-        nothing applied (an update now could change a weight this pass
-        still needs: autograd's in-place error): the queued updates and a
-        window's not yet applied keep their gradients, to which this pass
-        adds, as after a failed pass (documented in docs/PYTORCH.md)."""
+    def _settle_cut_close(self, index: Optional[int] = None) -> None:
+        """At the first hook (of parameter index) of a backward pass, or at
+        zero_grad(), after a close cut short (_close_cut_short): the old
+        pass counted and its window ended, with nothing applied (an update
+        now could change a weight this pass, or a forward since, still
+        needs: autograd's in-place error). What a pass that ended had not
+        applied is kept for step() (_keep_unapplied; this pass's own
+        parameters add their gradients and go on with it: index, the
+        others as their hooks fire); a failed pass's gradients stay."""
         if self._counted != self._steps.gen:
             self._micro, self._passes, self._ending, self._counted = (
                 self._micro + 1, self._passes + 1, True, self._steps.gen)
+        if self._steps.closed[0]:
+            self._keep_unapplied(window=True)
+            self._flush_left.discard(index)
         self._queue, self._queue_bytes = [], 0
         self._stepped_mid = False
         self._fwd_since_step = False

@@ -175,7 +175,8 @@ class _StateDictMixin:
         old_groups = [dict(g) for g in self.param_groups]
         old_state = dict(self.state)
         old_book = (self.nonfinite_skips, self._skipped, self._micro, self._deferred,
-                    self._updated, self._window_fired, self._aligned_steps, self._passes)
+                    self._updated, self._window_fired, self._aligned_steps, self._passes,
+                    self._queue, self._queue_bytes)
         with self._steps.lock:
             self._steps.close()
             try:
@@ -190,6 +191,9 @@ class _StateDictMixin:
                 self._micro = micro % self.accumulation_steps
                 self._deferred = deferred
                 self._updated = set()
+                # (a queue an interrupt left full, the step closed: its
+                # parameters were queued again by the next pass, twice)
+                self._queue, self._queue_bytes = [], 0
                 self._flush_left = None
                 self._unhooked_pending = False
                 if self._micro == 0:
@@ -215,7 +219,7 @@ class _StateDictMixin:
                 self.state.update(old_state)
                 (self.nonfinite_skips, self._skipped, self._micro, self._deferred,
                  self._updated, self._window_fired, self._aligned_steps,
-                 self._passes) = old_book
+                 self._passes, self._queue, self._queue_bytes) = old_book
                 raise
             # (a zero_grad() after the load discards the window, as it did:
             # the gradients are not the loaded state's; found by a review)

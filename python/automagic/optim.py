@@ -474,7 +474,7 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         if not self._other_checked:
             self._check_other_optimizers()
         if self.fused:
-            self._steps.close()
+            self._steps.close(recorded=True)  # (a pass whose end was recorded has ended)
             self._unwatch_forward()
             if self._close_cut_short():
                 self._finish_close()  # (a backward pass's end an interrupt cut short)
@@ -687,7 +687,7 @@ class Automagic3(_UpdateMixin, _FusedMixin, _StateDictMixin, torch.optim.Optimiz
         if self.fused:
             # (a pass whose end an interrupt cut short: not applied here, a
             # forward may have run since; step() applies it: _drop_cut_close)
-            self._steps.close(recorded=False)
+            self._steps.close(recorded=True, hold=True)
             if self._flush_left is not None or self._close_cut_short():
                 self._drop_cut_close()
             # (the passes before it accumulated nothing: no warning at step())
