@@ -162,15 +162,11 @@ class _FusedMixin:
         accumulate."""
         if not self._other_checked:
             self._check_other_optimizers()
-        if self._flush_left is not None or self._unhooked_pending:
+        if self._unhooked_pending:
             # a backward pass since a window's end an interrupt cut short:
             # what it had not applied is added to the new pass's gradients,
             # applied with them (the hooked ones at their window's end, the
-            # others at a step()); a parameter this pass does not reach
-            # stays for step() (all were dropped, and zero_grad() cleared
-            # those; a review)
-            if self._flush_left is not None:
-                self._flush_left.discard(index)
+            # others at a step(); _flush_left below)
             self._unhooked_pending = False
         steps = self._steps
         task = steps.enter()
@@ -217,6 +213,13 @@ class _FusedMixin:
                 self._aligned_steps = True
                 self._close_window(flush=False)
             steps.fired.add(index)
+            if self._flush_left is not None:
+                # (pending since an interrupt: this pass adds its gradient
+                # and goes on with it; a parameter the pass does not reach
+                # stays for step(): all were dropped here, and zero_grad()
+                # cleared those; a review. After fired.add: an interrupt
+                # between the two lost it, a review)
+                self._flush_left.discard(index)
             if again:
                 pass  # (a second part in this pass: not another pass's update)
             elif index in self._since_step:  # (fired in an earlier pass: see step())
@@ -522,9 +525,10 @@ class _FusedMixin:
                 self._flush_left, dropped = None, True
         if dropped:
             self._warn_once(
-                "cutzero", "zero_grad() after a backward pass whose end was cut short "
-                "(KeyboardInterrupt): the updates it had not applied yet are dropped with "
-                "their gradients (a step() before zero_grad() applies them; warned once)")
+                "cutzero", "zero_grad() after a backward pass whose end-of-backward work "
+                "was cut short (KeyboardInterrupt, or an exception in another optimizer's "
+                "callback): the updates it had not applied yet are dropped with their "
+                "gradients (a step() before zero_grad() applies them; warned once)")
 
     def _settle_cut_close(self, index: Optional[int] = None) -> None:
         """At the first hook (of parameter index) of a backward pass, or at
