@@ -191,7 +191,7 @@ class _FusedMixin:
                         "(warned once)" % (tuple(p.shape),))
                     return
             if not steps.fired and self._close_cut_short():
-                self._settle_cut_close(index)
+                self._settle_cut_close()
             if not steps.fired and self._stepped_mid and self._window_cleared(index):
                 # the first hook of a pass after a step() in a window's
                 # middle, and the window's other gradients are gone: cleared
@@ -386,9 +386,14 @@ class _FusedMixin:
         their graphs may hold the weights, and autograd's version check
         failed them; a review): what an ended pass had not applied is kept
         for step() (_keep_unapplied), a failed pass's gradients stay."""
+        self._count_pass()
+        self._close_pass(ended, self._steps.closed[1] if hold is None else hold)
+
+    def _count_pass(self) -> None:
+        """A backward pass counted, with the step number its close made
+        (the stores in one line: an interrupt leaves all or none)."""
         self._micro, self._passes, self._ending, self._counted = (
             self._micro + 1, self._passes + 1, True, self._steps.gen)
-        self._close_pass(ended, self._steps.closed[1] if hold is None else hold)
 
     def _close_pass(self, ended: bool, hold: bool = False) -> None:
         """_on_step_closed's work once the pass is counted."""
@@ -530,21 +535,19 @@ class _FusedMixin:
                 "callback): the updates it had not applied yet are dropped with their "
                 "gradients (a step() before zero_grad() applies them; warned once)")
 
-    def _settle_cut_close(self, index: Optional[int] = None) -> None:
-        """At the first hook (of parameter index) of a backward pass, or at
+    def _settle_cut_close(self) -> None:
+        """At the first hook of a backward pass, or at
         zero_grad(), after a close cut short (_close_cut_short): the old
         pass counted and its window ended, with nothing applied (an update
         now could change a weight this pass, or a forward since, still
         needs: autograd's in-place error). What a pass that ended had not
         applied is kept for step() (_keep_unapplied; this pass's own
-        parameters add their gradients and go on with it: index, the
-        others as their hooks fire); a failed pass's gradients stay."""
+        parameters add their gradients and go on with it as their hooks
+        fire: _on_grad_ready); a failed pass's gradients stay."""
         if self._counted != self._steps.gen:
-            self._micro, self._passes, self._ending, self._counted = (
-                self._micro + 1, self._passes + 1, True, self._steps.gen)
+            self._count_pass()
         if self._steps.closed[0]:
             self._keep_unapplied(window=True)
-            self._flush_left.discard(index)
         self._queue, self._queue_bytes = [], 0
         self._stepped_mid = False
         self._fwd_since_step = False
