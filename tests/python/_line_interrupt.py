@@ -2,9 +2,13 @@
 interrupt-at-every-line tests (test_frontend_interrupt,
 test_frontend_unhooked) call a front-end method under it for every k until
 it no longer fires. The tracer raises where Python itself would not check
-for signals (between two stores, say): a stricter test than Ctrl-C."""
+for signals (between two stores, say): a stricter test than Ctrl-C.
+_bad_lines runs such a test over every line, comparing each run's result
+(_snapshot: parameters and state) with the uninterrupted run's."""
 import os
 import sys
+
+import torch
 
 import automagic
 
@@ -44,3 +48,37 @@ class LineInterrupt:
             pass
         finally:
             sys.settrace(None)
+
+
+def _snapshot(opt, ps) -> list:
+    """ps and every state tensor of theirs, copied (steps as tensors)."""
+    out = [p.detach().clone() for p in ps]
+    for p in ps:
+        out += [v if isinstance(v, torch.Tensor) else torch.tensor(v)
+                for _, v in sorted(opt.state[p].items())]
+    return out
+
+
+def _same(ref, got) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(ref, got))
+
+
+def _bad_lines(run, good=_same):
+    """run(k) -> (result, whether the interrupt at line k fired): (the
+    first k that did not fire, the bad k: those whose result is not
+    good(run(0)'s, it), and those whose run raised RuntimeError, as
+    autograd's in-place error, with its message)."""
+    ref, _ = run(0)
+    k, bad = 1, []
+    while True:
+        try:
+            got, fired = run(k)
+        except RuntimeError as e:
+            bad.append((k, str(e)[:40]))
+            k += 1
+            continue
+        if not fired:
+            return k, bad
+        if not good(ref, got):
+            bad.append(k)
+        k += 1

@@ -13,7 +13,7 @@ import torch
 import automagic
 from automagic import _lib, _update
 from _frontend_models import assert_same_state
-from _line_interrupt import LineInterrupt
+from _line_interrupt import LineInterrupt, _bad_lines, _same, _snapshot
 from _torch_compat import HAS_GRAD_DTYPE, needs_grad_dtype
 
 
@@ -25,40 +25,6 @@ def _params(n=3, seed=0):
 def _grads(ps, seed):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(p.shape, generator=g) * 1e-3 for p in ps]
-
-
-def _snapshot(opt, ps) -> list:
-    """ps and every state tensor of theirs, copied (steps as tensors)."""
-    out = [p.detach().clone() for p in ps]
-    for p in ps:
-        out += [v if isinstance(v, torch.Tensor) else torch.tensor(v)
-                for _, v in sorted(opt.state[p].items())]
-    return out
-
-
-def _same(ref, got) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(ref, got))
-
-
-def _bad_lines(run, good=_same):
-    """run(k) -> (result, whether the interrupt at line k fired): (the
-    first k that did not fire, the bad k: those whose result is not
-    good(run(0)'s, it), and those whose run raised RuntimeError, as
-    autograd's in-place error, with its message)."""
-    ref, _ = run(0)
-    k, bad = 1, []
-    while True:
-        try:
-            got, fired = run(k)
-        except RuntimeError as e:
-            bad.append((k, str(e)[:40]))
-            k += 1
-            continue
-        if not fired:
-            return k, bad
-        if not good(ref, got):
-            bad.append(k)
-        k += 1
 
 
 class _Interrupt:
