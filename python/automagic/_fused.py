@@ -282,8 +282,8 @@ class BackwardSteps:
         (step(), zero_grad()), a pass whose end was recorded (_ENDED_TASKS)
         counts as ended; with hold (zero_grad(), and the first hook of a new
         pass), a pass whose end was recorded, which an interrupt cut short,
-        has nothing applied now (closed[1]: the optimizer keeps what it had
-        not applied for step())."""
+        or an outermost pass that raised has nothing applied now (closed[1]:
+        the optimizer keeps what it had not applied for step())."""
         with self.lock:
             if self._open:
                 self._close_locked(recorded=recorded, hold=hold)
@@ -294,7 +294,15 @@ class BackwardSteps:
         # before it leaves the step open and its end recorded, for the next
         # close; closed says how it closed, for the optimizer's retry)
         ended = ended or (recorded and not self._tasks.isdisjoint(_ENDED_TASKS))
-        hold = hold and ended  # (a pass that raised, or compiled autograd's: as before)
+        # held back also after an outermost pass that raised (its end's
+        # record queued, never run, its frame gone): the window's flush
+        # there changed weights the next pass, or a forward since, still
+        # needed, and autograd's version check failed it (known since the
+        # eighteenth session; forty-second). Not for compiled autograd's
+        # passes (no record queued) nor steps of nested passes alone (none
+        # outermost): closed by the next hook or zero_grad(), as before.
+        hold = hold and (ended or (not self._queued.isdisjoint(_MARKED_TASKS)
+                                   and not self.pass_running()))
         self._gen, self._open, self.closed, self._tasks, self._queued, self.fired = (
             self._gen + 1, False, (ended, hold), set(), set(), set())  # (stores on one line)
         try:

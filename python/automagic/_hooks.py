@@ -400,11 +400,11 @@ class _FusedMixin:
         try:
             batch, key = self._take_queue()
             self._batches = 0
-            if hold and ended:
-                self._keep_unapplied(window=True)
-            elif batch and not hold and (ended or self._steps.pass_running()):
+            if hold:  # (a pass that raised: its queue dropped, the window's rest kept)
+                self._keep_unapplied(window=True, queue=ended)
+            if batch and not hold and (ended or self._steps.pass_running()):
                 self._run_queue(batch, key)
-            elif batch:
+            elif batch and not ended:
                 warnings.warn(
                     "Automagic3: a backward pass did not reach its end (an exception "
                     "inside backward?): the updates of %d parameters queued in it were not "
@@ -412,15 +412,22 @@ class _FusedMixin:
                     "to them as PyTorch accumulates; call zero_grad() to drop them"
                     % len(batch), RuntimeWarning, stacklevel=4)
         except BaseException as e:
-            # (a pass that did not end keeps its gradients unapplied, as
-            # one that raised: the interrupt fails it if it still runs)
-            if ended and not isinstance(e, Exception):
-                self._keep_unapplied()
+            # An interrupt: kept what the close keeps (a pass that did not
+            # end keeps its gradients unapplied, as one that raised: the
+            # interrupt fails it if it still runs), and the queue emptied
+            # (one before it was taken left a failed pass's queue, run
+            # with the next pass's; forty-second session, test_an_interrupt_
+            # at_any_line_of_the_close_after_a_failed_pass)
+            if not isinstance(e, Exception):
+                if ended or hold:
+                    self._keep_unapplied(window=hold, queue=ended)
+                else:
+                    self._queue, self._queue_bytes = [], 0
             raise
         finally:
             self._end_micro_step(flush=not hold)
 
-    def _keep_unapplied(self, window: bool = False) -> None:
+    def _keep_unapplied(self, window: bool = False, queue: bool = True) -> None:
         """After an interrupt in the queued updates' run at the end of a
         backward pass: the updates the window marked done (_updated) whose
         gradient is still there were not applied; they join _flush_left,
@@ -431,17 +438,20 @@ class _FusedMixin:
         zero_grad() ("unreported"; a review, fortieth session). The queue is
         emptied (an interrupt as it was taken left it full). window: also
         what the window's flush would apply, if the window ends with this
-        pass (its close held back: _close_pass)."""
+        pass (its close held back: _close_pass). Not queue (a pass that
+        raised: its queued updates are dropped, their gradients stay): the
+        window's alone, and nothing set when there is none."""
         self._queue, self._queue_bytes = [], 0
         left, done, hooked = set(self._flush_left or ()), self._updated, self._hooked
         window = window and self._micro >= self.accumulation_steps
         for group in self.param_groups:
             for p in group["params"]:
                 i = self._param_index.get(p)
-                if p.grad is not None and ((i in done and i in hooked)
+                if p.grad is not None and ((queue and i in done and i in hooked)
                                            or (window and self._window_holds(i))):
                     left.add(i)
-        self._flush_left, self._left_by_zero_grad = left, False
+        if queue or left or self._flush_left is not None:
+            self._flush_left, self._left_by_zero_grad = left, False
 
     def _watch_forward(self) -> None:
         """At a step() in a window's middle: notes whether a forward pass
@@ -530,10 +540,12 @@ class _FusedMixin:
                 self._flush_left, dropped = None, True
         if dropped:
             self._warn_once(
-                "cutzero", "zero_grad() after a backward pass whose end-of-backward work "
-                "was cut short (KeyboardInterrupt, or an exception in another optimizer's "
-                "callback): the updates it had not applied yet are dropped with their "
-                "gradients (a step() before zero_grad() applies them; warned once)")
+                "cutzero", "zero_grad() after a backward pass that failed (an exception "
+                "inside backward) or whose end-of-backward work was cut short "
+                "(KeyboardInterrupt, or an exception in another optimizer's callback): the "
+                "updates it had not applied yet (of its accumulation window, for a failed "
+                "pass) are dropped with their gradients (a step() before zero_grad() "
+                "applies them; warned once)")
 
     def _settle_cut_close(self) -> None:
         """At the first hook of a backward pass, or at
@@ -546,8 +558,9 @@ class _FusedMixin:
         fire: _on_grad_ready); a failed pass's gradients stay."""
         if self._counted != self._steps.gen:
             self._count_pass()
-        if self._steps.closed[0]:
-            self._keep_unapplied(window=True)
+        ended, hold = self._steps.closed
+        if ended or hold:
+            self._keep_unapplied(window=True, queue=ended)
         self._queue, self._queue_bytes = [], 0
         self._stepped_mid = False
         self._fwd_since_step = False
