@@ -279,11 +279,12 @@ class BackwardSteps:
     def close(self, recorded: bool = False, hold: bool = False) -> None:
         """Ends the open step, if any, from outside backward (step(),
         zero_grad(), load_state_dict(), remove_hooks()); with recorded
-        (step(), zero_grad()), a pass whose end was recorded (_ENDED_TASKS)
-        counts as ended; with hold (zero_grad(), and the first hook of a new
-        pass), a pass whose end was recorded, which an interrupt cut short,
-        or an outermost pass that raised has nothing applied now (closed[1]:
-        the optimizer keeps what it had not applied for step())."""
+        (step(), zero_grad(), load_state_dict()), a pass whose end was
+        recorded (_ENDED_TASKS) counts as ended; with hold (zero_grad(),
+        load_state_dict(), and the first hook of a new pass), a pass whose
+        end was recorded, which an interrupt cut short, or an outermost
+        pass that raised has nothing applied now (closed[1]: the optimizer
+        keeps what it had not applied for step(); a load drops it)."""
         with self.lock:
             if self._open:
                 self._close_locked(recorded=recorded, hold=hold)

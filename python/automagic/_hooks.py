@@ -386,7 +386,10 @@ class _FusedMixin(_RecoveryMixin):
         (a new backward pass runs, or zero_grad() may follow a forward:
         their graphs may hold the weights, and autograd's version check
         failed them; a review): what an ended pass had not applied is kept
-        for step() (_keep_unapplied), a failed pass's gradients stay."""
+        for step() (_keep_unapplied), with the window's rest; a failed
+        pass's queued gradients stay, not applied, and its window's rest is
+        kept for step() where its close was held back (BackwardSteps
+        holds back an outermost pass that raised, forty-second session)."""
         self._count_pass()
         self._close_pass(ended, self._steps.closed[1] if hold is None else hold)
 
@@ -401,7 +404,7 @@ class _FusedMixin(_RecoveryMixin):
         try:
             batch, key = self._take_queue()
             self._batches = 0
-            if hold:  # (a pass that raised: its queue dropped, the window's rest kept)
+            if hold:  # (the window's rest kept; a pass that raised: its queue dropped)
                 self._keep_unapplied(window=True, queue=ended)
             if batch and not hold and (ended or self._steps.pass_running()):
                 self._run_queue(batch, key)

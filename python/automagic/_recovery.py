@@ -10,8 +10,9 @@ class _RecoveryMixin:
 
     def _keep_unapplied(self, window: bool = False, queue: bool = True) -> None:
         """After an interrupt in the queued updates' run at the end of a
-        backward pass: the updates the window marked done (_updated) whose
-        gradient is still there were not applied; they join _flush_left,
+        backward pass, or at a close held back (_close_pass): the updates
+        the window marked done (_updated) whose gradient is still there
+        were not applied; they join _flush_left,
         for the next step() to apply (zero_grad() drops them: a forward pass
         may have run since, whose graph holds the weights; the next backward
         pass instead adds its gradients to them). They were lost: marked done,
@@ -58,18 +59,21 @@ class _RecoveryMixin:
         flush cut short at a backward pass's end is dropped (zero_grad()
         clears those gradients): a forward pass may have run since (PyTorch
         Lightning's order), whose backward would fail on autograd's version
-        check if the weights changed now. Warned once. The rest of a
+        check if the weights changed now. Warned once, where a gradient is
+        dropped (the next passes' hooks may have taken every one back: an
+        empty set warned; a review, forty-second session). The rest of a
         zero_grad()'s own window end is finished (_finish_flush)."""
-        dropped = False
         if self._close_cut_short():
             with self._steps.lock:
                 self._settle_cut_close()
-            dropped = True
-        if self._flush_left is not None:
+        left, dropped = self._flush_left, False
+        if left is not None:
             if self._left_by_zero_grad:
                 self._finish_flush()
             else:
-                self._flush_left, dropped = None, True
+                dropped = any(p.grad is not None and self._param_index.get(p) in left
+                              for group in self.param_groups for p in group["params"])
+                self._flush_left = None
         if dropped:
             self._warn_once(
                 "cutzero", "zero_grad() after a backward pass that failed (an exception "
@@ -87,7 +91,8 @@ class _RecoveryMixin:
         needs: autograd's in-place error). What a pass that ended had not
         applied is kept for step() (_keep_unapplied; this pass's own
         parameters add their gradients and go on with it as their hooks
-        fire: _on_grad_ready); a failed pass's gradients stay."""
+        fire: _on_grad_ready); a failed pass's queued gradients stay, and
+        its window's rest is kept too where its close was held back."""
         if self._counted != self._steps.gen:
             self._count_pass()
         ended, hold = self._steps.closed
