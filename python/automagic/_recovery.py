@@ -71,8 +71,7 @@ class _RecoveryMixin:
             if self._left_by_zero_grad:
                 self._finish_flush()
             else:
-                dropped = any(p.grad is not None and self._param_index.get(p) in left
-                              for group in self.param_groups for p in group["params"])
+                dropped = any(True for _ in self._left_params(left))
                 self._flush_left = None
         if dropped:
             self._warn_once(
@@ -99,24 +98,24 @@ class _RecoveryMixin:
         if ended or hold:
             self._keep_unapplied(window=True, queue=ended)
         self._queue, self._queue_bytes = [], 0
-        self._stepped_mid = False
-        self._fwd_since_step = False
-        self._unwatch_forward()
-        if self._micro >= self.accumulation_steps:
-            self._close_window(flush=False)
-        self._ending = False
+        self._end_micro_step(flush=False)
+
+    def _left_params(self, left):
+        """(p, group) of each parameter whose index is in left and whose
+        gradient is still there."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and self._param_index.get(p) in left:
+                    yield p, group
 
     def _finish_flush(self) -> None:
         """At step() or zero_grad(): the rest of a window's flush that an
         interrupt cut short (_close_window), each parameter whose gradient
         is still there. A refused update is raised once (the next call
         goes on without it)."""
-        left = self._flush_left
         try:
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None and self._param_index.get(p) in left:
-                        self._update_param(p, group)
+            for p, group in self._left_params(self._flush_left):
+                self._update_param(p, group)
         except Exception:
             self._flush_left = None
             raise
